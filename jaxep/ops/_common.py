@@ -1,0 +1,34 @@
+"""Shared trace-time checks and the backend table for the ops."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxep import cuda_backend, reference
+
+BACKENDS = {"reference": reference, "cuda": cuda_backend}
+
+
+def ep_size(op: str, axis_name) -> int:
+    """The size of the EP axis; a clear error outside shard_map."""
+    if not isinstance(axis_name, str):
+        raise TypeError(f"jaxep.{op}: axis_name must be a str, got {type(axis_name).__name__}")
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except NameError:
+        raise ValueError(
+            f"jaxep.{op}: must be called inside jax.shard_map over the EP mesh axis: expected a bound "
+            f"axis named {axis_name!r}, got none (call it from a function mapped with "
+            f"jax.shard_map(..., mesh=mesh) whose mesh has the axis {axis_name!r})") from None
+
+
+def check_array(op: str, name: str, a, shape, dtypes) -> None:
+    """Raises naming op, argument, expected and got. `shape` entries of None match anything."""
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"jaxep.{op}: {name} must be an array, got {type(a).__name__}")
+    if len(a.shape) != len(shape) or any(e is not None and e != g for e, g in zip(shape, a.shape)):
+        want = "[" + ", ".join("?" if e is None else str(e) for e in shape) + "]"
+        raise ValueError(f"jaxep.{op}: {name} must have shape {want}, got {list(a.shape)}")
+    if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        raise TypeError(f"jaxep.{op}: {name} must have dtype "
+                        f"{' or '.join(jnp.dtype(d).name for d in dtypes)}, got {a.dtype}")

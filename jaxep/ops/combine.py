@@ -1,0 +1,71 @@
+"""`jaxep.combine`: bring expert outputs back to their tokens, weighted, in a fixed order.
+
+out[t] = sum over ranks r ascending of (sum over k ascending with expert on r of w[t,k] * y[row]),
+accumulated in f32 (products and sums never fused), cast once to y's dtype: bitwise the same on
+every backend. See the worked example in `jaxep.ops.dispatch`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxep.ops import _common
+from jaxep.types import Handle
+
+_PAYLOAD_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def combine(y, handle: Handle, *, axis_name: str = "ep", weights=None):
+    """Combines expert rows back to tokens; call inside `jax.shard_map` with dispatch's handle.
+
+    Args:
+      y: [C, H] rows in dispatch's layout (rows past sum(group_sizes) are ignored).
+      handle: `DispatchResult.handle` from the matching `jaxep.dispatch`.
+      axis_name: the EP axis; must be the one dispatch used.
+      weights: optional [C] f32 per-row weights; default `handle.weights` (the routing weights).
+
+    Returns [T, H] in y's dtype.
+    """
+    if not isinstance(handle, Handle):
+        raise TypeError(f"jaxep.combine: handle must be the jaxep.Handle that dispatch returned, "
+                        f"got {type(handle).__name__}")
+    if axis_name != handle.axis_name:
+        raise ValueError(f"jaxep.combine: axis_name must be the one dispatch used, expected "
+                         f"{handle.axis_name!r}, got {axis_name!r}")
+    _common.ep_size("combine", axis_name)
+    C = handle.recv_slot.shape[0]
+    _common.check_array("combine", "y", y, (C, handle.config.hidden), _PAYLOAD_DTYPES)
+    if weights is None:
+        weights = handle.weights
+    _common.check_array("combine", "weights", weights, (C,), (jnp.float32,))
+    static = (axis_name, handle.config.num_experts, handle.backend)
+    return _combine(y, weights, (handle.send_row, handle.recv_slot, handle.topk_idx), static)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine(y, weights, ints, static):
+    axis_name, num_experts, backend = static
+    send_row, recv_slot, idx = ints
+    return _common.BACKENDS[backend].combine(y, weights, send_row, recv_slot, idx,
+                                             axis_name=axis_name, num_experts=num_experts)
+
+
+def _combine_fwd(y, weights, ints, static):
+    return _combine(y, weights, ints, static), (y, weights, ints)
+
+
+def _combine_bwd(static, res, g_out):
+    """g_rows = dispatch of g_out; dy = w * g_rows; dw = <g_rows, y> in f32."""
+    axis_name, _, backend = static
+    y, weights, ints = res
+    g_rows = _common.BACKENDS[backend].dispatch_rows(
+        g_out, ints[1], axis_name=axis_name, topk=ints[0].shape[1])
+    g32 = g_rows.astype(jnp.float32)
+    dy = (weights[:, None] * g32).astype(y.dtype)
+    dw = jnp.sum(g32 * y.astype(jnp.float32), axis=-1)
+    return dy, dw, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)

@@ -1,0 +1,122 @@
+"""The reference backend: pure JAX, any platform, any EP size.
+
+Every rank all-gathers the routing (ids, weights) and the tokens, computes the global layout of
+docs/design.md (a stable sort of the slots by expert id), and picks its rows. Combine computes each
+source rank's partial sums on the expert side in f32 and sends them back with a dense all_to_all.
+Only dense collectives are used, so it runs on XLA:CPU (ragged_all_to_all does not).
+
+The functions run per rank inside `shard_map` and implement the backend operations listed in
+docs/design.md: dispatch, dispatch_rows, combine, gather_back.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _layout(idx_all, num_experts: int, capacity: int, me):
+    """The global layout from all ranks' sanitized ids `idx_all` [R,T,K].
+
+    Returns (send_row_all [R,T,K], recv_slot [C], counts [E]): send_row_all[s,t,k] is the row of
+    slot (s,t,k) on its destination rank or -1; recv_slot are this rank's rows' global slot ids.
+    """
+    R, T, K = idx_all.shape
+    n = R * T * K
+    L = num_experts // R
+    flat = idx_all.reshape(n)
+    key = jnp.where(flat >= 0, flat, num_experts)  # masked slots sort last
+    # Stable sort by expert id: within an expert, slots stay in (source rank, t, k) order, which is
+    # exactly the layout order, since expert id = dest * L + local expert.
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)[:num_experts]
+    expert_start = jnp.cumsum(counts) - counts  # first sorted index of each expert
+    rank_start = expert_start[::L]  # [R] first sorted index of each destination rank
+    dest_sorted = jnp.minimum(key[order] // L, R - 1)
+    pos_sorted = jnp.arange(n, dtype=jnp.int32) - rank_start[dest_sorted]
+    keep_sorted = (key[order] < num_experts) & (pos_sorted < capacity)
+    send_row_flat = jnp.full((n,), -1, jnp.int32).at[order].set(jnp.where(keep_sorted, pos_sorted, -1))
+    my_count = jnp.sum(jax.lax.dynamic_slice(counts, (me * L,), (L,)))
+    padded = jnp.concatenate([order, jnp.full((capacity,), -1, jnp.int32)])
+    mine = jax.lax.dynamic_slice(padded, (rank_start[me],), (capacity,))
+    recv_slot = jnp.where(jnp.arange(capacity) < jnp.minimum(my_count, capacity), mine, -1)
+    return send_row_flat.reshape(R, T, K), recv_slot, counts
+
+
+def _rows_from_slots(x_all, recv_slot, topk: int):
+    """rows[c] = x_all[s, t] of row c's slot, zero for empty rows."""
+    R, T, H = x_all.shape
+    valid = recv_slot >= 0
+    slot = jnp.where(valid, recv_slot, 0)
+    rows = x_all.reshape(R * T, H)[slot // topk]  # s*T + t == slot // K
+    return jnp.where(valid[:, None], rows, jnp.zeros((), x_all.dtype))
+
+
+def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
+    R = jax.lax.axis_size(axis_name)
+    me = jax.lax.axis_index(axis_name)
+    E = config.num_experts
+    L = E // R
+    invalid = (topk_idx < -1) | (topk_idx >= E)
+    idx = jnp.where(invalid | (topk_idx < 0), -1, topk_idx).astype(jnp.int32)
+    idx_all = jax.lax.all_gather(idx, axis_name)  # [R,T,K]
+    w_all = jax.lax.all_gather(topk_weights, axis_name)
+    x_all = jax.lax.all_gather(x, axis_name)  # [R,T,H]
+    send_row_all, recv_slot, counts = _layout(idx_all, E, capacity, me)
+    my_counts = jax.lax.dynamic_slice(counts, (me * L,), (L,))
+    starts = jnp.cumsum(my_counts) - my_counts
+    group_sizes = jnp.clip(capacity - starts, 0, my_counts).astype(jnp.int32)
+    valid = recv_slot >= 0
+    rows = _rows_from_slots(x_all, recv_slot, idx.shape[1])
+    weights = jnp.where(valid, w_all.reshape(-1)[jnp.where(valid, recv_slot, 0)], 0.0).astype(jnp.float32)
+    dropped = jnp.sum(my_counts) - jnp.sum(group_sizes)
+    stats = jnp.stack([dropped, jnp.sum(invalid)]).astype(jnp.int32)
+    return rows, weights, group_sizes, send_row_all[me], recv_slot, idx, stats
+
+
+def dispatch_rows(x, recv_slot, *, axis_name, topk):
+    x_all = jax.lax.all_gather(x, axis_name)
+    return _rows_from_slots(x_all, recv_slot, topk)
+
+
+def _slot_table(recv_slot, R, T, K):
+    """rowof[s,t,k] = the row on this rank holding slot (s,t,k), or -1."""
+    rows = jnp.arange(recv_slot.shape[0], dtype=jnp.int32)
+    target = jnp.where(recv_slot >= 0, recv_slot, R * T * K)  # out of range: dropped by the scatter
+    return jnp.full((R * T * K,), -1, jnp.int32).at[target].set(rows, mode="drop").reshape(R, T, K)
+
+
+def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
+    """out[t] = sum_r asc (sum_k asc on r of fmul(w,y)) in f32, cast once (docs/design.md)."""
+    del topk_idx, num_experts  # the expert side knows its rows' slots; sources need nothing more
+    R = jax.lax.axis_size(axis_name)
+    T, K = send_row.shape
+    rowof = _slot_table(recv_slot, R, T, K)
+    y32 = y.astype(jnp.float32)
+    partial = jnp.zeros((R, T, y.shape[1]), jnp.float32)
+    for k in range(K):
+        row = rowof[:, :, k]
+        ok = row >= 0
+        r = jnp.where(ok, row, 0)
+        prod = jnp.where(ok[..., None], weights[r][..., None] * y32[r], 0.0)
+        # The barrier keeps the product and the sum in separate kernels, so that no backend can
+        # contract them into an FMA: the order and rounding of docs/design.md is then exact.
+        prod = jax.lax.optimization_barrier(prod)
+        partial = partial + prod
+    # recv[r] is the partial that expert rank r computed for this rank's tokens.
+    recv = jax.lax.all_to_all(partial, axis_name, 0, 0, tiled=True).reshape(R, T, -1)
+    out = jnp.zeros((T, y.shape[1]), jnp.float32)
+    for r in range(R):
+        out = out + recv[r]
+    return out.astype(y.dtype)
+
+
+def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
+    """[T,K]: v at the row of each slot on its destination rank, 0 where the slot was not kept."""
+    R = jax.lax.axis_size(axis_name)
+    T, K = send_row.shape
+    rowof = _slot_table(recv_slot, R, T, K)
+    vals = jnp.where(rowof >= 0, v[jnp.where(rowof >= 0, rowof, 0)], 0.0)  # [R(source),T,K]
+    recv = jax.lax.all_to_all(vals, axis_name, 0, 0, tiled=True).reshape(R, T, K)  # [R(dest),T,K]
+    dest = jnp.where(topk_idx >= 0, topk_idx // (num_experts // R), 0)
+    picked = jnp.take_along_axis(recv, dest[None], axis=0)[0]
+    return jnp.where(send_row >= 0, picked, 0.0).astype(jnp.float32)
