@@ -1,0 +1,168 @@
+"""CPU tier: `jaxep.nn.MoE` against the dense single-device computation of the same layer.
+
+8 emulated CPU devices (tests/conftest.py); small shapes so the file runs in seconds.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+nnx = pytest.importorskip("flax.nnx")
+
+import jaxep.nn  # noqa: E402
+from jaxep.nn import MoE, MoEShardingConfig, moe_reference  # noqa: E402
+
+import oracle  # noqa: E402  (tests/oracle.py: the NumPy layout oracle written from the spec)
+
+H, F, E, K = 16, 32, 8, 2
+N = 64  # tokens per call: 8 per rank at EP size 8
+
+
+def _mesh(R, axis_type=AxisType.Auto):
+    return jax.make_mesh((R,), ("ep",), axis_types=(axis_type,), devices=jax.devices()[:R])
+
+
+def _x(seed=0, shape=(4, N // 4, H), dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _layer(R, **kw):
+    kw.setdefault("capacity_factor", None)
+    return MoE(H, F, E, K, mesh=_mesh(R), rngs=nnx.Rngs(0), **kw)
+
+
+def _host_params(moe):
+    return {k: np.asarray(v) for k, v in moe.params_dict().items()}
+
+
+def _loss_terms(y, aux, c):
+    return jnp.sum(y.astype(jnp.float32) * c) + 0.1 * aux["load_balancing_loss"]
+
+
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+def test_forward_matches_dense_without_drops(R):
+    moe = _layer(R)
+    x = _x()
+    y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
+    y_ref, aux_ref = moe.reference(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(aux["load_balancing_loss"], aux_ref["load_balancing_loss"], rtol=1e-6)
+    np.testing.assert_array_equal(aux["expert_counts"], aux_ref["expert_counts"])
+    assert int(np.sum(aux["expert_counts"])) == N * K
+    np.testing.assert_array_equal(aux["dropped_rows"], np.zeros(R, np.int32))
+    np.testing.assert_array_equal(aux["invalid_ids"], np.zeros(R, np.int32))
+    assert float(aux["drop_fraction"]) == 0.0
+    # Expert weights live on the EP axis: each device holds L = E / R experts.
+    shard = moe.w_gate[...].addressable_shards[0].data
+    assert shard.shape == (E // R, H, F)
+
+
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+def test_grads_match_dense(R):
+    moe = _layer(R)
+    x = _x(1)
+    c = _x(2)  # a random cotangent direction for y
+
+    def loss(m, x):
+        y, aux = m(x)
+        return _loss_terms(y, aux, c)
+
+    g_model, g_x = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(moe, x)
+
+    def loss_ref(params, x):
+        y, aux = moe_reference(params, x, topk=K)
+        return _loss_terms(y, aux, c)
+
+    g_ref, g_x_ref = jax.grad(loss_ref, argnums=(0, 1))(_host_params(moe), x)
+    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_x_ref), rtol=1e-4, atol=1e-5)
+    for name in ("router", "w_gate", "w_up", "w_down"):
+        np.testing.assert_allclose(np.asarray(g_model[name][...]), np.asarray(g_ref[name]),
+                                   rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_drops_are_counted_and_contribute_zero():
+    R, C = 4, 4  # uniform routing sends ~16 rows per rank: most are dropped
+    moe = _layer(R, recv_capacity=C)
+    x = _x(3)
+    c = _x(4)
+
+    def loss(m, x):
+        y, aux = m(x)
+        return jnp.sum(y * c), (y, aux)
+
+    (g_x, (y, aux)) = nnx.jit(nnx.grad(loss, argnums=1, has_aux=True))(moe, x)
+
+    # The spec's layout, from the NumPy oracle, on the routing the dense reference computes.
+    _, aux_ref = moe.reference(x)
+    idxs = np.split(np.asarray(aux_ref["topk_idx"]), R)
+    zeros = [np.zeros((N // R, H), np.float32)] * R
+    lay = oracle.dispatch(zeros, idxs, [np.zeros((N // R, K), np.float32)] * R, num_experts=E,
+                          capacity=C)
+    kept = np.concatenate(lay["send_row"]) >= 0
+    assert 0 < kept.sum() < N * K
+    np.testing.assert_array_equal(aux["dropped_rows"], np.asarray(lay["dropped"], np.int32))
+    np.testing.assert_allclose(float(aux["drop_fraction"]), 1 - kept.sum() / (N * K), rtol=1e-6)
+
+    y_ref, _ = moe.reference(x, slot_mask=kept)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    g_x_ref = jax.grad(lambda x: jnp.sum(moe_reference(_host_params(moe), x, topk=K,
+                                                       slot_mask=kept)[0] * c))(x)
+    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_x_ref), rtol=1e-4, atol=1e-5)
+    # A token whose every slot was dropped gets exactly zero.
+    all_dropped = ~kept.any(axis=1)
+    assert np.all(np.asarray(y).reshape(N, H)[all_dropped] == 0)
+
+
+def test_sigmoid_router_and_explicit_mesh():
+    R = 4
+    moe = MoE(H, F, E, K, mesh=_mesh(R, AxisType.Explicit), score_fn="sigmoid", renormalize=False,
+              capacity_factor=None, rngs=nnx.Rngs(5))
+    x = _x(6)
+    with jax.set_mesh(moe.mesh):
+        y, _ = nnx.jit(lambda m, x: m(x))(moe, x)
+    y_ref, _ = moe.reference(x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+
+
+def test_data_and_ep_axes():
+    mesh = jax.make_mesh((2, 4), ("data", "ep"), axis_types=(AxisType.Auto,) * 2)
+    sharding = MoEShardingConfig(tokens=P(("data", "ep")))
+    moe = MoE(H, F, E, K, mesh=mesh, sharding=sharding, capacity_factor=None, rngs=nnx.Rngs(0))
+    x = _x(7)
+    y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
+    y_ref, _ = moe.reference(x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    assert aux["dropped_rows"].shape == (8,)
+
+
+def test_bfloat16():
+    moe = _layer(2, dtype=jnp.bfloat16)
+    x = _x(8, dtype=jnp.bfloat16)
+    y, _ = nnx.jit(lambda m, x: m(x))(moe, x)
+    y_ref, _ = moe.reference(x)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32),
+                               rtol=3e-2, atol=3e-2)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="divisible by the EP size"):
+        MoE(H, F, 6, K, mesh=_mesh(4), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="experts must be P"):
+        MoEShardingConfig(experts=P(None, "ep"))
+    with pytest.raises(ValueError, match="tokens dim 0 must include"):
+        MoEShardingConfig(tokens=P("data"))
+    with pytest.raises(ValueError, match="score_fn"):
+        MoE(H, F, E, K, mesh=_mesh(2), score_fn="relu", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="config must have"):
+        MoE(H, F, E, K, mesh=_mesh(2), config=jaxep.Config(E, K, H + 1, 8, dtype="float32"),
+            rngs=nnx.Rngs(0))
+    moe = _layer(2)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 16\]"):
+        moe(jnp.zeros((4, H + 1)))
+    with pytest.raises(ValueError, match="divisible by the 2 token shards"):
+        moe(jnp.zeros((3, H)))
