@@ -86,22 +86,25 @@ def _slot_table(recv_slot, R, T, K):
 
 
 def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
-    """out[t] = sum_r asc (sum_k asc on r of fmul(w,y)) in f32, cast once (docs/design.md)."""
+    """out[t] = sum_r asc of (fma over k asc on r of w*y) in f32, cast once (docs/design.md)."""
     del topk_idx, num_experts  # the expert side knows its rows' slots; sources need nothing more
     R = jax.lax.axis_size(axis_name)
     T, K = send_row.shape
     rowof = _slot_table(recv_slot, R, T, K)
     y32 = y.astype(jnp.float32)
-    partial = jnp.zeros((R, T, y.shape[1]), jnp.float32)
+    # The products must become FMAs in a chain, fma(w_k, y_k, partial), each addition with exactly one
+    # product operand: XLA contracts `a + w * y` into an FMA, and would fold a literal `0 + w0*y0`
+    # into a bare product whose later `w0*y0 + w1*y1` it could contract either way. So the chain
+    # starts from a zero XLA cannot see through (the condition is never true).
+    partial = jnp.where(rowof[..., :1] < -1, 1.0, 0.0).astype(jnp.float32)
+    partial = jnp.broadcast_to(partial, (R, T, y.shape[1]))
     for k in range(K):
         row = rowof[:, :, k]
         ok = row >= 0
         r = jnp.where(ok, row, 0)
-        prod = jnp.where(ok[..., None], weights[r][..., None] * y32[r], 0.0)
-        # The barrier keeps the product and the sum in separate kernels, so that no backend can
-        # contract them into an FMA: the order and rounding of docs/design.md is then exact.
-        prod = jax.lax.optimization_barrier(prod)
-        partial = partial + prod
+        w = jnp.where(ok, weights[r], 0.0)[..., None]
+        yrow = jnp.where(ok[..., None], y32[r], 0.0)  # masked slots add fma(0, 0, p) = p
+        partial = partial + w * yrow
     # recv[r] is the partial that expert rank r computed for this rank's tokens.
     recv = jax.lax.all_to_all(partial, axis_name, 0, 0, tiled=True).reshape(R, T, -1)
     out = jnp.zeros((T, y.shape[1]), jnp.float32)
