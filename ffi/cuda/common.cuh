@@ -1,0 +1,82 @@
+// Device helpers shared by jaxep's kernels (warp and block scans, dtype conversions, vector packs).
+// Included by .cu files only.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace jaxep::cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarpSize = 32;
+
+__host__ __device__ constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Inclusive prefix sum of `value` over the lanes of a full warp, in lane order.
+__device__ __forceinline__ int WarpInclusiveScan(int value) {
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+    const int other = __shfl_up_sync(kFullMask, value, offset);
+    if (lane >= offset) value += other;
+  }
+  return value;
+}
+
+// Exclusive prefix sum of `value` over the threads of the block, in threadIdx.x order; *total gets
+// the block-wide sum. blockDim.x must be a multiple of 32 (at most 1024) and every thread of the
+// block must call it (it contains __syncthreads). Integer sums: the result does not depend on
+// scheduling.
+__device__ __forceinline__ int BlockExclusiveScan(int value, int* total) {
+  __shared__ int warp_sums[kWarpSize];
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int inclusive = WarpInclusiveScan(value);
+  if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const int s = lane < num_warps ? warp_sums[lane] : 0;
+    warp_sums[lane] = WarpInclusiveScan(s);  // now inclusive over warps
+  }
+  __syncthreads();
+  const int warp_prefix = warp == 0 ? 0 : warp_sums[warp - 1];
+  *total = warp_sums[num_warps - 1];
+  __syncthreads();  // warp_sums may be reused by the next call
+  return warp_prefix + inclusive - value;
+}
+
+// f32 <-> payload dtype. Casts to 16-bit types round to nearest even, like XLA's convert.
+template <typename T>
+struct Convert;
+
+template <>
+struct Convert<float> {
+  __device__ __forceinline__ static float ToF32(float v) { return v; }
+  __device__ __forceinline__ static float FromF32(float v) { return v; }
+};
+
+template <>
+struct Convert<__nv_bfloat16> {
+  __device__ __forceinline__ static float ToF32(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ __forceinline__ static __nv_bfloat16 FromF32(float v) {
+    return __float2bfloat16_rn(v);
+  }
+};
+
+template <>
+struct Convert<__half> {
+  __device__ __forceinline__ static float ToF32(__half v) { return __half2float(v); }
+  __device__ __forceinline__ static __half FromF32(float v) { return __float2half_rn(v); }
+};
+
+// VEC consecutive elements moved as one aligned load/store (16 bytes when VEC * sizeof(T) == 16).
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+}  // namespace jaxep::cuda
