@@ -20,6 +20,7 @@ Today the CUDA handlers accept ``ep_size == 1`` only; other sizes fail at run ti
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import numpy as np
@@ -35,10 +36,18 @@ def _load() -> None:
   """Imports the extension and registers its targets once; records why not otherwise."""
   global _module, _reason, _registered
   try:
-    from jaxep import _jaxep_cuda  # pylint: disable=g-import-not-at-top
+    # import_module rather than `from jaxep import ...`: this runs while jaxep/__init__ is still
+    # importing, where the latter reports a misleading "circular import".
+    _jaxep_cuda = importlib.import_module("jaxep._jaxep_cuda")
+  except ModuleNotFoundError as e:
+    if e.name != "jaxep._jaxep_cuda":
+      _reason = f"jaxep CUDA extension failed to load: {e}"
+      return
+    _reason = ("jaxep was installed without its CUDA extension jaxep._jaxep_cuda (no CUDA "
+               "compiler at build time?); build it where nvcc is available, see docs/build.md")
+    return
   except ImportError as e:
-    _reason = (f"jaxep CUDA extension not built or not loadable ({e}); build it where nvcc is "
-               "available (see docs/build.md)")
+    _reason = f"jaxep CUDA extension jaxep._jaxep_cuda is not loadable: {e}"
     return
   except Exception as e:  # pylint: disable=broad-except
     _reason = f"jaxep CUDA extension failed to load: {type(e).__name__}: {e}"

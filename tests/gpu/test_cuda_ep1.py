@@ -1,0 +1,283 @@
+"""GPU tier: the CUDA custom calls on one rank (ep_size == 1) against a NumPy oracle, bitwise.
+
+The oracle below is written from docs/design.md, independently of the kernels and of
+tests/oracle.py:
+  * valid slot: 0 <= id < E; -1 masked silently; other ids masked and counted (stats[1]);
+  * valid slots ordered by (expert, t, k); order index p < C gives row p, the rest are dropped and
+    counted (stats[0]); rows past the kept ones are zero, weight 0, recv_slot -1;
+  * combine: partial = 0; for k ascending over kept slots: partial = fmaf(w[row], f32(y[row]),
+    partial) (one rounding); out = cast(0 + partial).
+
+Skipped (at module level, with the reason) without the built extension or without a GPU.
+Run: python -m pytest -q tests/gpu/test_cuda_ep1.py
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from jaxep import _ffi  # noqa: E402
+
+if not _ffi.is_available():
+  pytest.skip(f"jaxep CUDA extension unavailable: {_ffi.unavailable_reason()}",
+              allow_module_level=True)
+try:
+  _GPUS = jax.devices("gpu")
+except RuntimeError:
+  _GPUS = []
+if not _GPUS:
+  pytest.skip("no GPU visible to JAX", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+_UINT = {2: np.uint16, 4: np.uint32}
+
+
+# ------------------------------------------------------------------------------------------------
+# Oracle
+# ------------------------------------------------------------------------------------------------
+
+def oracle_dispatch(x, idx, w, *, num_experts, capacity):
+  """Returns the dispatch outputs of docs/design.md for one rank, as NumPy arrays."""
+  t, k = idx.shape
+  e_, c = num_experts, capacity
+  flat = idx.reshape(-1).astype(np.int64)
+  valid = (flat >= 0) & (flat < e_)
+  invalid = int(np.sum(~valid & (flat != -1)))
+  sanitized = np.where(valid, flat, -1).astype(np.int32)
+  slots = np.nonzero(valid)[0]                                   # ascending slot id = (t, k)
+  order = slots[np.argsort(flat[slots], kind="stable")]          # key (expert, t, k)
+  kept = order[:c]
+  n = kept.size
+  x_rows = np.zeros((c, x.shape[1]), x.dtype)
+  x_rows[:n] = x[kept // k]
+  weights = np.zeros((c,), np.float32)
+  weights[:n] = w.reshape(-1)[kept]
+  recv_slot = np.full((c,), -1, np.int32)
+  recv_slot[:n] = kept
+  send_row = np.full((t * k,), -1, np.int32)
+  send_row[kept] = np.arange(n, dtype=np.int32)
+  group_sizes = np.bincount(flat[kept], minlength=e_).astype(np.int32)
+  stats = np.array([max(0, order.size - c), invalid], np.int32)
+  return (x_rows, weights, group_sizes, send_row.reshape(t, k), recv_slot,
+          sanitized.reshape(t, k), stats)
+
+
+def fma_f32(a, b, c):
+  """Exact f32 fmaf(a, b, c) (one rounding), vectorized.
+
+  a*b is exact in f64 (24 + 24 bits). The f64 sum s = p + c is rounded, so its exact error is
+  recovered with TwoSum and folded in by rounding to odd; rounding that f64 (53 >= 24 + 2 bits)
+  to f32 then gives the correctly rounded result, with no double-rounding error.
+  """
+  p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32).astype(np.float64)
+  c64 = np.asarray(c, np.float32).astype(np.float64)
+  s = p + c64
+  bv = s - p
+  err = (p - (s - bv)) + (c64 - bv)
+  odd = (s.view(np.int64) & 1) == 1
+  toward = np.nextafter(s, np.where(err > 0, np.inf, -np.inf))
+  return np.where((err == 0) | odd, s, toward).astype(np.float32)
+
+
+def oracle_combine(y, weights, send_row, idx, *, num_experts):
+  t, k = send_row.shape
+  c = y.shape[0]
+  y32 = y.astype(np.float32)
+  partial = np.zeros((t, y.shape[1]), np.float32)
+  for kk in range(k):
+    row, e = send_row[:, kk], idx[:, kk]
+    ok = (row >= 0) & (row < c) & (e >= 0) & (e < num_experts)
+    r = np.where(ok, row, 0)
+    new = fma_f32(weights[r][:, None], y32[r], partial)
+    partial = np.where(ok[:, None], new, partial)
+  out = np.float32(0.0) + partial  # the sum over ranks: one rank
+  return out.astype(y.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------
+
+def make_routing(kind, rng, t, k, e):
+  if kind == "uniform":
+    return rng.integers(0, e, (t, k))
+  if kind == "zipf":  # skewed: expert i with probability ~ 1 / (i + 1)^1.3, shuffled
+    p = 1.0 / np.arange(1, e + 1) ** 1.3
+    perm = rng.permutation(e)
+    return perm[rng.choice(e, size=(t, k), p=p / p.sum())]
+  if kind == "masked_mix":  # ~30% of slots masked with -1
+    idx = rng.integers(0, e, (t, k))
+    return np.where(rng.random((t, k)) < 0.3, -1, idx)
+  if kind == "all_masked":
+    return np.full((t, k), -1)
+  if kind == "one_expert":
+    return np.full((t, k), e // 2)
+  if kind == "invalid":  # out-of-range ids of every kind, plus -1
+    idx = rng.integers(0, e, (t, k))
+    bad = rng.choice(np.array([e, -7, e + 100, -2, 2**31 - 1, -(2**31), -1]), size=(t, k))
+    return np.where(rng.random((t, k)) < 0.35, bad, idx)
+  if kind == "duplicates":  # the same expert twice (or more) within a token
+    idx = rng.integers(0, e, (t, k))
+    idx[:, 1] = idx[:, 0]
+    if k > 3:
+      idx[:, 3] = idx[:, 0]
+    return idx
+  raise ValueError(kind)
+
+
+def make_inputs(seed, t, k, e, h, dtype, routing):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((t, h)).astype(np.float32)
+  x = np.where(np.abs(x) < 1e-3, 0.5, x).astype(dtype)  # non-zero data
+  idx = make_routing(routing, rng, t, k, e).astype(np.int64).astype(np.int32)
+  w = rng.uniform(0.05, 1.0, (t, k)).astype(np.float32)
+  return x, idx, w
+
+
+def bits(a):
+  a = np.asarray(a)
+  return a.view(_UINT[a.dtype.itemsize]) if a.dtype.kind == "f" or a.dtype.itemsize == 2 else a
+
+
+def assert_bitwise(name, got, want):
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+  assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+  gb, wb = bits(got), bits(want)
+  bad = np.argwhere(gb != wb)
+  assert bad.size == 0, (f"{name}: {len(bad)} of {got.size} elements differ, first at "
+                         f"{tuple(bad[0])}: got {got[tuple(bad[0])]} want {want[tuple(bad[0])]}")
+
+
+OUT_NAMES = ("x_rows", "weights", "group_sizes", "send_row", "recv_slot", "topk_idx_out", "stats")
+
+# (name, T, K, E, H, capacity or None for "no drop" T*K + 3, routing)
+CASES = [
+    ("uniform", 64, 4, 16, 256, None, "uniform"),
+    ("uniform_multichunk", 333, 3, 24, 128, None, "uniform"),     # T*K = 999: 4 chunks, ragged
+    ("zipf", 512, 8, 64, 512, None, "zipf"),
+    ("zipf_overflow", 700, 6, 128, 64, 1500, "zipf"),
+    ("masked_mix", 100, 4, 8, 96, None, "masked_mix"),
+    ("all_masked", 37, 2, 8, 64, None, "all_masked"),
+    ("one_expert", 90, 4, 16, 64, None, "one_expert"),
+    ("one_expert_overflow", 90, 4, 16, 64, 50, "one_expert"),
+    ("overflow", 128, 4, 16, 128, 100, "uniform"),
+    ("invalid_ids", 80, 4, 16, 64, None, "invalid"),
+    ("duplicates", 60, 4, 8, 64, None, "duplicates"),
+    ("t1", 1, 4, 8, 64, None, "uniform"),
+    ("t1_k1", 1, 1, 4, 32, 1, "uniform"),
+    ("h_not_mult_8", 50, 2, 8, 100, None, "uniform"),             # combine falls back to VEC = 1
+    ("h_odd", 40, 3, 8, 7, None, "zipf"),                         # 2/4-byte row copies
+    ("big_e", 256, 8, 1024, 64, None, "zipf"),
+]
+
+
+def _run_case(case, dtype_name, seed=0):
+  name, t, k, e, h, cap, routing = case
+  c = t * k + 3 if cap is None else cap
+  dtype = DTYPES[dtype_name]
+  x, idx, w = make_inputs(seed, t, k, e, h, dtype, routing)
+  got = _ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), num_experts=e, capacity=c)
+  want = oracle_dispatch(x, idx, w, num_experts=e, capacity=c)
+  return (x, idx, w, c), got, want
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_dispatch_and_combine_bitwise(case, dtype_name):
+  (x, idx, w, c), got, want = _run_case(case, dtype_name)
+  for n, g, wnt in zip(OUT_NAMES, got, want):
+    assert_bitwise(f"{case[0]}/{dtype_name}/{n}", g, wnt)
+
+  e = case[3]
+  x_rows, weights, _, send_row, recv_slot, topk_idx_out, _ = (np.asarray(a) for a in got)
+  rng = np.random.default_rng(1)
+  y = rng.standard_normal((c, x.shape[1])).astype(np.float32).astype(x.dtype)
+  # Combine with the dispatch's per-row weights, and with unrelated per-row weights.
+  for wname, wrow in (("dispatch_weights", weights),
+                      ("random_weights", rng.uniform(-2, 2, (c,)).astype(np.float32))):
+    (out,) = _ffi.combine(jnp.asarray(y), jnp.asarray(wrow), jnp.asarray(send_row),
+                          jnp.asarray(topk_idx_out), num_experts=e)
+    ref = oracle_combine(y, wrow, send_row, topk_idx_out, num_experts=e)
+    assert_bitwise(f"{case[0]}/{dtype_name}/combine[{wname}]", out, ref)
+
+  # dispatch_rows of other data with the same layout.
+  x2 = rng.standard_normal(x.shape).astype(np.float32).astype(x.dtype)
+  (rows2,) = _ffi.dispatch_rows(jnp.asarray(x2), jnp.asarray(recv_slot), topk=idx.shape[1])
+  want2 = np.zeros_like(want[0])
+  keep = recv_slot >= 0
+  want2[keep] = x2[recv_slot[keep] // idx.shape[1]]
+  assert_bitwise(f"{case[0]}/{dtype_name}/dispatch_rows", rows2, want2)
+
+
+def test_combine_of_dispatched_rows_is_weighted_sum():
+  """End to end: combine(dispatch(x).x_rows) == oracle of the same, in f32 and bf16."""
+  for dtype_name in ("f32", "bf16"):
+    case = ("e2e", 256, 8, 32, 256, 1500, "zipf")
+    (x, idx, w, c), got, want = _run_case(case, dtype_name, seed=5)
+    x_rows, weights, _, send_row, _, topk_idx_out, _ = got
+    (out,) = _ffi.combine(x_rows, weights, send_row, topk_idx_out, num_experts=32)
+    ref = oracle_combine(want[0], want[1], want[3], want[5], num_experts=32)
+    assert_bitwise(f"e2e/{dtype_name}", out, ref)
+
+
+def test_repeated_calls_identical_and_under_jit():
+  case = ("repeat", 512, 8, 64, 384, 3000, "zipf")
+  _, t, k, e, h, c, routing = case
+  x, idx, w = make_inputs(3, t, k, e, h, jnp.bfloat16, routing)
+  xs, idxs, ws = jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w)
+
+  @jax.jit
+  def step(xs, idxs, ws):
+    res = _ffi.dispatch(xs, idxs, ws, num_experts=e, capacity=c)
+    (out,) = _ffi.combine(res[0], res[1], res[3], res[5], num_experts=e)
+    return res + (out,)
+
+  runs = [step(xs, idxs, ws) for _ in range(4)]  # back to back, no host sync in between
+  eager = [_ffi.dispatch(xs, idxs, ws, num_experts=e, capacity=c) for _ in range(3)]
+  want = oracle_dispatch(x, idx, w, num_experts=e, capacity=c)
+  for r in runs[1:] + eager:
+    for n, a, b in zip(OUT_NAMES + ("combine",), r, runs[0]):
+      assert_bitwise(f"repeat/{n}", a, b)
+  for n, g, wnt in zip(OUT_NAMES, runs[0], want):
+    assert_bitwise(f"repeat-vs-oracle/{n}", g, wnt)
+
+
+def test_vmap_sequential_matches_single_calls():
+  t, k, e, h, c = 32, 2, 8, 64, 70
+  batch = [make_inputs(s, t, k, e, h, jnp.float32, "uniform") for s in range(3)]
+  xb, ib, wb = (jnp.asarray(np.stack(z)) for z in zip(*batch))
+  got = jax.vmap(lambda a, b, d: _ffi.dispatch(a, b, d, num_experts=e, capacity=c))(xb, ib, wb)
+  for i, (x, idx, w) in enumerate(batch):
+    want = oracle_dispatch(x, idx, w, num_experts=e, capacity=c)
+    for n, g, wnt in zip(OUT_NAMES, got, want):
+      assert_bitwise(f"vmap[{i}]/{n}", np.asarray(g)[i], wnt)
+
+
+def test_multi_rank_is_a_clear_error():
+  x, idx, w = make_inputs(0, 8, 2, 8, 64, jnp.float32, "uniform")
+  with pytest.raises(Exception, match="multi-rank CUDA path"):
+    jax.block_until_ready(_ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                                        num_experts=8, capacity=16, rank=1, ep_size=2))
+  with pytest.raises(Exception, match="multi-rank CUDA path"):
+    jax.block_until_ready(_ffi.combine(jnp.zeros((16, 64), jnp.float32), jnp.zeros((16,)),
+                                       jnp.asarray(idx), jnp.asarray(idx), num_experts=8,
+                                       rank=0, ep_size=2))
+  with pytest.raises(Exception, match="multi-rank CUDA path"):
+    jax.block_until_ready(_ffi.dispatch_rows(jnp.asarray(x), jnp.full((16,), -1, jnp.int32),
+                                             topk=2, rank=0, ep_size=4))
+
+
+def test_handler_errors_carry_values():
+  x, idx, w = make_inputs(0, 8, 2, 8, 64, jnp.float32, "uniform")
+  with pytest.raises(Exception, match=r"num_experts must be in \[1, 8192\], got 100000"):
+    jax.block_until_ready(_ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                                        num_experts=100000, capacity=16))
+  with pytest.raises(Exception, match="must be bf16, f16 or f32"):
+    jax.block_until_ready(_ffi.dispatch(jnp.asarray(x, jnp.int32), jnp.asarray(idx),
+                                        jnp.asarray(w), num_experts=8, capacity=16))
