@@ -13,6 +13,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxep._numerics import exact_f32
+
+
+def _all_gather(a, axis_name):
+    """all_gather over the EP axis; with one rank a reshape (XLA keeps a one-rank all-gather)."""
+    if jax.lax.axis_size(axis_name) == 1:
+        return a[None]
+    return jax.lax.all_gather(a, axis_name)
+
+
+def _all_to_all(a, axis_name):
+    """Block r of `a` [R, ...] goes to rank r; block r of the result came from rank r."""
+    if jax.lax.axis_size(axis_name) == 1:
+        return a
+    return jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True).reshape(a.shape)
+
 
 def _layout(idx_all, num_experts: int, capacity: int, me):
     """The global layout from all ranks' sanitized ids `idx_all` [R,T,K].
@@ -58,9 +74,9 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
     L = E // R
     invalid = (topk_idx < -1) | (topk_idx >= E)
     idx = jnp.where(invalid | (topk_idx < 0), -1, topk_idx).astype(jnp.int32)
-    idx_all = jax.lax.all_gather(idx, axis_name)  # [R,T,K]
-    w_all = jax.lax.all_gather(topk_weights, axis_name)
-    x_all = jax.lax.all_gather(x, axis_name)  # [R,T,H]
+    idx_all = _all_gather(idx, axis_name)  # [R,T,K]
+    w_all = _all_gather(topk_weights, axis_name)
+    x_all = _all_gather(x, axis_name)  # [R,T,H]
     send_row_all, recv_slot, counts = _layout(idx_all, E, capacity, me)
     my_counts = jax.lax.dynamic_slice(counts, (me * L,), (L,))
     starts = jnp.cumsum(my_counts) - my_counts
@@ -74,7 +90,7 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
 
 
 def dispatch_rows(x, recv_slot, *, axis_name, topk):
-    x_all = jax.lax.all_gather(x, axis_name)
+    x_all = _all_gather(x, axis_name)
     return _rows_from_slots(x_all, recv_slot, topk)
 
 
@@ -91,7 +107,7 @@ def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts
     R = jax.lax.axis_size(axis_name)
     T, K = send_row.shape
     rowof = _slot_table(recv_slot, R, T, K)
-    y32 = y.astype(jnp.float32)
+    y32 = exact_f32(y)
     # The products must become FMAs in a chain, fma(w_k, y_k, partial), each addition with exactly one
     # product operand: XLA contracts `a + w * y` into an FMA, and would fold a literal `0 + w0*y0`
     # into a bare product whose later `w0*y0 + w1*y1` it could contract either way. So the chain
@@ -106,7 +122,7 @@ def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts
         yrow = jnp.where(ok[..., None], y32[r], 0.0)  # masked slots add fma(0, 0, p) = p
         partial = partial + w * yrow
     # recv[r] is the partial that expert rank r computed for this rank's tokens.
-    recv = jax.lax.all_to_all(partial, axis_name, 0, 0, tiled=True).reshape(R, T, -1)
+    recv = _all_to_all(partial, axis_name)
     out = jnp.zeros((T, y.shape[1]), jnp.float32)
     for r in range(R):
         out = out + recv[r]
@@ -119,7 +135,7 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
     T, K = send_row.shape
     rowof = _slot_table(recv_slot, R, T, K)
     vals = jnp.where(rowof >= 0, v[jnp.where(rowof >= 0, rowof, 0)], 0.0)  # [R(source),T,K]
-    recv = jax.lax.all_to_all(vals, axis_name, 0, 0, tiled=True).reshape(R, T, K)  # [R(dest),T,K]
+    recv = _all_to_all(vals, axis_name)  # [R(dest),T,K]
     dest = jnp.where(topk_idx >= 0, topk_idx // (num_experts // R), 0)
     picked = jnp.take_along_axis(recv, dest[None], axis=0)[0]
     return jnp.where(send_row >= 0, picked, 0.0).astype(jnp.float32)

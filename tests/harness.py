@@ -1,6 +1,8 @@
 """Runs jaxep ops over R emulated devices and builds per-rank inputs for the oracle."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,11 +39,12 @@ def inputs(rng, R, T, H, K, dtype):
     return xs, ws
 
 
-def run(cfg, xs, idxs, ws, *, backend=None, expert_fn=None):
-    """dispatch -> expert_fn(rows) -> combine on len(xs) devices; returns per-rank numpy lists."""
-    R = len(xs)
-    expert_fn = expert_fn or (lambda rows: rows)
+def _identity(rows):
+    return rows
 
+
+@functools.lru_cache(maxsize=64)
+def _program(cfg, R, backend, expert_fn):
     def body(x, idx, w):
         res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, backend=backend)
         y = expert_fn(res.x)
@@ -50,7 +53,16 @@ def run(cfg, xs, idxs, ws, *, backend=None, expert_fn=None):
         return (res.x, res.group_sizes, res.weights, h.send_row, h.recv_slot, y, out,
                 res.stats.dropped_rows, res.stats.invalid_ids)
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=(P("ep"),) * 3, out_specs=(P("ep"),) * 9))
+    return jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=(P("ep"),) * 3, out_specs=(P("ep"),) * 9))
+
+
+def run(cfg, xs, idxs, ws, *, backend=None, expert_fn=None):
+    """dispatch -> expert_fn(rows) -> combine on len(xs) devices; returns per-rank numpy lists.
+
+    Compiled programs are cached per (config, R, backend, expert_fn): pass module-level functions.
+    """
+    R = len(xs)
+    f = _program(cfg, R, backend, expert_fn or _identity)
     outs = f(jnp.asarray(np.concatenate(xs)), jnp.asarray(np.concatenate(idxs)),
              jnp.asarray(np.concatenate(ws)))
     names = ("x", "group_sizes", "weights", "send_row", "recv_slot", "y", "out", "dropped", "invalid")

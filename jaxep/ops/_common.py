@@ -32,3 +32,4 @@ def check_array(op: str, name: str, a, shape, dtypes) -> None:
     if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in dtypes]:
         raise TypeError(f"jaxep.{op}: {name} must have dtype "
                         f"{' or '.join(jnp.dtype(d).name for d in dtypes)}, got {a.dtype}")
+

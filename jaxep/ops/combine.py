@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxep._numerics import exact_f32
 from jaxep.ops import _common
 from jaxep.types import Handle
 
@@ -62,9 +63,9 @@ def _combine_bwd(static, res, g_out):
     y, weights, ints = res
     g_rows = _common.BACKENDS[backend].dispatch_rows(
         g_out, ints[1], axis_name=axis_name, topk=ints[0].shape[1])
-    g32 = g_rows.astype(jnp.float32)
+    g32 = exact_f32(g_rows)
     dy = (weights[:, None] * g32).astype(y.dtype)
-    dw = jnp.sum(g32 * y.astype(jnp.float32), axis=-1)
+    dw = jnp.sum(g32 * exact_f32(y), axis=-1)
     return dy, dw, None
 
 
