@@ -1,0 +1,3 @@
+from jaxep.bench import console_main
+
+console_main()

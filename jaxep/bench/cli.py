@@ -1,0 +1,93 @@
+"""The `jaxep-bench` command line: absl flags -> BenchConfig -> run -> table, JSON, PNG."""
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+
+_ROUTINGS = ("uniform", "zipf", "imbalanced")
+
+TOKENS = flags.DEFINE_integer("tokens", 4096, "Tokens per rank (T).", lower_bound=1, upper_bound=1 << 20)
+HIDDEN = flags.DEFINE_integer("hidden", 7168, "Hidden size (H).", lower_bound=1, upper_bound=1 << 16)
+TOPK = flags.DEFINE_integer("topk", 8, "Experts per token (K).", lower_bound=1, upper_bound=64)
+EXPERTS = flags.DEFINE_integer("experts", 64, "Experts in the model (E).", lower_bound=1, upper_bound=1 << 14)
+MODE = flags.DEFINE_enum("mode", "normal", ["normal", "low_latency"], "Kernel mode.")
+DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Payload dtype.")
+ROUTING = flags.DEFINE_enum("routing", "uniform", list(_ROUTINGS), "Routing distribution.")
+SEED = flags.DEFINE_integer("seed", 0, "Seed of routing and payload.", lower_bound=0)
+ZIPF_ALPHA = flags.DEFINE_float("zipf_alpha", 1.0, "Zipf exponent (--routing=zipf).", lower_bound=0.0, upper_bound=8.0)
+IMBALANCE = flags.DEFINE_float("imbalance", 4.0, "How much likelier rank 0's experts are (--routing=imbalanced).",
+                               lower_bound=1.0, upper_bound=1e4)
+CAPACITY_FACTOR = flags.DEFINE_float("capacity_factor", 1.25, "Receive capacity factor; 0 = never drop.",
+                                     lower_bound=0.0, upper_bound=1e4)
+NUM_SMS = flags.DEFINE_integer("num_sms", 0, "SMs for the CUDA kernels; 0 = jaxep's default.",
+                               lower_bound=0, upper_bound=1024)
+CHUNK_TOKENS = flags.DEFINE_integer("chunk_tokens", 0, "Tokens per pipeline chunk; 0 = default.",
+                                    lower_bound=0, upper_bound=1 << 16)
+BACKEND = flags.DEFINE_enum("backend", "auto", ["auto", "reference", "cuda"], "Backend under test.")
+WARMUP = flags.DEFINE_integer("warmup", 2, "Warm-up calls (the first compiles).", lower_bound=0, upper_bound=1000)
+ITERS = flags.DEFINE_integer("iters", 10, "Timed samples.", lower_bound=1, upper_bound=100000)
+INNER = flags.DEFINE_integer("inner", 0, "Ops per sample in the device loop; 0 = ~20 ms per sample.",
+                             lower_bound=0, upper_bound=100000)
+EP_SIZE = flags.DEFINE_integer("ep_size", 0, "EP size; 0 = all devices.", lower_bound=0, upper_bound=1 << 16)
+CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Emulated host devices on CPU (sets "
+                                   "--xla_force_host_platform_device_count in XLA_FLAGS); 0 = leave as is.",
+                                   lower_bound=0, upper_bound=512)
+GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", 0, "Node layout override; 0 = from the machine.",
+                                     lower_bound=0, upper_bound=1024)
+RANKS_PER_GPU = flags.DEFINE_integer("ranks_per_gpu", 1, "Ranks sharing one GPU (emulated links).",
+                                     lower_bound=1, upper_bound=64)
+NVLINK_GBPS = flags.DEFINE_float("nvlink_gbps", 0.0, "NVLink peak GB/s per GPU per direction; 0 = table.",
+                                 lower_bound=0.0, upper_bound=1e5)
+RDMA_GBPS = flags.DEFINE_float("rdma_gbps", 0.0, "RDMA peak GB/s per GPU (NIC); 0 = sysfs or 50.",
+                               lower_bound=0.0, upper_bound=1e5)
+HBM_GBPS = flags.DEFINE_float("hbm_gbps", 0.0, "Device memory peak GB/s; 0 = table or measured copy.",
+                              lower_bound=0.0, upper_bound=1e6)
+CHECK = flags.DEFINE_bool("check", True, "Check correctness before timing (keep it on).")
+SWEEP = flags.DEFINE_bool("sweep", False, "Sweep num_sms x chunk_tokens and print the best Config.")
+SWEEP_NUM_SMS = flags.DEFINE_list("sweep_num_sms", ["16", "24", "32", "48", "64"], "num_sms values to sweep.")
+SWEEP_CHUNK_TOKENS = flags.DEFINE_list("sweep_chunk_tokens", ["64", "128", "256", "512"], "chunk_tokens values.")
+JSON = flags.DEFINE_string("json", None, "Write the result as JSON here (docs/benchmark.md).")
+PLOT = flags.DEFINE_string("plot", None, "Write a PNG plot here.")
+
+
+def bench_config():
+    from jaxep.bench.runner import BenchConfig
+    nz = lambda v: v or None
+    return BenchConfig(
+        tokens=TOKENS.value, hidden=HIDDEN.value, topk=TOPK.value, experts=EXPERTS.value, mode=MODE.value,
+        dtype=DTYPE.value, routing=ROUTING.value, seed=SEED.value, zipf_alpha=ZIPF_ALPHA.value,
+        imbalance=IMBALANCE.value, capacity_factor=nz(CAPACITY_FACTOR.value), num_sms=nz(NUM_SMS.value),
+        chunk_tokens=nz(CHUNK_TOKENS.value), backend=None if BACKEND.value == "auto" else BACKEND.value,
+        warmup=WARMUP.value, iters=ITERS.value, inner=INNER.value, ep_size=nz(EP_SIZE.value),
+        gpus_per_node=nz(GPUS_PER_NODE.value), ranks_per_gpu=RANKS_PER_GPU.value,
+        nvlink_gbps=nz(NVLINK_GBPS.value), rdma_gbps=nz(RDMA_GBPS.value), hbm_gbps=nz(HBM_GBPS.value),
+        check=CHECK.value, sweep=SWEEP.value, sweep_num_sms=tuple(int(v) for v in SWEEP_NUM_SMS.value),
+        sweep_chunk_tokens=tuple(int(v) for v in SWEEP_CHUNK_TOKENS.value))
+
+
+def main(argv):
+    del argv
+    if CPU_DEVICES.value:  # asked for on the command line; must precede the first jax import
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={CPU_DEVICES.value}").strip()
+    import jax
+    from jaxep.bench import report, runner
+    try:
+        result = runner.run(bench_config(), emit=print if jax.process_index() == 0 else (lambda *_: None))
+    except ValueError as e:  # a config that does not fit: say which, no traceback
+        raise app.UsageError(str(e)) from e
+    if jax.process_index() != 0:
+        return
+    print(report.header(result))
+    print(report.table(result))
+    if result["sweep"] is not None:
+        print(report.sweep_table(result["sweep"]))
+    if JSON.value:
+        report.write_json(result, JSON.value)
+    if PLOT.value:
+        report.plot(result, PLOT.value)
+
+
+def console_main():
+    app.run(main)

@@ -1,0 +1,95 @@
+"""Timing jitted EP ops: a device loop per sample, warm-up first, results gathered over processes.
+
+Each sample is one call of a jitted `fori_loop` that runs the op `inner` times on the device;
+wall time / inner is one sample. The loop carries the op's inputs and outputs through an
+`optimization_barrier`, so XLA can neither hoist the op out of the loop nor drop any of its outputs, and the launch
+cost of one jitted call is spread over `inner` iterations. `block_until_ready` ends every sample.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+_gather_calls = [0]
+
+
+def device_loop(step, mesh, axis: str):
+    """jit(shard_map) of `step(*args)` repeated `n` times (n a traced int32) on the same args.
+
+    Every argument (pytrees allowed) is sharded on `axis`. The arguments go through an
+    `optimization_barrier` together with the step's outputs each iteration, so nothing in the step is
+    loop invariant (XLA cannot hoist, say, the layout computed from the ids), and the outputs are
+    carried and returned, so nothing is dead. Returns f(n, *args) -> the last step's outputs.
+    """
+    def per_rank(n, *args):
+        def body(_, carry):
+            a, _ = carry
+            return jax.lax.optimization_barrier((a, step(*a)))
+
+        first = jax.lax.optimization_barrier((args, step(*args)))  # step 1 of n
+        return jax.lax.fori_loop(1, n, body, first)[1]
+
+    def f(n, *args):
+        spec = (P(),) + (P(axis),) * len(args)
+        return jax.shard_map(per_rank, mesh=mesh, in_specs=spec, out_specs=P(axis))(n, *args)
+
+    return jax.jit(f)
+
+
+def _once(fn, n, args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(jnp.int32(n), *args))
+    return time.perf_counter() - t0
+
+
+def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: float = 0.02) -> dict:
+    """Median/min/max seconds per op over `iters` samples of `inner` back-to-back ops each.
+
+    inner=0 picks inner so that one sample takes about target_s (from a 1-iteration probe).
+    """
+    for _ in range(max(warmup, 1)):  # the first call compiles
+        probe = _once(fn, 1, args)
+    if inner <= 0:
+        probe = min(_once(fn, 1, args) for _ in range(3))
+        inner = int(min(1000, max(1, math.ceil(target_s / max(probe, 1e-7)))))
+    samples = np.array([_once(fn, inner, args) / inner for _ in range(iters)])
+    return dict(median=float(np.median(samples)), min=float(samples.min()), max=float(samples.max()),
+                inner=inner, samples=samples.tolist())
+
+
+def gather(payload) -> list | None:
+    """Every process's JSON-able payload, in process order, on process 0 (None elsewhere).
+
+    Uses JAX's distributed key-value store, so it works without any XLA collective (processes that
+    share one GPU cannot run those). One process: [payload].
+    """
+    if jax.process_count() == 1:
+        return [payload]
+    from jax._src import distributed  # the store jax.distributed.initialize set up
+    client = distributed.global_state.client
+    _gather_calls[0] += 1
+    key = f"jaxep_bench/{_gather_calls[0]}"
+    me = jax.process_index()
+    client.key_value_set(f"{key}/{me}", json.dumps(payload))
+    if me != 0:
+        return None
+    return [json.loads(client.blocking_key_value_get(f"{key}/{p}", 600_000))
+            for p in range(jax.process_count())]
+
+
+def over_processes(stats: dict) -> dict:
+    """Adds per-process medians and the slowest process to one op's timing (process 0 view)."""
+    allp = gather(stats)
+    if allp is None:
+        return stats
+    meds = [p["median"] for p in allp]
+    slow = int(np.argmax(meds))
+    return dict(median=float(np.max(meds)), min=float(min(p["min"] for p in allp)),
+                max=float(max(p["max"] for p in allp)), inner=stats["inner"],
+                per_process_median=meds, slowest_process=slow, samples=allp[slow]["samples"])
