@@ -48,13 +48,28 @@ def _once(fn, n, args) -> float:
     return time.perf_counter() - t0
 
 
-def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: float = 0.02) -> dict:
+def compile_loop(fn, args, markers=()):
+    """Compiles a `device_loop`; raises if a marker op (e.g. the custom call) occurs fewer than twice
+    in the optimized HLO: once for step 1 and once in the loop body, else XLA moved it out of the loop
+    and the timing would be wrong."""
+    compiled = fn.lower(jnp.int32(1), *args).compile()
+    text = compiled.as_text() or ""
+    for m in markers:
+        if text.count(m) < 2:
+            raise RuntimeError(f"jaxep-bench: {m!r} occurs {text.count(m)} time(s) in the optimized timing "
+                               "loop, expected 2 (XLA hoisted or removed the op): timing would be wrong")
+    return compiled
+
+
+def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: float = 0.02,
+              markers=()) -> dict:
     """Median/min/max seconds per op over `iters` samples of `inner` back-to-back ops each.
 
     inner=0 picks inner so that one sample takes about target_s (from a 1-iteration probe).
     """
-    for _ in range(max(warmup, 1)):  # the first call compiles
-        probe = _once(fn, 1, args)
+    fn = compile_loop(fn, args, markers)
+    for _ in range(warmup):
+        _once(fn, 1, args)
     if inner <= 0:
         probe = min(_once(fn, 1, args) for _ in range(3))
         inner = int(min(1000, max(1, math.ceil(target_s / max(probe, 1e-7)))))
