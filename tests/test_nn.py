@@ -104,6 +104,7 @@ def test_drops_are_counted_and_contribute_zero():
                           capacity=C)
     kept = np.concatenate(lay["send_row"]) >= 0
     assert 0 < kept.sum() < N * K
+    np.testing.assert_array_equal(np.asarray(aux["kept"]).reshape(N, K), kept)
     np.testing.assert_array_equal(aux["dropped_rows"], np.asarray(lay["dropped"], np.int32))
     np.testing.assert_allclose(float(aux["drop_fraction"]), 1 - kept.sum() / (N * K), rtol=1e-6)
 

@@ -31,7 +31,7 @@ Worked example (8 CPU devices: run with XLA_FLAGS=--xla_force_host_platform_devi
 
 With a capacity (the default `capacity_factor=1.25`), rows beyond a rank's capacity are dropped,
 last in jaxep's layout order first; a dropped (token, expert) pair contributes zero to `y` and is
-counted in `aux["dropped_rows"]`. `moe.reference(x, slot_mask=kept)` reproduces that.
+counted in `aux["dropped_rows"]`; `moe.reference(x, slot_mask=aux["kept"])` reproduces that.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -162,7 +163,8 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: _Routing, config: 
     Returns:
       y [T,H] and per-rank statistics, each with a leading dim of 1 (concatenate over ranks):
       "expert_counts" [1,E] int32, "prob_sum" [1,E] f32, "dropped_rows" [1] int32,
-      "invalid_ids" [1] int32.
+      "invalid_ids" [1] int32; and "kept" [T,K] bool (per token, not per rank): the (token, k) pairs
+      that reached their expert (False: dropped for capacity or masked).
     No XLA collective is added here: jaxep's dispatch and combine are the only cross-rank ops.
     """
     idx, w, probs = route(x, params["router"], routing)
@@ -173,7 +175,8 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: _Routing, config: 
     counts, prob_sum = _routing_stats(idx, probs, routing.num_experts)
     stats = dict(expert_counts=counts[None], prob_sum=prob_sum[None],
                  dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
-                 invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32))
+                 invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
+                 kept=res.handle.send_row >= 0)
     return y, stats
 
 
@@ -245,6 +248,14 @@ def _reshape(a: Array, shape: tuple[int, ...], mesh: Mesh) -> Array:
         return a.reshape(shape)
 
 
+def _to_host(a: Any) -> Any:
+    """A NumPy copy of a (possibly multi-process) array."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(jax.device_get(a))
+
+
 def _default_mesh(axis_name: str) -> Mesh:
     """The context mesh (`jax.set_mesh`) if one is set, else a 1-device mesh (EP size 1)."""
     ctx = jax.sharding.get_mesh()
@@ -263,7 +274,9 @@ class MoE(nnx.Module):
       - "expert_counts" [E] int32: routing slots per expert, before capacity drops;
       - "dropped_rows" [S] int32 / "invalid_ids" [S] int32: per token shard (per EP rank when tokens
         are sharded on the EP axis only), rows dropped for capacity and invalid expert ids;
-      - "drop_fraction": f32 scalar, dropped rows / (N * K).
+      - "drop_fraction": f32 scalar, dropped rows / (N * K);
+      - "kept" [..., K] bool: which (token, k) pairs reached their expert (`reference(x,
+        slot_mask=kept)` reproduces a call with drops).
 
     Args:
       hidden: H, model width. ffn: F, each expert's hidden width.
@@ -358,11 +371,24 @@ class MoE(nnx.Module):
                              f"{shards} token shards of the mesh, got {n} tokens (x shape {shape})")
         s = self.sharding
         routing = _Routing(self.num_experts, self.topk, self.score_fn, self.renormalize, self.dtype)
-        local = lambda p, xs: moe_local(p, xs, routing=routing, config=self.ep_config(n // shards),
-                                        axis_name=s.axis_name, backend=self.backend)
-        stat_spec = P(s.token_axes)
+        config = self.ep_config(n // shards)
+        params = self.params_dict()
         pspec = dict(router=s.router, w_gate=s.experts, w_up=s.experts, w_down=s.experts)
-        args = _to_spec((self.params_dict(), xf), self.mesh, (pspec, s.tokens))
+        one_device = self.mesh.size == 1
+        if one_device:
+            # The gradient of a replicated shard_map input is a psum, even over one device; passing
+            # the router with a mapped leading dim of 1 keeps a 1-device program collective-free.
+            params["router"], pspec["router"] = params["router"][None], P(s.token_axes)
+
+        def local(p, xs):
+            if one_device:
+                p = dict(p, router=p["router"][0])
+            return moe_local(p, xs, routing=routing, config=config, axis_name=s.axis_name,
+                             backend=self.backend)
+
+        stat_spec = dict(expert_counts=P(s.token_axes), prob_sum=P(s.token_axes),
+                         dropped_rows=P(s.token_axes), invalid_ids=P(s.token_axes), kept=s.tokens)
+        args = _to_spec((params, xf), self.mesh, (pspec, s.tokens))
         y, st = jax.shard_map(local, mesh=self.mesh, in_specs=(pspec, s.tokens),
                               out_specs=(s.tokens, stat_spec))(*args)
         counts = jnp.sum(st["expert_counts"], axis=0)
@@ -370,11 +396,16 @@ class MoE(nnx.Module):
                                                            n, self.topk),
                    expert_counts=counts, dropped_rows=st["dropped_rows"],
                    invalid_ids=st["invalid_ids"],
-                   drop_fraction=jnp.sum(st["dropped_rows"]) / (n * self.topk))
+                   drop_fraction=jnp.sum(st["dropped_rows"]) / (n * self.topk),
+                   kept=_reshape(st["kept"], shape[:-1] + (self.topk,), self.mesh))
         return _reshape(y, shape, self.mesh), aux
 
     def reference(self, x: Array, slot_mask: Array | None = None) -> tuple[Array, dict[str, Array]]:
-        """The dense single-device computation of this layer (see `moe_reference`)."""
-        params = jax.device_get(self.params_dict())
-        return moe_reference(params, jax.device_get(x), topk=self.topk, score_fn=self.score_fn,
+        """The dense single-device computation of this layer (see `moe_reference`), on host copies
+        of the parameters and of x (call it outside `jit`)."""
+        params = jax.tree.map(_to_host, self.params_dict())
+        x = _to_host(x)
+        if slot_mask is not None:
+            slot_mask = _to_host(slot_mask).reshape(-1, self.topk)
+        return moe_reference(params, x, topk=self.topk, score_fn=self.score_fn,
                              renormalize=self.renormalize, dtype=self.dtype, slot_mask=slot_mask)

@@ -1,0 +1,299 @@
+"""Train a small MoE transformer language model with `jaxep.nn.MoE`, end to end.
+
+The model: token + position embeddings, `--layers` blocks of (RMSNorm, causal self-attention,
+RMSNorm, jaxep MoE FFN), a final norm and an LM head. The data is made here, nothing is downloaded:
+sequences from three "languages" the model must tell apart from context (a type marker, then an
+arithmetic progression mod V, a repeated random pattern, or a walk on a fixed sparse bigram graph).
+Training uses optax AdamW. At the end the MoE layer of block 0 is checked against the dense
+single-device computation of the same layer on real activations (`MoE.reference`).
+
+Commands:
+    python examples/moe_flax.py             # CPU: 4 emulated devices, EP size 4, reference backend
+    python examples/moe_flax.py --short     # what CI runs (< 2 minutes on 2 cores)
+    python examples/moe_flax.py --ep 8 --steps 500
+    python examples/moe_flax.py --backend cuda --ep 1 --dtype bfloat16   # one GPU, CUDA custom calls
+
+Emulated devices: on CPU, unless XLA_FLAGS already sets --xla_force_host_platform_device_count, this
+script adds `--xla_force_host_platform_device_count=8` to XLA_FLAGS for its own process before jax is
+imported, and prints that it did (it never does so with `--backend cuda` or JAX_PLATFORMS naming a
+GPU). Set XLA_FLAGS yourself to choose another count.
+
+With ep > 1 the only collectives besides jaxep's dispatch/combine are the data-parallel ones of the
+sharded model (gradient all-reduce of the replicated weights, the loss mean); with ep = 1 there are
+none.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _emulate_cpu_devices(count: int = 8) -> None:
+    """Adds the host device count flag to XLA_FLAGS (CPU runs only; the user's setting wins)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    gpu = any(a in ("--backend=cuda", "cuda") for a in sys.argv[1:]) or any(
+        p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu", "rocm"))
+    if gpu or "xla_force_host_platform_device_count" in flags:
+        return
+    flag = f"--xla_force_host_platform_device_count={count}"
+    os.environ["XLA_FLAGS"] = (flags + " " + flag).strip()
+    print(f"moe_flax: set XLA_FLAGS={os.environ['XLA_FLAGS']!r} for this process "
+          "(CPU device emulation; set XLA_FLAGS yourself to override)", flush=True)
+
+
+if __name__ == "__main__":
+    _emulate_cpu_devices()
+
+import math  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxep.nn  # noqa: E402
+
+_STEPS = flags.DEFINE_integer("steps", 500, "training steps", lower_bound=1)
+_SHORT = flags.DEFINE_bool("short", False,
+                           "a quick run (CI): at most 100 steps; the loss is reported, not enforced")
+_BATCH = flags.DEFINE_integer("batch", 32, "sequences per step (divisible by --ep)", lower_bound=1)
+_SEQ = flags.DEFINE_integer("seq_len", 32, "tokens per sequence", lower_bound=4, upper_bound=4096)
+_VOCAB = flags.DEFINE_integer("vocab", 64, "vocabulary size", lower_bound=16, upper_bound=65536)
+_D = flags.DEFINE_integer("d_model", 64, "model width H", lower_bound=8)
+_HEADS = flags.DEFINE_integer("heads", 4, "attention heads", lower_bound=1)
+_LAYERS = flags.DEFINE_integer("layers", 2, "transformer blocks", lower_bound=1, upper_bound=64)
+_E = flags.DEFINE_integer("experts", 8, "experts per MoE layer (divisible by --ep)", lower_bound=1)
+_K = flags.DEFINE_integer("topk", 2, "experts per token", lower_bound=1)
+_F = flags.DEFINE_integer("ffn", 128, "hidden width F of each expert", lower_bound=1)
+_EP = flags.DEFINE_integer("ep", None, "EP size (default: 4, or 1 with --backend cuda)",
+                           lower_bound=1, upper_bound=1024)
+_BACKEND = flags.DEFINE_enum("backend", "auto", ["auto", "reference", "cuda"], "jaxep backend")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute/payload dtype")
+_CF = flags.DEFINE_float("capacity_factor", 1.25, "receive capacity factor; 0 = never drop",
+                         lower_bound=0.0)
+_LB = flags.DEFINE_float("lb_weight", 1e-2, "weight of the load-balancing loss", lower_bound=0.0)
+_LR = flags.DEFINE_float("lr", 3e-3, "peak learning rate", lower_bound=0.0)
+_SEED = flags.DEFINE_integer("seed", 0, "seed for data and parameters")
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: three synthetic "languages", generated deterministically from (seed, step).
+
+def make_batch(rng: np.random.Generator, batch: int, length: int, vocab: int,
+               bigram: np.ndarray) -> np.ndarray:
+    """[batch, length] int32. Token 0..2 is the type marker; the rest uses ids 3..vocab-1."""
+    n = vocab - 3
+    kind = rng.integers(0, 3, batch)
+    pos = np.arange(length - 1)
+    start = rng.integers(0, n, (batch, 1))
+    step = rng.integers(1, 6, (batch, 1))
+    progression = (start + step * pos) % n                                   # kind 0
+    period = rng.integers(2, 6, (batch, 1))
+    pattern = rng.integers(0, n, (batch, 5))
+    repeat = np.take_along_axis(pattern, pos % period, axis=1)                # kind 1
+    walk = np.empty((batch, length - 1), np.int64)                            # kind 2
+    walk[:, 0] = start[:, 0]
+    choice = rng.random((batch, length - 1)) < 0.75
+    for i in range(1, length - 1):
+        walk[:, i] = np.where(choice[:, i], bigram[walk[:, i - 1], 0], bigram[walk[:, i - 1], 1])
+    body = np.select([kind[:, None] == 0, kind[:, None] == 1], [progression, repeat], walk) + 3
+    return np.concatenate([kind[:, None], body], axis=1).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model.
+
+class Block(nnx.Module):
+    """Pre-norm block: causal self-attention, then the jaxep MoE FFN."""
+
+    def __init__(self, d: int, heads: int, moe_kw: dict, *, rngs: nnx.Rngs, dtype):
+        self.norm1 = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, d, qkv_features=d, decode=False, dtype=dtype,
+                                           rngs=rngs)
+        self.norm2 = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
+        self.moe = jaxep.nn.MoE(d, rngs=rngs, dtype=dtype, **moe_kw)
+
+    def attend(self, h):
+        mask = nnx.make_causal_mask(h[..., 0])
+        return h + self.attn(self.norm1(h), mask=mask)
+
+    def __call__(self, h):
+        h = self.attend(h)
+        y, aux = self.moe(self.norm2(h))
+        return h + y, aux
+
+
+class MoELM(nnx.Module):
+    def __init__(self, vocab: int, seq_len: int, d: int, heads: int, layers: int, moe_kw: dict,
+                 *, rngs: nnx.Rngs, dtype):
+        self.embed = nnx.Embed(vocab, d, dtype=dtype, rngs=rngs)
+        self.pos = nnx.Embed(seq_len, d, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([Block(d, heads, moe_kw, rngs=rngs, dtype=dtype)
+                                for _ in range(layers)])
+        self.norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, dtype=dtype, rngs=rngs)
+
+    def embed_tokens(self, tokens):
+        return self.embed(tokens) + self.pos(jnp.arange(tokens.shape[1]))[None]
+
+    def __call__(self, tokens):
+        h = self.embed_tokens(tokens)
+        lb, drop = 0.0, 0.0
+        for block in self.blocks:
+            h, aux = block(h)
+            lb, drop = lb + aux["load_balancing_loss"], drop + aux["drop_fraction"]
+        n = len(self.blocks)
+        return self.head(self.norm(h)).astype(jnp.float32), lb / n, drop / n
+
+
+@nnx.jit(static_argnames=("lb_weight",))
+def train_step(model, optimizer, tokens, lb_weight):
+    def loss_fn(model):
+        logits, lb, drop = model(tokens[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return ce + lb_weight * lb, (ce, lb, drop)
+
+    grads, (ce, lb, drop) = nnx.grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return ce, lb, drop
+
+
+def to_host(a):
+    """A NumPy copy of an array, also when it spans several processes."""
+    if not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(a)
+
+
+def place_on_mesh(obj, mesh):
+    """Puts every array of `obj` on the mesh: its annotated spec (the experts), else replicated."""
+    state = nnx.state(obj)
+    specs = nnx.get_partition_spec(state)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                             is_leaf=lambda s: isinstance(s, P))
+    nnx.update(obj, jax.device_put(state, shardings))
+
+
+@nnx.jit
+def moe_input_of_block0(model, tokens):
+    """The activations that block 0's MoE layer sees."""
+    b = model.blocks[0]
+    return b.norm2(b.attend(model.embed_tokens(tokens)))
+
+
+# ----------------------------------------------------------------------------------------------
+
+class Progress:
+    """A one-line text progress bar (rewritten in place on a terminal, every 10% otherwise)."""
+
+    def __init__(self, total: int):
+        self.total, self.tty, self.last = total, sys.stdout.isatty(), -1
+
+    def update(self, i: int, text: str):
+        done = int(30 * i / self.total)
+        line = f"[{'#' * done}{'.' * (30 - done)}] {i:>5}/{self.total} {text}"
+        if self.tty:
+            print("\r" + line, end="\n" if i == self.total else "", flush=True)
+        elif (10 * i) // self.total != self.last:
+            self.last = (10 * i) // self.total
+            print(line, flush=True)
+
+
+def run(steps: int, short: bool) -> dict:
+    backend = None if _BACKEND.value == "auto" else _BACKEND.value
+    ep = _EP.value or (1 if backend == "cuda" else min(4, jax.device_count()))
+    if ep > jax.device_count():
+        raise app.UsageError(f"--ep={ep} needs {ep} devices, this process sees {jax.device_count()}"
+                             " (on CPU: raise --xla_force_host_platform_device_count in XLA_FLAGS)")
+    if _BATCH.value % ep:
+        raise app.UsageError(f"--batch={_BATCH.value} must be divisible by --ep={ep}")
+    dtype = jnp.dtype(_DTYPE.value)
+    mesh = jax.make_mesh((ep,), ("ep",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ep])
+    moe_kw = dict(ffn=_F.value, num_experts=_E.value, topk=_K.value, mesh=mesh, backend=backend,
+                  capacity_factor=_CF.value or None)
+    model = MoELM(_VOCAB.value, _SEQ.value, _D.value, _HEADS.value, _LAYERS.value, moe_kw,
+                  rngs=nnx.Rngs(_SEED.value), dtype=dtype)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, max(1, steps // 10), steps,
+                                                  _LR.value / 10)
+    optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
+    place_on_mesh(model, mesh)  # so that step 2 does not recompile
+    place_on_mesh(optimizer, mesh)
+
+    tokens_sharding = NamedSharding(mesh, P("ep"))
+    data_rng = np.random.default_rng(_SEED.value)
+    bigram = data_rng.integers(0, _VOCAB.value - 3, (_VOCAB.value - 3, 2))
+
+    def batch(step: int):
+        rng = np.random.default_rng((_SEED.value, step))
+        b = make_batch(rng, _BATCH.value, _SEQ.value + 1, _VOCAB.value, bigram)
+        return jax.make_array_from_callback(b.shape, tokens_sharding, lambda i: b[i])
+
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"moe_flax: devices={jax.device_count()}x{jax.devices()[0].platform} ep={ep} "
+          f"backend={backend or 'auto'} dtype={dtype.name} layers={_LAYERS.value} d={_D.value} "
+          f"experts={_E.value} topk={_K.value} ffn={_F.value} batch={_BATCH.value}x{_SEQ.value} "
+          f"capacity_factor={_CF.value or None} steps={steps} params={n_params}", flush=True)
+
+    with jax.set_mesh(mesh):
+        return _train_and_check(model, optimizer, batch, steps, dtype)
+
+
+def _train_and_check(model, optimizer, batch, steps, dtype) -> dict:
+    bar, losses, drops = Progress(steps), [], []
+    t_compile = time.perf_counter()
+    t0 = None
+    for step in range(1, steps + 1):
+        ce, lb, drop = train_step(model, optimizer, batch(step), _LB.value)
+        losses.append(float(ce))
+        drops.append(float(drop))
+        if step == 1:
+            t_compile, t0 = time.perf_counter() - t_compile, time.perf_counter()
+        tok_s = (step - 1) * _BATCH.value * _SEQ.value / (time.perf_counter() - t0) if step > 1 else 0
+        bar.update(step, f"loss {losses[-1]:.3f}  lb {float(lb):.3f}  drop {100 * drops[-1]:.1f}%  "
+                         f"{tok_s / 1e3:.1f}k tok/s")
+    tok_s = (steps - 1) * _BATCH.value * _SEQ.value / (time.perf_counter() - t0) if steps > 1 else 0
+    first, last = losses[0], float(np.mean(losses[-min(10, steps):]))
+    print(f"loss: first {first:.4f}, last (mean of last {min(10, steps)} steps) {last:.4f}; "
+          f"ln(vocab) = {math.log(_VOCAB.value):.4f}")
+    print(f"throughput: {tok_s:.0f} tokens/s after the first step (first step incl. compile: "
+          f"{t_compile:.1f}s); mean drop rate {100 * np.mean(drops):.2f}% of routed rows")
+
+    # The dense-equivalence check: block 0's MoE on the activations it sees, vs the dense layer.
+    x = moe_input_of_block0(model, batch(steps + 1)[:, :-1])
+    moe = model.blocks[0].moe
+    y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
+    y_ref, _ = moe.reference(x, slot_mask=aux["kept"])
+    y_np, y_ref = np.asarray(to_host(y), np.float32), np.asarray(y_ref, np.float32)
+    err = float(np.max(np.abs(y_np - y_ref)))
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2 * max(1.0, float(np.max(np.abs(y_ref))))
+    ok = bool(err <= tol)
+    print(f"dense check (block 0 MoE vs single-device dense layer, {x.shape[0] * x.shape[1]} "
+          f"tokens, {int(np.sum(aux['dropped_rows']))} rows dropped and masked alike): "
+          f"max |diff| = {err:.3e}, tol {tol:.1e}: {'PASS' if ok else 'FAIL'}")
+    return dict(first=first, last=last, tokens_per_s=tok_s, dense_ok=ok, dense_err=err)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    short = _SHORT.value
+    steps = min(_STEPS.value, 100) if short else _STEPS.value
+    r = run(steps, short)
+    if not r["dense_ok"]:
+        raise SystemExit("moe_flax: FAILED: the MoE layer differs from its dense reference")
+    fell = r["last"] < 0.75 * r["first"]
+    if not fell:
+        msg = f"loss did not fall enough: first {r['first']:.4f}, last {r['last']:.4f}"
+        if not short:
+            raise SystemExit("moe_flax: FAILED: " + msg)
+        print("moe_flax: note (short mode): " + msg)
+    print("moe_flax: OK")
+
+
+if __name__ == "__main__":
+    app.run(main)
