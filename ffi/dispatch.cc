@@ -38,7 +38,8 @@ ffi::Error DispatchTyped(cudaStream_t stream, ffi::ScratchAllocator& scratch,
                          int32_t* group_sizes, int32_t* send_row, int32_t* recv_slot,
                          int32_t* topk_idx_out, int32_t* stats) {
   const size_t scratch_bytes = cuda::DispatchLayoutScratchBytes(s.tokens * s.topk, s.experts);
-  std::optional<void*> buf = scratch.Allocate(scratch_bytes, /*alignment=*/256);
+  // XLA's FFI allocator accepts alignments up to 16 bytes; the layout's regions need 4.
+  std::optional<void*> buf = scratch.Allocate(scratch_bytes, /*alignment=*/16);
   if (!buf.has_value() || *buf == nullptr) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       StrCat(kDispatch, ": could not allocate ", scratch_bytes,

@@ -7,15 +7,17 @@ extension is missing (pure-Python install, no nvcc at build time) or cannot be l
 ``RuntimeError`` with that reason.
 
 The wrappers are the backend operations of docs/design.md, one call each, returning tuples in the
-contract's order. They do light shape checks only (the public ops in ``jaxep.ops`` validate
-everything at trace time); the FFI handlers re-check and return an error rather than crash.
+contract's order. They raise ValueError at trace time for anything the FFI handlers would reject
+(see the note on errors below); the handlers re-check anyway.
 
 ``vmap_method="sequential"``: these ops are per-rank (one call per EP rank, with its own layout);
 a batch of independent calls under ``jax.vmap`` is run as a loop of single calls, which is
 correct for every op here. A fused batched kernel is not worth it for a communication op.
 
-Today the CUDA handlers accept ``ep_size == 1`` only; other sizes fail at run time with an
-"Unimplemented ... multi-rank CUDA path is not built yet" error from the handler.
+Today the CUDA handlers accept ``ep_size == 1`` only; the wrappers raise NotImplementedError for
+other sizes at trace time. They check every limit the handlers check (dtypes, shapes, int32 sizes,
+num_experts <= MAX_EXPERTS) so that a handler never has to return an error: on jax 0.11.2 with the
+CUDA 13 plugin, an FFI handler returning an error was seen to crash the process (SIGSEGV).
 """
 
 from __future__ import annotations
@@ -97,13 +99,44 @@ def _require(op: str) -> None:
     raise RuntimeError(f"jaxep._ffi.{op}: the CUDA backend is unavailable: {_reason}")
 
 
+# Limits the FFI handlers enforce (ffi/common.h, ffi/cuda/kernels.h). They are checked here, at
+# trace time, as well: on jax 0.11.2 (CUDA 13 plugin) a handler that returns an ffi::Error was
+# seen to crash the process (SIGSEGV) instead of raising, so the handlers' own checks must stay a
+# last line of defence that well-formed calls never reach.
+MAX_EXPERTS = 8192
+_INT32_MAX = 2**31 - 1
+_PAYLOAD_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _fail(op: str, what: str, expected: str, got) -> None:
+  raise ValueError(f"jaxep._ffi.{op}: {what} must be {expected}, got {got}")
+
+
 def _check_rank_attrs(op: str, num_experts: int | None, rank: int, ep_size: int) -> None:
   if ep_size < 1 or not 0 <= rank < ep_size:
-    raise ValueError(f"jaxep._ffi.{op}: need ep_size >= 1 and 0 <= rank < ep_size, "
-                     f"got rank={rank}, ep_size={ep_size}")
-  if num_experts is not None and (num_experts < 1 or num_experts % ep_size):
-    raise ValueError(f"jaxep._ffi.{op}: num_experts must be a positive multiple of "
-                     f"ep_size={ep_size}, got {num_experts}")
+    _fail(op, "(rank, ep_size)", "ep_size >= 1 and 0 <= rank < ep_size", (rank, ep_size))
+  if num_experts is not None and not (1 <= num_experts <= MAX_EXPERTS
+                                      and num_experts % ep_size == 0):
+    _fail(op, "num_experts", f"in [1, {MAX_EXPERTS}] and a multiple of ep_size={ep_size}",
+          num_experts)
+  if ep_size != 1:
+    raise NotImplementedError(
+        f"jaxep._ffi.{op}: ep_size = {ep_size} (rank {rank}) needs the multi-rank CUDA path, "
+        "which is not built yet; only ep_size == 1 runs on the CUDA backend today (use the "
+        "reference backend for several ranks)")
+
+
+def _check_dtype(op: str, what: str, a, expected) -> None:
+  name = str(getattr(a, "dtype", "?"))
+  if isinstance(expected, str):
+    expected = (expected,)
+  if name not in expected:
+    _fail(op, f"{what}.dtype", " or ".join(expected), name)
+
+
+def _check_rank(op: str, what: str, a, ndim: int, layout: str) -> None:
+  if len(a.shape) != ndim:
+    _fail(op, what, layout, f"shape {tuple(a.shape)}")
 
 
 def _i64(v: int) -> np.int64:
@@ -121,18 +154,24 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int, rank
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  _require("dispatch")
-  _check_rank_attrs("dispatch", num_experts, rank, ep_size)
-  if len(x.shape) != 2 or len(topk_idx.shape) != 2 or topk_idx.shape[0] != x.shape[0]:
-    raise ValueError(f"jaxep._ffi.dispatch: need x[T,H] and topk_idx[T,K], got x{tuple(x.shape)} "
-                     f"and topk_idx{tuple(topk_idx.shape)}")
-  if tuple(topk_weights.shape) != tuple(topk_idx.shape):
-    raise ValueError(f"jaxep._ffi.dispatch: topk_weights must have shape {tuple(topk_idx.shape)}, "
-                     f"got {tuple(topk_weights.shape)}")
-  if capacity < 0:
-    raise ValueError(f"jaxep._ffi.dispatch: capacity must be >= 0, got {capacity}")
+  op = "dispatch"
+  _require(op)
+  _check_rank_attrs(op, num_experts, rank, ep_size)
+  _check_rank(op, "x", x, 2, "[T, H]")
+  _check_rank(op, "topk_idx", topk_idx, 2, "[T, K]")
+  _check_dtype(op, "x", x, _PAYLOAD_DTYPES)
+  _check_dtype(op, "topk_idx", topk_idx, "int32")
+  _check_dtype(op, "topk_weights", topk_weights, "float32")
   t, h = x.shape
   k = topk_idx.shape[1]
+  if topk_idx.shape[0] != t:
+    _fail(op, "topk_idx", f"[T={t}, K]", f"shape {tuple(topk_idx.shape)}")
+  if tuple(topk_weights.shape) != (t, k):
+    _fail(op, "topk_weights", f"shape {(t, k)}", f"shape {tuple(topk_weights.shape)}")
+  if not 0 <= capacity <= _INT32_MAX:
+    _fail(op, "capacity", f"in [0, {_INT32_MAX}]", capacity)
+  if t * k > _INT32_MAX:
+    _fail(op, "T*K (slots)", f"<= {_INT32_MAX}", t * k)
   c = int(capacity)
   l = num_experts // ep_size
   i32, f32 = jnp.int32, jnp.float32
@@ -157,13 +196,15 @@ def dispatch_rows(x, recv_slot, *, topk: int, rank: int = 0, ep_size: int = 1):
   """
   import jax  # pylint: disable=g-import-not-at-top
 
-  _require("dispatch_rows")
-  _check_rank_attrs("dispatch_rows", None, rank, ep_size)
-  if len(x.shape) != 2 or len(recv_slot.shape) != 1:
-    raise ValueError(f"jaxep._ffi.dispatch_rows: need x[T,H] and recv_slot[C], got "
-                     f"x{tuple(x.shape)} and recv_slot{tuple(recv_slot.shape)}")
-  if topk < 1:
-    raise ValueError(f"jaxep._ffi.dispatch_rows: topk must be >= 1, got {topk}")
+  op = "dispatch_rows"
+  _require(op)
+  _check_rank_attrs(op, None, rank, ep_size)
+  _check_rank(op, "x", x, 2, "[T, H]")
+  _check_rank(op, "recv_slot", recv_slot, 1, "[C]")
+  _check_dtype(op, "x", x, _PAYLOAD_DTYPES)
+  _check_dtype(op, "recv_slot", recv_slot, "int32")
+  if not 1 <= topk <= _INT32_MAX or x.shape[0] * topk > _INT32_MAX:
+    _fail(op, "topk", f">= 1 with T*topk <= {_INT32_MAX}", topk)
   out_types = (jax.ShapeDtypeStruct((recv_slot.shape[0], x.shape[1]), x.dtype),)  # x_rows
   call = jax.ffi.ffi_call("jaxep_dispatch_rows", out_types, vmap_method="sequential")
   return tuple(call(x, recv_slot, rank=_i64(rank), ep_size=_i64(ep_size), topk=_i64(topk)))
@@ -177,14 +218,21 @@ def combine(y, weights, send_row, topk_idx, *, num_experts: int, rank: int = 0,
   """
   import jax  # pylint: disable=g-import-not-at-top
 
-  _require("combine")
-  _check_rank_attrs("combine", num_experts, rank, ep_size)
-  if len(y.shape) != 2 or tuple(weights.shape) != (y.shape[0],):
-    raise ValueError(f"jaxep._ffi.combine: need y[C,H] and weights[C], got y{tuple(y.shape)} and "
-                     f"weights{tuple(weights.shape)}")
-  if len(send_row.shape) != 2 or tuple(topk_idx.shape) != tuple(send_row.shape):
-    raise ValueError(f"jaxep._ffi.combine: need send_row[T,K] and topk_idx[T,K], got "
-                     f"send_row{tuple(send_row.shape)} and topk_idx{tuple(topk_idx.shape)}")
+  op = "combine"
+  _require(op)
+  _check_rank_attrs(op, num_experts, rank, ep_size)
+  _check_rank(op, "y", y, 2, "[C, H]")
+  _check_rank(op, "send_row", send_row, 2, "[T, K]")
+  _check_dtype(op, "y", y, _PAYLOAD_DTYPES)
+  _check_dtype(op, "weights", weights, "float32")
+  _check_dtype(op, "send_row", send_row, "int32")
+  _check_dtype(op, "topk_idx", topk_idx, "int32")
+  if tuple(weights.shape) != (y.shape[0],):
+    _fail(op, "weights", f"shape {(y.shape[0],)}", f"shape {tuple(weights.shape)}")
+  if tuple(topk_idx.shape) != tuple(send_row.shape):
+    _fail(op, "topk_idx", f"shape {tuple(send_row.shape)}", f"shape {tuple(topk_idx.shape)}")
+  if y.shape[0] > _INT32_MAX or send_row.shape[0] * send_row.shape[1] > _INT32_MAX:
+    _fail(op, "C and T*K", f"<= {_INT32_MAX}", (y.shape[0], send_row.shape))
   out_types = (jax.ShapeDtypeStruct((send_row.shape[0], y.shape[1]), y.dtype),)  # out
   call = jax.ffi.ffi_call("jaxep_combine", out_types, vmap_method="sequential")
   return tuple(call(y, weights, send_row, topk_idx, num_experts=_i64(num_experts),

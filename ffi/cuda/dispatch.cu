@@ -29,7 +29,7 @@ constexpr size_t AlignUp(size_t n) { return (n + kScratchAlign - 1) / kScratchAl
 
 int64_t NumChunks(int64_t num_slots) { return std::max<int64_t>(1, CeilDiv(num_slots, kChunk)); }
 
-// Scratch layout (byte offsets, each region 256-byte aligned):
+// Scratch layout (byte offsets from the base, each a multiple of 256):
 //   [0]                     int32 bases[E * num_chunks]   (counts, then bases after the scan)
 //   [AlignUp(E*nc*4)]       int32 chunk_invalid[num_chunks]
 //   [.. + AlignUp(nc*4)]    int32 kept_total[1]           (min(valid slots, C))

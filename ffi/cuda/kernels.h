@@ -40,8 +40,8 @@ struct DispatchLayoutArgs {
   float* row_weights = nullptr;           // [C] weight of the row's slot, or 0.
   int32_t* group_sizes = nullptr;         // [E] kept rows per expert.
   int32_t* stats = nullptr;               // [2] {dropped_rows, invalid_ids}.
-  // Device scratch of DispatchLayoutScratchBytes(T*K, E) bytes, 256-byte aligned; contents on
-  // entry do not matter.
+  // Device scratch of DispatchLayoutScratchBytes(T*K, E) bytes, at least 4-byte aligned;
+  // contents on entry do not matter.
   void* scratch = nullptr;
 };
 
