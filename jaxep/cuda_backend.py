@@ -17,12 +17,15 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
 
 def dispatch_rows(x, recv_slot, *, axis_name, topk):
     del axis_name
-    return _ffi.dispatch_rows(x, recv_slot, topk=topk, rank=0, ep_size=1)
+    (rows,) = _ffi.dispatch_rows(x, recv_slot, topk=topk, rank=0, ep_size=1)
+    return rows
 
 
 def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
     del axis_name, recv_slot
-    return _ffi.combine(y, weights, send_row, topk_idx, num_experts=num_experts, rank=0, ep_size=1)
+    (out,) = _ffi.combine(y, weights, send_row, topk_idx, num_experts=num_experts, rank=0,
+                          ep_size=1)
+    return out
 
 
 def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, num_experts):

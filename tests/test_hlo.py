@@ -47,7 +47,9 @@ def test_cuda_ep1_lowers_to_the_custom_calls():
             x, idx, w, axis_name="ep", config=CFG, capacity=CFG.capacity(1))
         return cuda_backend.combine(rows, weights, send_row, recv_slot, idx2, axis_name="ep",
                                     num_experts=8)
-    hlo = jax.jit(body).trace(x, idx, w).lower(lowering_platforms=("cuda",)).as_text()
+    traced = jax.jit(body).trace(x, idx, w)
+    assert traced.out_info.shape == (4, 16) and traced.out_info.dtype == jnp.bfloat16
+    hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count('custom_call @jaxep_dispatch') == 1, hlo
     assert hlo.count('custom_call @jaxep_combine') == 1
     for stray in ("all_gather", "all_to_all", "sort"):
