@@ -102,25 +102,27 @@ def _slot_table(recv_slot, R, T, K):
 
 
 def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
-    """out[t] = sum_r asc of (fma over k asc on r of w*y) in f32, cast once (docs/design.md)."""
+    """out[t] = sum_r asc (sum_k asc on r of round(w*y)) in f32, cast once (docs/design.md)."""
     del topk_idx, num_experts  # the expert side knows its rows' slots; sources need nothing more
     R = jax.lax.axis_size(axis_name)
     T, K = send_row.shape
     rowof = _slot_table(recv_slot, R, T, K)
     y32 = exact_f32(y)
-    # The products must become FMAs in a chain, fma(w_k, y_k, partial), each addition with exactly one
-    # product operand: XLA contracts `a + w * y` into an FMA, and would fold a literal `0 + w0*y0`
-    # into a bare product whose later `w0*y0 + w1*y1` it could contract either way. So the chain
-    # starts from a zero XLA cannot see through (the condition is never true).
-    partial = jnp.where(rowof[..., :1] < -1, 1.0, 0.0).astype(jnp.float32)
-    partial = jnp.broadcast_to(partial, (R, T, y.shape[1]))
+    # Each product is rounded to f32 before it is added (docs/design.md): XLA contracts `p + w * y`
+    # into an FMA on some platforms and not others, and removes barriers, reduce_precision and
+    # bitcast round trips. An XOR of the product's bits with a zero XLA cannot prove to be zero
+    # (it depends on the data) is opaque to every optimizer, so the product is materialized.
+    opaque_zero = (rowof < -1).astype(jnp.uint32)  # [R,T,K], all 0: rowof >= -1 always
+    # An opaque +0.0 start too, so XLA cannot fold `0 + p` into `p` (which would keep a -0.0).
+    partial = jax.lax.bitcast_convert_type(
+        jnp.broadcast_to(opaque_zero[:, :, :1], (R, T, y.shape[1])), jnp.float32)
     for k in range(K):
         row = rowof[:, :, k]
         ok = row >= 0
         r = jnp.where(ok, row, 0)
-        w = jnp.where(ok, weights[r], 0.0)[..., None]
-        yrow = jnp.where(ok[..., None], y32[r], 0.0)  # masked slots add fma(0, 0, p) = p
-        partial = partial + w * yrow
+        prod = jnp.where(ok, weights[r], 0.0)[..., None] * jnp.where(ok[..., None], y32[r], 0.0)
+        bits = jax.lax.bitcast_convert_type(prod, jnp.uint32) ^ opaque_zero[:, :, k:k + 1]
+        partial = partial + jax.lax.bitcast_convert_type(bits, jnp.float32)  # masked: + 0.0
     # recv[r] is the partial that expert rank r computed for this rank's tokens.
     recv = _all_to_all(partial, axis_name)
     out = jnp.zeros((T, y.shape[1]), jnp.float32)

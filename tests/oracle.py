@@ -1,7 +1,7 @@
 """A NumPy oracle for dispatch and combine, written from SPEC section 3 / docs/design.md.
 
 Loops over ranks, tokens and slots in the spec's words; no JAX. All ranks' inputs are given at once
-(lists indexed by rank). f32 sums are NumPy's IEEE single precision; the weighted products use `fma32`.
+(lists indexed by rank). f32 arithmetic is NumPy's IEEE single precision: every product and sum rounded (no FMA).
 """
 from __future__ import annotations
 
@@ -47,18 +47,8 @@ def dispatch(xs, idxs, ws, *, num_experts, capacity):
     return out
 
 
-def fma32(a, b, c):
-    """f32 fused multiply-add, rounded once: a*b is exact in f64 (24+24 bits < 53). The f64 sum is
-    exact too whenever the operands' exponents are within 53-48 bits of each other; otherwise it is
-    rounded twice (f64 then f32), which can differ from one rounding in rare halfway cases. With
-    bf16/f16 payloads the product has at most 35 bits and such cases are rarer still."""
-    a64 = np.float64(np.float32(a))
-    return (a64 * np.asarray(b, np.float32).astype(np.float64)
-            + np.asarray(c, np.float32).astype(np.float64)).astype(np.float32)
-
-
 def combine(ys, weights, send_row, idxs, *, num_experts):
-    """out[s][t] = sum_r asc of (fma over k asc with expert on r of w*y[row]) in f32, cast once."""
+    """out[s][t] = sum_r asc (sum_k asc with expert on r of w*y[row]) in f32, cast to y's dtype."""
     R = len(ys)
     T, K = idxs[0].shape
     L = num_experts // R
@@ -73,7 +63,8 @@ def combine(ys, weights, send_row, idxs, *, num_experts):
                 for k in range(K):
                     e, row = int(idxs[s][t, k]), int(send_row[s][t, k])
                     if row >= 0 and e // L == r:
-                        partial = fma32(weights[r][row], ys[r][row], partial)
+                        prod = np.float32(weights[r][row]) * ys[r][row].astype(np.float32)
+                        partial = (partial + prod).astype(np.float32)
                 acc = (acc + partial).astype(np.float32)
             out[t] = acc
         outs.append(out.astype(ys[0].dtype))

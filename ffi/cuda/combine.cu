@@ -1,12 +1,12 @@
 // Single-rank combine with the fixed reduction order of docs/design.md:
-//   partial = 0.0f; for k ascending over the kept slots: partial = fmaf(w[row], f32(y[row]), partial)
+//   partial = 0.0f; for k ascending over the kept slots: partial = partial + (w[row] * f32(y[row]))
 //   out     = 0.0f + partial   (the sum over ranks, one rank today);   result = cast<T>(out)
 //
 // Each thread owns VEC consecutive hidden elements of one token (a 16-byte pack when the row size
 // and both base addresses allow it, else one element) and walks k = 0..K-1 in order, so every
 // output element is the same sequence of IEEE operations whatever the launch shape: results are
-// bitwise reproducible. The explicit intrinsics (__fmaf_rn: one rounding; __fadd_rn: never fused)
-// pin the arithmetic so that it matches the reference backend, where XLA emits the same FMA.
+// bitwise reproducible. The explicit intrinsics (__fmul_rn, __fadd_rn: each rounded, never fused
+// into an FMA) pin the arithmetic to docs/design.md, which the reference backend also follows.
 #include <algorithm>
 
 #include "common.cuh"
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       const P p = y_packs[static_cast<int64_t>(row) * units_per_row + u];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        partial[v] = __fmaf_rn(w, Convert<T>::ToF32(p.v[v]), partial[v]);
+        partial[v] = __fadd_rn(partial[v], __fmul_rn(w, Convert<T>::ToF32(p.v[v])));
       }
     }
     // out = 0.0f; for r ascending: out += partial_r. One rank today: out = 0.0f + partial.

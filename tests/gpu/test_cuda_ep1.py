@@ -5,7 +5,7 @@ tests/oracle.py:
   * valid slot: 0 <= id < E; -1 masked silently; other ids masked and counted (stats[1]);
   * valid slots ordered by (expert, t, k); order index p < C gives row p, the rest are dropped and
     counted (stats[0]); rows past the kept ones are zero, weight 0, recv_slot -1;
-  * combine: partial = 0; for k ascending over kept slots: partial = fmaf(w[row], f32(y[row]),
+  * combine: partial = 0; for k ascending over kept slots: partial = partial + w[row] * f32(y[row]) (two roundings,
     partial) (one rounding); out = cast(0 + partial).
 
 Skipped (at module level, with the reason) without the built extension or without a GPU.
@@ -67,23 +67,6 @@ def oracle_dispatch(x, idx, w, *, num_experts, capacity):
           sanitized.reshape(t, k), stats)
 
 
-def fma_f32(a, b, c):
-  """Exact f32 fmaf(a, b, c) (one rounding), vectorized.
-
-  a*b is exact in f64 (24 + 24 bits). The f64 sum s = p + c is rounded, so its exact error is
-  recovered with TwoSum and folded in by rounding to odd; rounding that f64 (53 >= 24 + 2 bits)
-  to f32 then gives the correctly rounded result, with no double-rounding error.
-  """
-  p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32).astype(np.float64)
-  c64 = np.asarray(c, np.float32).astype(np.float64)
-  s = p + c64
-  bv = s - p
-  err = (p - (s - bv)) + (c64 - bv)
-  odd = (s.view(np.int64) & 1) == 1
-  toward = np.nextafter(s, np.where(err > 0, np.inf, -np.inf))
-  return np.where((err == 0) | odd, s, toward).astype(np.float32)
-
-
 def oracle_combine(y, weights, send_row, idx, *, num_experts):
   t, k = send_row.shape
   c = y.shape[0]
@@ -93,7 +76,7 @@ def oracle_combine(y, weights, send_row, idx, *, num_experts):
     row, e = send_row[:, kk], idx[:, kk]
     ok = (row >= 0) & (row < c) & (e >= 0) & (e < num_experts)
     r = np.where(ok, row, 0)
-    new = fma_f32(weights[r][:, None], y32[r], partial)
+    new = (partial + (weights[r][:, None] * y32[r]).astype(np.float32)).astype(np.float32)
     partial = np.where(ok[:, None], new, partial)
   out = np.float32(0.0) + partial  # the sum over ranks: one rank
   return out.astype(y.dtype)
