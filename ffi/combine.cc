@@ -2,7 +2,8 @@
 //
 // out[t] = cast(0 + fma chain over k ascending of the kept slots: p = fmaf(w[row], f32(y[row]), p))
 // in the fixed order of docs/design.md (kernel in ffi/cuda/combine.cu). Every element of `out` is written,
-// tokens with no kept slot get 0. Only ep_size == 1 is built today.
+// tokens with no kept slot get 0. ep_size > 1 runs the multi-rank protocol of ffi/multirank.cc
+// (sum over ranks ascending of the per-rank fma chains, in f32, cast once).
 #include <cstdint>
 #include <string_view>
 
@@ -12,6 +13,7 @@
 
 #include "common.h"
 #include "cuda/kernels.h"
+#include "multirank.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxep {
@@ -37,7 +39,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
                        ffi::Buffer<ffi::S32, 2> send_row, ffi::Buffer<ffi::S32, 2> topk_idx,
                        int64_t num_experts, int64_t rank, int64_t ep_size,
                        ffi::Result<ffi::AnyBuffer> out) {
-  if (ffi::Error err = CheckSingleRank(kCombine, rank, ep_size); err.failure()) return err;
+  if (ffi::Error err = CheckRankAttrs(kCombine, rank, ep_size); err.failure()) return err;
   if (y.dimensions().size() != 2) {
     return ffi::Error::InvalidArgument(
         StrCat(kCombine, ": y must be [C, H], got shape ", DimsToString(y.dimensions())));
@@ -65,6 +67,14 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
                                               DataTypeName(out->element_type())));
   }
   ffi::AnyBuffer& o = *out;
+  if (ep_size > 1) {
+    if (ElementBytesOf(y.element_type()) == 0) {
+      return ffi::Error::InvalidArgument(StrCat(kCombine, ": y must be bf16, f16 or f32, got ",
+                                                DataTypeName(y.element_type())));
+    }
+    return MultiRankCombine(stream, y, weights.typed_data(), send_row.typed_data(),
+                            topk_idx.typed_data(), tokens, topk, num_experts, ep_size, o);
+  }
   switch (y.element_type()) {
     case ffi::DataType::BF16:
       return CombineTyped<__nv_bfloat16>(stream, y, weights.typed_data(), send_row.typed_data(),
@@ -96,6 +106,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<jaxep::S32Mat>()                              // send_row [T, K] (handle)
         .Arg<jaxep::S32Mat>()                              // topk_idx [T, K] sanitized (handle)
         .Attr<int64_t>("num_experts")                      // E
-        .Attr<int64_t>("rank")                             // this rank on the EP axis
-        .Attr<int64_t>("ep_size")                          // R, EP axis size (1 today)
+        .Attr<int64_t>("rank")                             // 0 (R == 1) or -1 (from the runtime)
+        .Attr<int64_t>("ep_size")                          // R, EP axis size
         .Ret<xla::ffi::AnyBuffer>());                      // out [T, H], dtype of y

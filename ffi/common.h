@@ -51,6 +51,16 @@ inline const char* DataTypeName(ffi::DataType t) {
   }
 }
 
+// Bytes of a payload element (bf16/f16/f32), 0 for any other dtype.
+inline size_t ElementBytesOf(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16:
+    case ffi::DataType::F16: return 2;
+    case ffi::DataType::F32: return 4;
+    default: return 0;
+  }
+}
+
 // Error unless `dims` equals `expected` exactly; `what` names the argument ("x_rows").
 inline ffi::Error CheckDims(std::string_view target, std::string_view what,
                             ffi::AnyBuffer::Dimensions dims,
@@ -79,21 +89,18 @@ inline ffi::Error CheckRange(std::string_view target, std::string_view what, int
                                             "], got ", value));
 }
 
-// Checks the (rank, ep_size) attributes. Only the single-rank path is built today.
-inline ffi::Error CheckSingleRank(std::string_view target, int64_t rank, int64_t ep_size) {
+// Checks the (rank, ep_size) attributes. ep_size == 1: rank must be 0 (single-rank kernels).
+// ep_size > 1: the multi-rank path (ffi/multirank.cc) takes the rank from the runtime, so that the
+// HLO is identical on every rank; the attribute is -1 there (any value in [0, ep_size) is accepted
+// and ignored).
+inline ffi::Error CheckRankAttrs(std::string_view target, int64_t rank, int64_t ep_size) {
   if (ep_size < 1) {
     return ffi::Error::InvalidArgument(StrCat(target, ": ep_size must be >= 1, got ", ep_size));
   }
-  if (rank < 0 || rank >= ep_size) {
+  if (ep_size == 1 ? rank != 0 : (rank < -1 || rank >= ep_size)) {
     return ffi::Error::InvalidArgument(
-        StrCat(target, ": rank must be in [0, ep_size) = [0, ", ep_size, "), got ", rank));
-  }
-  if (ep_size != 1) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      StrCat(target, ": ep_size = ", ep_size, " (rank ", rank,
-                             ") needs the multi-rank CUDA path, which is not built yet; only "
-                             "ep_size == 1 runs on the CUDA backend today (use the reference "
-                             "backend for several ranks)"));
+        StrCat(target, ": rank must be 0 for ep_size 1, or -1 (from the runtime) for ep_size > 1; "
+                       "got rank ", rank, " with ep_size ", ep_size));
   }
   return ffi::Error::Success();
 }

@@ -2,8 +2,8 @@
 //
 // The handlers check shapes and attributes against docs/design.md, take device scratch from XLA,
 // and launch the kernels of ffi/cuda/dispatch.cu on XLA's stream. Every output element is written
-// by every call (XLA does not zero-initialize results). Only ep_size == 1 is built today; other
-// sizes return an Unimplemented error (the attributes are already part of the contract).
+// by every call (XLA does not zero-initialize results). ep_size == 1 runs the single-rank kernels;
+// ep_size > 1 the multi-rank protocol of ffi/multirank.cc (not command-buffer compatible).
 #include <cstdint>
 #include <string_view>
 
@@ -13,6 +13,7 @@
 
 #include "common.h"
 #include "cuda/kernels.h"
+#include "multirank.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxep {
@@ -80,7 +81,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
                         ffi::ResultBuffer<ffi::S32, 1> recv_slot,
                         ffi::ResultBuffer<ffi::S32, 2> topk_idx_out,
                         ffi::ResultBuffer<ffi::S32, 1> stats) {
-  if (ffi::Error err = CheckSingleRank(kDispatch, rank, ep_size); err.failure()) return err;
+  if (ffi::Error err = CheckRankAttrs(kDispatch, rank, ep_size); err.failure()) return err;
   if (x.dimensions().size() != 2) {
     return ffi::Error::InvalidArgument(
         StrCat(kDispatch, ": x must be [T, H], got shape ", DimsToString(x.dimensions())));
@@ -119,6 +120,18 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
                                               DataTypeName(x_rows->element_type())));
   }
 
+  if (ep_size > 1) {
+    if (ElementBytesOf(x.element_type()) == 0) {
+      return ffi::Error::InvalidArgument(StrCat(kDispatch, ": x must be bf16, f16 or f32, got ",
+                                                DataTypeName(x.element_type())));
+    }
+    ffi::AnyBuffer& xr_buf = *x_rows;
+    return MultiRankDispatch(stream, scratch, x, topk_idx.typed_data(), topk_weights.typed_data(),
+                             s.topk, num_experts, capacity, ep_size, xr_buf, weights->typed_data(),
+                             group_sizes->typed_data(), send_row->typed_data(),
+                             recv_slot->typed_data(), topk_idx_out->typed_data(),
+                             stats->typed_data());
+  }
   const void* xp = x.untyped_data();
   void* xr = x_rows->untyped_data();
   switch (x.element_type()) {
@@ -160,7 +173,7 @@ ffi::Error DispatchRowsTyped(cudaStream_t stream, const void* x, int64_t tokens,
 ffi::Error DispatchRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32, 1> recv_slot, int64_t rank, int64_t ep_size,
                             int64_t topk, ffi::Result<ffi::AnyBuffer> x_rows) {
-  if (ffi::Error err = CheckSingleRank(kDispatchRows, rank, ep_size); err.failure()) return err;
+  if (ffi::Error err = CheckRankAttrs(kDispatchRows, rank, ep_size); err.failure()) return err;
   if (x.dimensions().size() != 2) {
     return ffi::Error::InvalidArgument(
         StrCat(kDispatchRows, ": x must be [T, H], got shape ", DimsToString(x.dimensions())));
@@ -178,6 +191,14 @@ ffi::Error DispatchRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
     return ffi::Error::InvalidArgument(StrCat(kDispatchRows, ": x_rows must have the dtype of x (",
                                               DataTypeName(x.element_type()), "), got ",
                                               DataTypeName(x_rows->element_type())));
+  }
+  if (ep_size > 1) {
+    if (ElementBytesOf(x.element_type()) == 0) {
+      return ffi::Error::InvalidArgument(StrCat(
+          kDispatchRows, ": x must be bf16, f16 or f32, got ", DataTypeName(x.element_type())));
+    }
+    ffi::AnyBuffer& xr_buf = *x_rows;
+    return MultiRankDispatchRows(stream, x, recv_slot.typed_data(), rows, topk, ep_size, xr_buf);
   }
   const void* xp = x.untyped_data();
   void* xr = x_rows->untyped_data();
@@ -210,8 +231,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<jaxep::F32Mat>()                              // topk_weights [T, K]
         .Attr<int64_t>("num_experts")                      // E
         .Attr<int64_t>("capacity")                         // C, receive rows per rank
-        .Attr<int64_t>("rank")                             // this rank on the EP axis
-        .Attr<int64_t>("ep_size")                          // R, EP axis size (1 today)
+        .Attr<int64_t>("rank")                             // 0 (R == 1) or -1 (from the runtime)
+        .Attr<int64_t>("ep_size")                          // R, EP axis size
         .Ret<xla::ffi::AnyBuffer>()                        // x_rows [C, H], dtype of x
         .Ret<jaxep::F32Vec>()                              // weights [C]
         .Ret<jaxep::S32Vec>()                              // group_sizes [L]
@@ -226,7 +247,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()     // XLA's compute stream
         .Arg<xla::ffi::AnyBuffer>()                        // x [T, H] bf16|f16|f32
         .Arg<jaxep::S32Vec>()                              // recv_slot [C]
-        .Attr<int64_t>("rank")                             // this rank on the EP axis
-        .Attr<int64_t>("ep_size")                          // R, EP axis size (1 today)
+        .Attr<int64_t>("rank")                             // 0 (R == 1) or -1 (from the runtime)
+        .Attr<int64_t>("ep_size")                          // R, EP axis size
         .Attr<int64_t>("topk")                             // K (slot id / K = token)
         .Ret<xla::ffi::AnyBuffer>());                      // x_rows [C, H], dtype of x

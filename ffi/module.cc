@@ -1,6 +1,6 @@
 // The nanobind extension module `jaxep._jaxep_cuda`: hands jaxep's XLA FFI handlers to Python as
-// PyCapsules (jaxep/_ffi.py registers them with jax.ffi.register_ffi_target) and reports how the
-// module was built. Importing it touches no GPU: nothing here calls the CUDA runtime.
+// PyCapsules (jaxep/_ffi.py registers them with jax.ffi.register_ffi_target), reports how the
+// module was built, and binds the multi-rank runtime (ffi/runtime.cc). Importing it touches no GPU.
 #include <cuda_runtime_api.h>  // CUDART_VERSION
 
 #include <nanobind/nanobind.h>
@@ -14,9 +14,15 @@ namespace nb = nanobind;
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepDispatchRows);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepCombine);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepGatherBack);  // ffi/multirank.cc
+
+void RegisterRuntime(nb::module_& m);  // ffi/runtime.cc
 
 #ifndef JAXEP_CUDA_ARCHS
 #define JAXEP_CUDA_ARCHS "unknown"
+#endif
+#ifndef JAXEP_NVSHMEM_ROOT_STR
+#define JAXEP_NVSHMEM_ROOT_STR ""
 #endif
 #ifndef JAXEP_CUDART
 #define JAXEP_CUDART "unknown"
@@ -34,7 +40,8 @@ nb::capsule Capsule(Fn* fn) {
 }  // namespace
 
 NB_MODULE(_jaxep_cuda, m) {
-  m.doc() = "jaxep CUDA kernels as XLA FFI handlers (single-rank path; NVSHMEM not linked yet)";
+  m.doc() = "jaxep CUDA kernels as XLA FFI handlers, and the multi-rank NVSHMEM runtime";
+  RegisterRuntime(m);
 
   m.def(
       "registrations",
@@ -43,6 +50,7 @@ NB_MODULE(_jaxep_cuda, m) {
         d["jaxep_dispatch"] = Capsule(JaxepDispatch);
         d["jaxep_dispatch_rows"] = Capsule(JaxepDispatchRows);
         d["jaxep_combine"] = Capsule(JaxepCombine);
+        d["jaxep_gather_back"] = Capsule(JaxepGatherBack);
         return d;
       },
       "Target name -> PyCapsule of its XLA FFI handler (register with platform='CUDA').");
@@ -55,8 +63,13 @@ NB_MODULE(_jaxep_cuda, m) {
         d["cuda_archs"] = JAXEP_CUDA_ARCHS;  // CMAKE_CUDA_ARCHITECTURES of the build
         d["cudart"] = JAXEP_CUDART;          // "static" or "shared"
         d["xla_ffi_api"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
-        d["multi_rank"] = false;             // NVSHMEM kernels are not built yet
-        d["ep_sizes"] = nb::make_tuple(1);
+#ifdef JAXEP_HAVE_NVSHMEM
+        d["multi_rank"] = true;              // NVSHMEM runtime + multi-rank kernels
+        d["nvshmem"] = JAXEP_NVSHMEM_ROOT_STR;
+#else
+        d["multi_rank"] = false;             // built without NVSHMEM: EP size 1 only
+        d["nvshmem"] = "not found at build time";
+#endif
         return d;
       },
       "How this extension was built (CUDA version, archs, XLA FFI API version, features).");

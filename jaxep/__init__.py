@@ -9,10 +9,10 @@ Importing jaxep only registers the FFI targets of the CUDA extension, when it wa
 """
 from jaxep.config import Config
 from jaxep.ops import combine, dispatch
-from jaxep.runtime import finalize, initialize
+from jaxep.runtime import TimeoutError, check, finalize, initialize  # noqa: A004
 from jaxep.types import DispatchResult, Handle, Stats
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "DispatchResult", "Handle", "Stats", "combine", "dispatch", "finalize",
-           "initialize"]
+__all__ = ["Config", "DispatchResult", "Handle", "Stats", "TimeoutError", "check", "combine",
+           "dispatch", "finalize", "initialize"]

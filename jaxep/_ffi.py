@@ -14,10 +14,17 @@ contract's order. They raise ValueError at trace time for anything the FFI handl
 a batch of independent calls under ``jax.vmap`` is run as a loop of single calls, which is
 correct for every op here. A fused batched kernel is not worth it for a communication op.
 
-Today the CUDA handlers accept ``ep_size == 1`` only; the wrappers raise NotImplementedError for
-other sizes at trace time. They check every limit the handlers check (dtypes, shapes, int32 sizes,
-num_experts <= MAX_EXPERTS) so that a handler never has to return an error: on jax 0.11.2 with the
-CUDA 13 plugin, an FFI handler returning an error was seen to crash the process (SIGSEGV).
+``ep_size == 1`` runs the single-rank kernels (rank attribute 0). ``ep_size > 1`` runs the
+multi-rank NVSHMEM kernels (rank attribute -1: the rank comes from the runtime, so the HLO is the
+same on every rank); it needs `jaxep.initialize` in a multi-process run first. The wrappers check
+every limit the handlers check (dtypes, shapes, int32 sizes, num_experts <= MAX_EXPERTS, the sizes
+the symmetric buffers were allocated for) so that a handler never has to return an error: on
+jax 0.11.2 with the CUDA 13 plugin, an FFI handler returning an error was seen to crash the
+process (SIGSEGV).
+
+Loading: the extension links ``libnvshmem_host.so.3`` when it was built with NVSHMEM. Before
+importing it, `_preload_nvshmem` loads that library from the ``nvidia.nvshmem`` wheel with
+``RTLD_GLOBAL`` (the module also carries an RPATH to it), so no ``LD_LIBRARY_PATH`` is needed.
 """
 
 from __future__ import annotations
@@ -27,16 +34,39 @@ from typing import Any
 
 import numpy as np
 
-TARGETS = ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine")
+TARGETS = ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine", "jaxep_gather_back")
 
 _module: Any = None
 _reason = "not loaded yet"
 _registered = False
 
 
+def _preload_nvshmem() -> str | None:
+  """Loads libnvshmem_host.so.3 from the nvidia.nvshmem wheel (RTLD_GLOBAL); its path or None."""
+  import ctypes  # pylint: disable=g-import-not-at-top
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+
+  try:
+    spec = importlib.util.find_spec("nvidia.nvshmem")
+  except (ImportError, ValueError):
+    return None
+  if spec is None or not spec.submodule_search_locations:
+    return None
+  path = os.path.join(list(spec.submodule_search_locations)[0], "lib", "libnvshmem_host.so.3")
+  if not os.path.exists(path):
+    return None
+  try:
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+  except OSError:
+    return None
+  return path
+
+
 def _load() -> None:
   """Imports the extension and registers its targets once; records why not otherwise."""
   global _module, _reason, _registered
+  _preload_nvshmem()
   try:
     # import_module rather than `from jaxep import ...`: this runs while jaxep/__init__ is still
     # importing, where the latter reports a misleading "circular import".
@@ -113,17 +143,59 @@ def _fail(op: str, what: str, expected: str, got) -> None:
 
 
 def _check_rank_attrs(op: str, num_experts: int | None, rank: int, ep_size: int) -> None:
-  if ep_size < 1 or not 0 <= rank < ep_size:
-    _fail(op, "(rank, ep_size)", "ep_size >= 1 and 0 <= rank < ep_size", (rank, ep_size))
+  if ep_size < 1 or not (rank == 0 if ep_size == 1 else -1 <= rank < ep_size):
+    _fail(op, "(rank, ep_size)", "(0, 1), or rank -1 (from the runtime) with ep_size > 1",
+          (rank, ep_size))
   if num_experts is not None and not (1 <= num_experts <= MAX_EXPERTS
                                       and num_experts % ep_size == 0):
     _fail(op, "num_experts", f"in [1, {MAX_EXPERTS}] and a multiple of ep_size={ep_size}",
           num_experts)
   if ep_size != 1:
+    runtime_limits(op, ep_size)
+
+
+def multi_rank_built() -> bool:
+  """True when the extension was built with NVSHMEM (the multi-rank kernels)."""
+  return _module is not None and bool(_module.build_info().get("multi_rank", False))
+
+
+def runtime_info() -> dict | None:
+  """The initialized multi-rank runtime (rank, size, limits, calls so far), or None."""
+  if not multi_rank_built():
+    return None
+  return _module.runtime_info()
+
+
+def runtime_limits(op: str, ep_size: int) -> dict:
+  """The runtime's limits for a multi-rank call; raises when it cannot run."""
+  if not multi_rank_built():
     raise NotImplementedError(
-        f"jaxep._ffi.{op}: ep_size = {ep_size} (rank {rank}) needs the multi-rank CUDA path, "
-        "which is not built yet; only ep_size == 1 runs on the CUDA backend today (use the "
-        "reference backend for several ranks)")
+        f"jaxep._ffi.{op}: ep_size = {ep_size} needs the multi-rank CUDA path, but this build of "
+        "the extension has no NVSHMEM (build_info()['multi_rank'] is False; install "
+        "nvidia-nvshmem-cu13 and rebuild, see docs/build.md), or use the reference backend")
+  info = _module.runtime_info()
+  if info is None:
+    raise RuntimeError(
+        f"jaxep._ffi.{op}: ep_size = {ep_size} on the CUDA backend needs the NVSHMEM runtime: call "
+        "jaxep.initialize(config) in every process of a multi-process run (one GPU per process, "
+        "e.g. python -m jaxep.launch --nproc N script.py) before tracing")
+  if info["size"] != ep_size:
+    _fail(op, "ep_size", f"the EP size jaxep.initialize set up ({info['size']} processes)", ep_size)
+  return info
+
+
+def _check_fits(op: str, ep_size: int, *, slots=0, experts=0, rows=0, staged_bytes=0) -> None:
+  """Multi-rank calls must fit the symmetric buffers that jaxep.initialize sized."""
+  if ep_size == 1:
+    return
+  info = runtime_limits(op, ep_size)
+  limits = (("T*K (slots)", slots, info["max_tokens"] * info["topk"]),
+            ("num_experts", experts, info["experts"]),
+            ("rows (capacity C)", rows, info["capacity"]),
+            ("staged bytes (rows x H x itemsize)", staged_bytes, info["stage_bytes"]))
+  for what, got, most in limits:
+    if got > most:
+      _fail(op, what, f"<= {most} (the buffers jaxep.initialize sized from its config)", got)
 
 
 def _check_dtype(op: str, what: str, a, expected) -> None:
@@ -174,6 +246,8 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int, rank
     _fail(op, "T*K (slots)", f"<= {_INT32_MAX}", t * k)
   c = int(capacity)
   l = num_experts // ep_size
+  _check_fits(op, ep_size, slots=t * k, experts=num_experts, rows=c,
+              staged_bytes=t * h * np.dtype(x.dtype).itemsize)
   i32, f32 = jnp.int32, jnp.float32
   out_types = (
       jax.ShapeDtypeStruct((c, h), x.dtype),  # x_rows
@@ -205,6 +279,8 @@ def dispatch_rows(x, recv_slot, *, topk: int, rank: int = 0, ep_size: int = 1):
   _check_dtype(op, "recv_slot", recv_slot, "int32")
   if not 1 <= topk <= _INT32_MAX or x.shape[0] * topk > _INT32_MAX:
     _fail(op, "topk", f">= 1 with T*topk <= {_INT32_MAX}", topk)
+  _check_fits(op, ep_size, slots=x.shape[0] * topk, rows=recv_slot.shape[0],
+              staged_bytes=x.shape[0] * x.shape[1] * np.dtype(x.dtype).itemsize)
   out_types = (jax.ShapeDtypeStruct((recv_slot.shape[0], x.shape[1]), x.dtype),)  # x_rows
   call = jax.ffi.ffi_call("jaxep_dispatch_rows", out_types, vmap_method="sequential")
   return tuple(call(x, recv_slot, rank=_i64(rank), ep_size=_i64(ep_size), topk=_i64(topk)))
@@ -233,7 +309,35 @@ def combine(y, weights, send_row, topk_idx, *, num_experts: int, rank: int = 0,
     _fail(op, "topk_idx", f"shape {tuple(send_row.shape)}", f"shape {tuple(topk_idx.shape)}")
   if y.shape[0] > _INT32_MAX or send_row.shape[0] * send_row.shape[1] > _INT32_MAX:
     _fail(op, "C and T*K", f"<= {_INT32_MAX}", (y.shape[0], send_row.shape))
+  _check_fits(op, ep_size, slots=send_row.shape[0] * send_row.shape[1], rows=y.shape[0],
+              staged_bytes=y.shape[0] * y.shape[1] * np.dtype(y.dtype).itemsize)
   out_types = (jax.ShapeDtypeStruct((send_row.shape[0], y.shape[1]), y.dtype),)  # out
   call = jax.ffi.ffi_call("jaxep_combine", out_types, vmap_method="sequential")
   return tuple(call(y, weights, send_row, topk_idx, num_experts=_i64(num_experts),
                     rank=_i64(rank), ep_size=_i64(ep_size)))
+
+
+def gather_back(v, send_row, topk_idx, *, num_experts: int, rank: int = -1, ep_size: int):
+  """``jaxep_gather_back`` (ep_size > 1 only): v[C] f32 on each destination, send_row[T,K] and
+  topk_idx[T,K] on each source -> ``(out[T,K] f32,)``: v at the slot's row on its destination
+  rank, 0 where the slot was not kept."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  op = "gather_back"
+  _require(op)
+  if ep_size < 2:
+    _fail(op, "ep_size", ">= 2 (EP size 1 gathers locally in jaxep.cuda_backend)", ep_size)
+  _check_rank_attrs(op, num_experts, rank, ep_size)
+  _check_rank(op, "v", v, 1, "[C]")
+  _check_rank(op, "send_row", send_row, 2, "[T, K]")
+  _check_dtype(op, "v", v, "float32")
+  _check_dtype(op, "send_row", send_row, "int32")
+  _check_dtype(op, "topk_idx", topk_idx, "int32")
+  if tuple(topk_idx.shape) != tuple(send_row.shape):
+    _fail(op, "topk_idx", f"shape {tuple(send_row.shape)}", f"shape {tuple(topk_idx.shape)}")
+  _check_fits(op, ep_size, slots=send_row.shape[0] * send_row.shape[1], rows=v.shape[0],
+              staged_bytes=v.shape[0] * 4)
+  out_types = (jax.ShapeDtypeStruct(tuple(send_row.shape), np.float32),)
+  call = jax.ffi.ffi_call("jaxep_gather_back", out_types, vmap_method="sequential")
+  return tuple(call(v, send_row, topk_idx, num_experts=_i64(num_experts), rank=_i64(rank),
+                    ep_size=_i64(ep_size)))

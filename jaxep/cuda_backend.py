@@ -1,6 +1,9 @@
 """The CUDA backend: the backend operations of docs/design.md on the XLA FFI custom calls.
 
-Today the custom calls cover one rank (EP size 1); `jaxep.ops` only routes here when that holds.
+EP size 1 runs the single-rank kernels. EP size > 1 runs the multi-rank NVSHMEM kernels: one
+process per rank (`jaxep.initialize` set up the runtime), the rank attribute is -1 and each
+handler takes its rank from the runtime, so every rank traces the same HLO. Every op routes to a
+custom call; gather_back is a local gather on one rank and the `jaxep_gather_back` call otherwise.
 """
 from __future__ import annotations
 
@@ -26,25 +29,41 @@ def _varying(xs, axis_name):
     return jax.tree.map(one, xs)
 
 
+def _rank_attrs(axis_name):
+    """(rank attribute, EP size): (0, 1) on one rank or outside shard_map, (-1, R) otherwise."""
+    try:
+        ep = int(jax.lax.axis_size(axis_name))
+    except NameError:  # direct calls of this backend outside shard_map: one rank
+        return 0, 1
+    return (0 if ep == 1 else -1), ep
+
+
 def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
+    rank, ep = _rank_attrs(axis_name)
     return _varying(tuple(_ffi.dispatch(x, topk_idx, topk_weights, num_experts=config.num_experts,
-                                        capacity=capacity, rank=0, ep_size=1)), axis_name)
+                                        capacity=capacity, rank=rank, ep_size=ep)), axis_name)
 
 
 def dispatch_rows(x, recv_slot, *, axis_name, topk):
-    (rows,) = _ffi.dispatch_rows(x, recv_slot, topk=topk, rank=0, ep_size=1)
+    rank, ep = _rank_attrs(axis_name)
+    (rows,) = _ffi.dispatch_rows(x, recv_slot, topk=topk, rank=rank, ep_size=ep)
     return _varying(rows, axis_name)
 
 
 def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
-    del recv_slot
-    (out,) = _ffi.combine(y, weights, send_row, topk_idx, num_experts=num_experts, rank=0,
-                          ep_size=1)
+    del recv_slot  # the source side walks its own slots; the expert side only stages y
+    rank, ep = _rank_attrs(axis_name)
+    (out,) = _ffi.combine(y, weights, send_row, topk_idx, num_experts=num_experts, rank=rank,
+                          ep_size=ep)
     return _varying(out, axis_name)
 
 
 def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
-    # One rank: the destination of every slot is this rank, so this is a local gather.
-    del recv_slot, topk_idx, axis_name, num_experts
-    kept = send_row >= 0
-    return jnp.where(kept, v[jnp.where(kept, send_row, 0)], 0.0).astype(jnp.float32)
+    del recv_slot
+    rank, ep = _rank_attrs(axis_name)
+    if ep == 1:  # the destination of every slot is this rank: a local gather
+        kept = send_row >= 0
+        return jnp.where(kept, v[jnp.where(kept, send_row, 0)], 0.0).astype(jnp.float32)
+    (out,) = _ffi.gather_back(v.astype(jnp.float32), send_row, topk_idx, num_experts=num_experts,
+                              rank=rank, ep_size=ep)
+    return _varying(out, axis_name)

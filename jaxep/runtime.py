@@ -1,15 +1,33 @@
-"""Process-wide state: `initialize` / `finalize`, and the choice of backend.
+"""Process-wide state: `initialize` / `finalize`, the multi-rank NVSHMEM runtime, `check`, and the
+choice of backend.
 
 Nothing here runs at import. The reference backend needs no initialization; the CUDA backend at EP
-size 1 needs none either; the multi-rank CUDA backend (NVSHMEM) will be set up by `initialize`.
+size 1 needs none either. The multi-rank CUDA backend (EP size > 1: one process per GPU/rank, e.g.
+`python -m jaxep.launch --nproc N [--share-gpu] script.py`) is set up by `initialize`:
+
+  1. checks: one local device per process, the extension built with NVSHMEM, NVSHMEM not already
+     initialized by someone else, enough free GPU memory outside XLA's pool for the symmetric block
+     (it names XLA_PYTHON_CLIENT_PREALLOCATE / XLA_PYTHON_CLIENT_MEM_FRACTION when XLA took it);
+  2. cudaSetDevice + cudaFree(0) on the calling thread (NVSHMEM binds to that device);
+  3. PE 0 creates the NVSHMEM unique id and publishes it in JAX's distributed key-value store; the
+     others read it (no MPI, no torch);
+  4. nvshmem init with the unique id, one `nvshmem_malloc` of the symmetric block sized from the
+     config and the EP size, the peer-pointer table (`nvshmem_ptr`), a host-mapped diagnostic record;
+  5. a watchdog thread that polls the record and logs a kernel's timeout at ERROR.
+
+PE = `jax.process_index()` = position on the EP axis (a mesh over `jax.devices()` in order).
+jaxep never writes os.environ; it logs (INFO) the NVSHMEM settings it recommends.
 """
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import logging
 import os
+import threading
 
 import jax
+import numpy as np
 
 from jaxep import _ffi
 from jaxep.config import Config
@@ -17,12 +35,32 @@ from jaxep.config import Config
 log = logging.getLogger("jaxep")
 
 _BACKENDS = ("reference", "cuda")
+_PHASES = {0: "-", 1: "release (waiting for the peer to finish reading this rank's stage of the "
+                      "previous call)", 2: "exchange (waiting for the peer's stage of this call)"}
+_OPS = {1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back"}
+_NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE default
+_HEAP_RESERVE = 128 << 20        # NVSHMEM's own allocations from the symmetric heap
+_MEM_MARGIN = 512 << 20          # contexts, NVSHMEM internals outside the heap
+
+
+class TimeoutError(builtins.TimeoutError):  # pylint: disable=redefined-builtin
+    """A multi-rank kernel's bounded wait expired (a peer died, hung, or runs another program).
+
+    The message names the rank, the op, the phase, the peer and the flag values. After it, the
+    runtime is aborted: every later multi-rank kernel of this process returns at once (outputs
+    unspecified) until `jaxep.finalize()`.
+    """
 
 
 @dataclasses.dataclass
 class _State:
     config: Config | None = None
     axis_name: str | None = None
+    multi_rank: bool = False        # NVSHMEM runtime up in this process
+    generation: int = 0             # initialize() calls that set up NVSHMEM (key-value store keys)
+    watchdog: threading.Thread | None = None
+    stop: threading.Event | None = None
+    reported: bool = False
 
 
 _state = _State()
@@ -35,11 +73,171 @@ def _configure_logging() -> None:
         log.setLevel(level.upper())
 
 
+def _parse_size(text: str) -> int:
+    """NVSHMEM_SYMMETRIC_SIZE syntax: an integer with an optional K/M/G/T suffix (powers of 2)."""
+    t = text.strip().upper().rstrip("B")
+    mult = 1
+    for i, suffix in enumerate("KMGT"):
+        if t.endswith(suffix):
+            mult, t = 1024 ** (i + 1), t[:-1]
+    return int(float(t) * mult)
+
+
+def recommended_env(sym_bytes: int, ranks_on_gpu: int = 1) -> dict:
+    """NVSHMEM settings jaxep recommends for this run (printed, never set)."""
+    heap = sym_bytes + _HEAP_RESERVE
+    rec = {
+        "NVSHMEM_DISABLE_NVLS": "1",  # no NVLink multicast
+        "NVSHMEM_SYMMETRIC_SIZE": str(max(heap, _NVSHMEM_DEFAULT_HEAP)),
+        "NVSHMEM_REMOTE_TRANSPORT": "none",  # one node: peers by NVLink/P2P only
+    }
+    if ranks_on_gpu > 1:
+        rec["NVSHMEM_DISABLE_NCCL"] = "1"
+        rec["NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = "1"
+    return rec
+
+
+def _fail(msg: str):
+    raise RuntimeError("jaxep.initialize: " + msg)
+
+
+def _row_bytes(config: Config) -> int:
+    # Every staged row (x, y, cotangents) is at most hidden x the widest payload dtype we accept
+    # for this config's dtype: the config's dtype, or f32 (gradients of f32 payloads).
+    return config.hidden * np.dtype(config.dtype).itemsize
+
+
+def _init_multi_rank(config: Config) -> None:
+    ext = _ffi._module  # pylint: disable=protected-access
+    nproc, pe = jax.process_count(), jax.process_index()
+    local = jax.local_devices()
+    if len(local) != 1:
+        _fail(f"the multi-rank CUDA backend needs exactly one local device per process, got "
+              f"{len(local)} ({local}); start one process per GPU (python -m jaxep.launch), or set "
+              "CUDA_VISIBLE_DEVICES / jax.distributed.initialize(local_device_ids=[i]) per process")
+    if not _ffi.multi_rank_built():
+        _fail("this build of jaxep._jaxep_cuda has no NVSHMEM (build_info()['multi_rank'] is "
+              "False), so EP size > 1 cannot run on the CUDA backend; install nvidia-nvshmem-cu13 "
+              "and rebuild (docs/build.md), or pass backend='reference'")
+    if nproc > ext.max_ranks():
+        _fail(f"at most {ext.max_ranks()} ranks (one node) are supported, got {nproc} processes")
+    owners = [d.process_index for d in jax.devices()]
+    if owners != list(range(nproc)):
+        _fail(f"jax.devices() must be ordered by process (device i in process i, so that the EP "
+              f"axis position equals the NVSHMEM PE); got process indices {owners}")
+    status = ext.nvshmem_init_status()
+    if status >= 2:
+        _fail(f"NVSHMEM is already initialized in this process by someone else (status {status}: "
+              "XLA's NVSHMEM collectives or another library); jaxep must own its NVSHMEM init")
+    device = local[0]
+    ordinal = getattr(device, "local_hardware_id", None)
+    ordinal = device.id if ordinal is None else int(ordinal)
+    cap = config.capacity(nproc)
+    row_bytes = _row_bytes(config)
+    sym = ext.symmetric_bytes(config.max_tokens_per_rank, config.topk, config.num_experts, cap,
+                              row_bytes)
+    heap_env = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+    heap = _parse_size(heap_env) if heap_env else _NVSHMEM_DEFAULT_HEAP
+    rec = recommended_env(sym, ranks_on_gpu=nproc if _shares_gpu() else 1)
+    if sym + _HEAP_RESERVE > heap:
+        _fail(f"the symmetric block needs {sym} bytes (T={config.max_tokens_per_rank}, "
+              f"K={config.topk}, E={config.num_experts}, C={cap}, H={config.hidden} x "
+              f"{np.dtype(config.dtype).itemsize} B) but the NVSHMEM heap is {heap} bytes "
+              f"(NVSHMEM_SYMMETRIC_SIZE={heap_env or 'unset: 1 GiB'}); set "
+              f"NVSHMEM_SYMMETRIC_SIZE={rec['NVSHMEM_SYMMETRIC_SIZE']} in every process's "
+              "environment, or lower capacity_factor / max_tokens_per_rank")
+    free, total = ext.device_mem_info(ordinal)  # also cudaSetDevice + cudaFree(0) on this thread
+    need = heap + _MEM_MARGIN
+    if free < need:
+        pre = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "unset (true)")
+        frac = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset (0.75)")
+        _fail(f"GPU {ordinal} has {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB, but NVSHMEM "
+              f"needs about {need / 2**30:.2f} GiB outside XLA's pool (heap {heap} B + margin). "
+              f"JAX preallocates its pool (XLA_PYTHON_CLIENT_PREALLOCATE={pre}, "
+              f"XLA_PYTHON_CLIENT_MEM_FRACTION={frac}): set XLA_PYTHON_CLIENT_MEM_FRACTION lower "
+              "(e.g. 0.75/ranks per GPU) or XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts")
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    client = distributed.global_state.client
+    if client is None:
+        _fail("jax.distributed is not initialized (the unique id travels through its key-value "
+              "store); call jax.distributed.initialize() or start with python -m jaxep.launch")
+    key = f"jaxep/nvshmem_uid/{_state.generation}"
+    if pe == 0:
+        uid = ext.unique_id()
+        client.key_value_set_bytes(key, uid)
+    else:
+        wait_ms = int(max(60.0, config.timeout_s) * 1000)
+        uid = client.blocking_key_value_get_bytes(key, wait_ms)
+    ext.runtime_init(ordinal, pe, nproc, bytes(uid), config.max_tokens_per_rank, config.topk,
+                     config.num_experts, cap, row_bytes, float(config.timeout_s))
+    _state.generation += 1
+    _state.multi_rank = True
+    _state.reported = False
+    _start_watchdog()
+    missing = {k: v for k, v in rec.items() if os.environ.get(k) is None}
+    log.info("jaxep NVSHMEM %s: PE %d of %d on GPU %d (%s), %d of %d processes per GPU; symmetric "
+             "block %.1f MiB (heap %.1f MiB), capacity C=%d, timeout %.1f s; peers by nvshmem_ptr "
+             "(load/store); free GPU memory before init %.2f GiB", ext.nvshmem_version(), pe, nproc,
+             ordinal, device.device_kind, nproc if _shares_gpu() else 1, nproc, sym / 2**20,
+             heap / 2**20, cap, config.timeout_s, free / 2**30)
+    log.info("jaxep recommends (not set by jaxep): %s%s",
+             " ".join(f"{k}={v}" for k, v in rec.items()),
+             f"; unset here: {', '.join(missing)}" if missing else "")
+
+
+def _shares_gpu() -> bool:
+    return bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
+
+
+def _start_watchdog() -> None:
+    stop = threading.Event()
+
+    def poll():
+        while not stop.wait(0.5):
+            text = diagnostic()
+            if text and not _state.reported:
+                _state.reported = True
+                log.error("%s", text)
+                return
+
+    t = threading.Thread(target=poll, name="jaxep-watchdog", daemon=True)
+    _state.watchdog, _state.stop = t, stop
+    t.start()
+
+
+def diagnostic() -> str | None:
+    """The text of the first timeout a multi-rank kernel of this process recorded, or None."""
+    if not _state.multi_rank:
+        return None
+    d = _ffi._module.runtime_diag()  # pylint: disable=protected-access
+    if d is None:
+        return None
+    to = _state.config.timeout_s if _state.config else float("nan")
+    return (f"jaxep: rank {d['rank']} timed out in {_OPS.get(d['op'], d['op'])} (call #{d['seq']}), "
+            f"phase {_PHASES.get(d['phase'], d['phase'])}, waiting for peer {d['peer']}: flag "
+            f"{d['seen']}, want {d['awaited']} (waited {d['waited_ns'] / 1e9:.1f} s, timeout "
+            f"{to:g} s). The peer process died, hangs, or runs a different sequence of jaxep "
+            "calls; this process's multi-rank kernels are aborted until jaxep.finalize()")
+
+
+def check() -> None:
+    """Raises `jaxep.TimeoutError` if a multi-rank kernel of this process timed out.
+
+    Call it after `block_until_ready()` on a step's outputs (the custom calls cannot raise at run
+    time: an XLA FFI handler error crashed the process on jax 0.11.2). The watchdog thread started
+    by `initialize` also logs the same text at ERROR within about 0.5 s.
+    """
+    text = diagnostic()
+    if text:
+        raise TimeoutError(text)
+
+
 def initialize(config: Config, axis_name: str = "ep") -> None:
-    """Declares the config every later call must use, and logs the effective settings at INFO.
+    """Declares the config every later call must use and, in a multi-process GPU run, sets up the
+    NVSHMEM runtime (see the module docstring). Collective: every process must call it.
 
     Calls with another config raise at trace time. Set JAXEP_LOG_LEVEL=INFO (or configure the
-    "jaxep" logger) to see what was chosen.
+    "jaxep" logger) to see the topology and the effective settings.
     """
     if not isinstance(config, Config):
         raise TypeError(f"jaxep.initialize: config must be a jaxep.Config, got {type(config).__name__}")
@@ -47,19 +245,35 @@ def initialize(config: Config, axis_name: str = "ep") -> None:
         raise ValueError("jaxep.initialize: already initialized with another config; call "
                          f"jaxep.finalize() first. initialized: {_state.config}, got: {config}")
     _configure_logging()
+    if _state.config is None and jax.process_count() > 1 and _ffi.is_available() \
+            and jax.default_backend() == "gpu":
+        _init_multi_rank(config)
     _state.config, _state.axis_name = config, axis_name
-    log.info("jaxep initialized: axis=%r config=%s; CUDA extension: %s; jax backend: %s",
-             axis_name, config, "available" if _ffi.is_available() else _ffi.unavailable_reason(),
-             jax.default_backend())
+    log.info("jaxep initialized: axis=%r config=%s; CUDA extension: %s; jax backend: %s; "
+             "processes: %d; multi-rank CUDA runtime: %s", axis_name, config,
+             "available" if _ffi.is_available() else _ffi.unavailable_reason(),
+             jax.default_backend(), jax.process_count(), _state.multi_rank)
 
 
 def finalize() -> None:
-    """Forgets the initialized config (and, with the multi-rank runtime, frees its buffers)."""
+    """Frees the symmetric buffers and finalizes NVSHMEM (collective: every process calls it),
+    then forgets the config. After a timeout (a peer may be dead) only local state is dropped."""
+    if _state.multi_rank:
+        if _state.stop is not None:
+            _state.stop.set()
+        collective = diagnostic() is None
+        _ffi._module.runtime_finalize(collective)  # pylint: disable=protected-access
+        _state.multi_rank = False
     _state.config = _state.axis_name = None
 
 
 def initialized_config() -> Config | None:
     return _state.config
+
+
+def multi_rank_size() -> int:
+    """EP size of the initialized multi-rank CUDA runtime, 0 when there is none."""
+    return jax.process_count() if _state.multi_rank else 0
 
 
 def check_config(op: str, config) -> None:
@@ -71,19 +285,25 @@ def check_config(op: str, config) -> None:
 
 
 def select_backend(op: str, requested: str | None, ep_size: int) -> str:
-    """'cuda' when the extension is built, the default device is a GPU and the EP size is 1."""
+    """'cuda' when the extension is built, the default device is a GPU and either the EP size is 1
+    or the multi-rank runtime (jaxep.initialize in a multi-process run) has that EP size."""
     if requested is not None and requested not in _BACKENDS:
         raise ValueError(f"jaxep.{op}: backend must be one of {_BACKENDS} or None, got {requested!r}")
     cuda_ok = _ffi.is_available() and jax.default_backend() == "gpu"
+    multi_ok = ep_size > 1 and multi_rank_size() == ep_size
     if requested == "cuda":
         if not cuda_ok:
             raise ValueError(f"jaxep.{op}: backend='cuda' needs the CUDA extension and a GPU: "
                              f"extension {'built' if _ffi.is_available() else _ffi.unavailable_reason()}, "
                              f"default jax backend {jax.default_backend()!r}")
-        if ep_size != 1:
-            raise ValueError(f"jaxep.{op}: backend='cuda' supports EP size 1 only in this build "
-                             f"(multi-rank NVSHMEM kernels are not built yet), got EP size {ep_size}")
+        if ep_size != 1 and not multi_ok:
+            raise ValueError(
+                f"jaxep.{op}: backend='cuda' with EP size {ep_size} needs the multi-rank NVSHMEM "
+                f"runtime of that size: call jaxep.initialize(config) in each of {ep_size} "
+                f"processes (one GPU each; python -m jaxep.launch); runtime EP size now: "
+                f"{multi_rank_size() or 'none'}"
+                + ("" if _ffi.multi_rank_built() else "; this build has no NVSHMEM"))
         return "cuda"
     if requested == "reference":
         return "reference"
-    return "cuda" if cuda_ok and ep_size == 1 else "reference"
+    return "cuda" if cuda_ok and (ep_size == 1 or multi_ok) else "reference"

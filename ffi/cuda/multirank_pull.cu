@@ -1,0 +1,254 @@
+// Multi-rank pulls: each rank reads its peers' stages (through peer pointers) straight into XLA's
+// output buffers, in the fixed orders of docs/design.md. Launched after the ready exchange, so the
+// stages are complete; peers do not overwrite them before this rank's `free` signal.
+//
+// Determinism: positions come from the prefix sums of the meta kernel, never from arrival order;
+// combine walks ranks and k in ascending order with explicit __fmul_rn / __fadd_rn (never fused).
+#include <algorithm>
+
+#include "multirank.cuh"
+
+namespace jaxep::cuda::mr {
+namespace {
+
+constexpr int kRowThreads = 256;  // 8 warps, one row per warp at a time
+constexpr int64_t kMaxRowBlocks = 4096;
+constexpr int kCombineThreads = 256;
+constexpr int64_t kMaxCombineBlocks = 8192;
+
+// Destination side of dispatch: warp per row p of [0, C).
+template <typename Unit>
+__global__ void __launch_bounds__(kRowThreads)
+    DispatchPullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t capacity,
+                       int64_t units_per_row, const void* meta_scratch, Unit* __restrict__ x_rows,
+                       float* __restrict__ weights, int32_t* __restrict__ recv_slot) {
+  if (Aborted(team)) return;
+  const int R = team.size;
+  const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
+  const int nblk = experts;  // L * R blocks (l, s)
+  const int kept = *m.kept;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t wpb = blockDim.x / kWarpSize;
+  const int64_t nwarps = gridDim.x * wpb;
+  const int64_t slots_per_rank = static_cast<int64_t>(tokens) * topk;
+  for (int64_t p = blockIdx.x * wpb + threadIdx.x / kWarpSize; p < capacity; p += nwarps) {
+    Unit* dst = x_rows + p * units_per_row;
+    if (p >= kept) {
+      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+      if (lane == 0) {
+        weights[p] = 0.0f;
+        recv_slot[p] = -1;
+      }
+      continue;
+    }
+    // Last block b with blk[b] <= p: it is non-empty because blk[nblk] >= kept > p.
+    int lo = 0, hi = nblk - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (m.blk[mid] <= p) lo = mid; else hi = mid - 1;
+    }
+    const int b = lo, s = b % R;
+    const int64_t idx = m.srcoff[b] + (p - m.blk[b]);
+    const char* src_base = team.peer[s];
+    const int32_t slot = reinterpret_cast<const int32_t*>(src_base + team.lay.sorted_slot)[idx];
+    const int64_t t = slot / topk;
+    const Unit* src = reinterpret_cast<const Unit*>(src_base + team.lay.stage) + t * units_per_row;
+#pragma unroll 4
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
+    if (lane == 0) {
+      weights[p] = reinterpret_cast<const float*>(src_base + team.lay.sorted_w)[idx];
+      recv_slot[p] = static_cast<int32_t>(s * slots_per_rank + slot);
+    }
+  }
+}
+
+// dispatch_rows: warp per row c; the slot names the source rank and token.
+template <typename Unit>
+__global__ void __launch_bounds__(kRowThreads)
+    RowsPullKernel(Team team, int32_t tokens, int32_t topk, int32_t rows, int64_t units_per_row,
+                   const int32_t* __restrict__ recv_slot, Unit* __restrict__ x_rows) {
+  if (Aborted(team)) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t wpb = blockDim.x / kWarpSize;
+  const int64_t nwarps = gridDim.x * wpb;
+  const int64_t per_rank = static_cast<int64_t>(tokens) * topk;
+  const int64_t all = per_rank * team.size;
+  for (int64_t c = blockIdx.x * wpb + threadIdx.x / kWarpSize; c < rows; c += nwarps) {
+    const int64_t slot = recv_slot[c];
+    Unit* dst = x_rows + c * units_per_row;
+    if (slot >= 0 && slot < all) {
+      const int s = static_cast<int>(slot / per_rank);
+      const int64_t t = (slot - s * per_rank) / topk;
+      const Unit* src = reinterpret_cast<const Unit*>(team.peer[s] + team.lay.stage) + t * units_per_row;
+#pragma unroll 4
+      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
+    } else {
+      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+    }
+  }
+}
+
+// Combine: thread per (token, VEC consecutive elements). The reduction order is fixed by the
+// loops (ranks ascending outside, k ascending inside), independent of the launch shape.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kCombineThreads)
+    CombinePullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
+                      int64_t units_per_row, const int32_t* __restrict__ send_row,
+                      const int32_t* __restrict__ topk_idx, T* __restrict__ out) {
+  if (Aborted(team)) return;
+  using P = Pack<T, VEC>;
+  const int R = team.size;
+  const int L = experts / R;
+  P* out_packs = reinterpret_cast<P*>(out);
+  const int64_t total = static_cast<int64_t>(tokens) * units_per_row;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += stride) {
+    const int64_t t = i / units_per_row;
+    const int64_t u = i - t * units_per_row;
+    float acc[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+    for (int r = 0; r < R; ++r) {
+      float partial[VEC];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) partial[v] = 0.0f;
+      const P* y = reinterpret_cast<const P*>(team.peer[r] + team.lay.stage);
+      const float* w = reinterpret_cast<const float*>(team.peer[r] + team.lay.stage_w);
+      for (int k = 0; k < topk; ++k) {
+        const int32_t e = topk_idx[t * topk + k];
+        const int32_t row = send_row[t * topk + k];
+        if (e < 0 || e >= experts || e / L != r || row < 0 || row >= rows) continue;
+        const float wr = w[row];
+        const P p = y[static_cast<int64_t>(row) * units_per_row + u];
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          partial[v] = __fadd_rn(partial[v], __fmul_rn(wr, Convert<T>::ToF32(p.v[v])));
+        }
+      }
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[v] = __fadd_rn(acc[v], partial[v]);
+    }
+    P o;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) o.v[v] = Convert<T>::FromF32(acc[v]);
+    out_packs[t * units_per_row + u] = o;
+  }
+}
+
+__global__ void GatherBackPullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts,
+                                     int32_t rows, const int32_t* __restrict__ send_row,
+                                     const int32_t* __restrict__ topk_idx, float* __restrict__ out) {
+  if (Aborted(team)) return;
+  const int L = experts / team.size;
+  const int64_t n = static_cast<int64_t>(tokens) * topk;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t e = topk_idx[i];
+    const int32_t row = send_row[i];
+    float v = 0.0f;
+    if (e >= 0 && e < experts && row >= 0 && row < rows) {
+      v = reinterpret_cast<const float*>(team.peer[e / L] + team.lay.stage)[row];
+    }
+    out[i] = v;
+  }
+}
+
+// The widest unit that divides the row size and the output base (stages are 256-byte aligned).
+int UnitBytes(const void* out, int64_t row_bytes) {
+  const uint64_t bits = reinterpret_cast<uintptr_t>(out) | static_cast<uint64_t>(row_bytes);
+  for (int b : {16, 8, 4, 2}) {
+    if (bits % b == 0) return b;
+  }
+  return 1;
+}
+
+template <typename Unit>
+int64_t RowBlocks(int64_t rows) {
+  return std::clamp<int64_t>(CeilDiv(rows, kRowThreads / kWarpSize), 1, kMaxRowBlocks);
+}
+
+}  // namespace
+
+cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
+                               int32_t capacity, int64_t row_bytes, const void* meta_scratch,
+                               void* x_rows, float* weights, int32_t* recv_slot,
+                               cudaStream_t stream) {
+  if (capacity <= 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(RowBlocks<char>(capacity));
+#define JAXEP_DISPATCH_PULL(U)                                                                   \
+  DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(                                       \
+      team, tokens, topk, experts, capacity, row_bytes / static_cast<int64_t>(sizeof(U)),        \
+      meta_scratch, static_cast<U*>(x_rows), weights, recv_slot)
+  switch (UnitBytes(x_rows, row_bytes)) {
+    case 16: JAXEP_DISPATCH_PULL(uint4); break;
+    case 8: JAXEP_DISPATCH_PULL(uint2); break;
+    case 4: JAXEP_DISPATCH_PULL(uint32_t); break;
+    case 2: JAXEP_DISPATCH_PULL(uint16_t); break;
+    default: JAXEP_DISPATCH_PULL(uint8_t); break;
+  }
+#undef JAXEP_DISPATCH_PULL
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRowsPull(const Team& team, int32_t tokens, int32_t topk, int32_t rows,
+                           int64_t row_bytes, const int32_t* recv_slot, void* x_rows,
+                           cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(RowBlocks<char>(rows));
+#define JAXEP_ROWS_PULL(U)                                                                 \
+  RowsPullKernel<U><<<grid, kRowThreads, 0, stream>>>(                                     \
+      team, tokens, topk, rows, row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot,    \
+      static_cast<U*>(x_rows))
+  switch (UnitBytes(x_rows, row_bytes)) {
+    case 16: JAXEP_ROWS_PULL(uint4); break;
+    case 8: JAXEP_ROWS_PULL(uint2); break;
+    case 4: JAXEP_ROWS_PULL(uint32_t); break;
+    case 2: JAXEP_ROWS_PULL(uint16_t); break;
+    default: JAXEP_ROWS_PULL(uint8_t); break;
+  }
+#undef JAXEP_ROWS_PULL
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
+                              int32_t rows, int64_t hidden, const int32_t* send_row,
+                              const int32_t* topk_idx, T* out, cudaStream_t stream) {
+  if (tokens <= 0 || hidden <= 0) return cudaSuccess;
+  constexpr int kVec = 16 / sizeof(T);
+  const bool packed = hidden % kVec == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int64_t units = packed ? hidden / kVec : hidden;
+  const int64_t blocks =
+      std::clamp<int64_t>(CeilDiv(tokens * units, kCombineThreads), 1, kMaxCombineBlocks);
+  if (packed) {
+    CombinePullKernel<T, kVec><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
+        team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
+  } else {
+    CombinePullKernel<T, 1><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
+        team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGatherBackPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
+                                 int32_t rows, const int32_t* send_row, const int32_t* topk_idx,
+                                 float* out, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(tokens) * topk;
+  if (n <= 0) return cudaSuccess;
+  const int64_t blocks = std::clamp<int64_t>(CeilDiv(n, 256), 1, 1024);
+  GatherBackPullKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      team, tokens, topk, experts, rows, send_row, topk_idx, out);
+  return cudaGetLastError();
+}
+
+#define JAXEP_INSTANTIATE_COMBINE_PULL(T)                                                       \
+  template cudaError_t LaunchCombinePull<T>(const Team&, int32_t, int32_t, int32_t, int32_t,    \
+                                            int64_t, const int32_t*, const int32_t*, T*,        \
+                                            cudaStream_t)
+JAXEP_INSTANTIATE_COMBINE_PULL(float);
+JAXEP_INSTANTIATE_COMBINE_PULL(__nv_bfloat16);
+JAXEP_INSTANTIATE_COMBINE_PULL(__half);
+#undef JAXEP_INSTANTIATE_COMBINE_PULL
+
+}  // namespace jaxep::cuda::mr

@@ -1,0 +1,265 @@
+// Multi-rank protocol pieces: symmetric layout, flag signal/wait with bounded spins, staging copies
+// and the dispatch bookkeeping (counts exchange -> prefix sums). See multirank.h for the protocol.
+//
+// Memory ordering: a rank publishes its stage with `fence.sc.sys` (__threadfence_system) followed by
+// `st.release.sys` of the flag on each peer; a reader spins with `ld.acquire.sys` on its own copy of
+// the flag, and the pulls that read the stage are later kernels in stream order. Peer memory is
+// mapped by NVSHMEM (same GPU under MPS, or NVLink P2P), so plain loads/stores reach it.
+#include <algorithm>
+
+#include "multirank.cuh"
+
+namespace jaxep::cuda::mr {
+namespace {
+
+constexpr size_t kAlign = 256;
+constexpr size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+constexpr int kMetaThreads = 1024;
+constexpr int kStageThreads = 256;
+constexpr int64_t kMaxStageBlocks = 1024;
+
+__device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ size_t FlagOffset(const SymLayout& lay, int32_t flag) {
+  return flag == kFlagReady ? lay.ready : lay.free;
+}
+
+// First timeout wins the local abort word (device memory: host-mapped memory has no portable
+// atomics); the winner fills the host-mapped record, fences, then publishes status = 1.
+__device__ void RecordTimeout(const Team& team, int32_t phase, int32_t op, int32_t peer,
+                              uint64_t seq, uint64_t want, uint64_t seen, uint64_t waited) {
+  unsigned* abort_word = reinterpret_cast<unsigned*>(team.peer[team.rank] + team.lay.abort);
+  if (atomicCAS(abort_word, 0u, 1u) != 0u) return;
+  volatile Diag* d = team.diag;
+  if (d == nullptr) return;
+  d->rank = team.rank;
+  d->phase = phase;
+  d->peer = peer;
+  d->op = op;
+  d->seq = seq;
+  d->awaited = want;
+  d->seen = seen;
+  d->waited_ns = waited;
+  __threadfence_system();
+  d->status = 1;
+  __threadfence_system();
+}
+
+// One block of 32 threads; thread p < size handles peer p.
+__global__ void SyncKernel(Team team, int32_t flag_signal, uint64_t value, int32_t flag_wait,
+                           uint64_t want, int32_t phase, int32_t op, uint64_t seq) {
+  volatile unsigned* abort_word =
+      reinterpret_cast<volatile unsigned*>(team.peer[team.rank] + team.lay.abort);
+  if (*abort_word) return;
+  const int p = threadIdx.x;
+  if (flag_signal != kFlagNone) {
+    __threadfence_system();  // this rank's earlier writes (stage) before the flag
+    if (p < team.size) {
+      uint64_t* f = reinterpret_cast<uint64_t*>(team.peer[p] + FlagOffset(team.lay, flag_signal));
+      StoreReleaseSys(f + team.rank, value);
+    }
+  }
+  if (flag_wait == kFlagNone || p >= team.size) return;
+  const uint64_t* f =
+      reinterpret_cast<const uint64_t*>(team.peer[team.rank] + FlagOffset(team.lay, flag_wait)) + p;
+  uint64_t seen = LoadAcquireSys(f);
+  if (seen >= want) return;
+  const uint64_t start = GlobalTimerNs();
+  for (uint32_t spin = 1;; ++spin) {
+    seen = LoadAcquireSys(f);
+    if (seen >= want) return;
+    if ((spin & 255u) == 0u) {
+      if (*abort_word) return;  // another wait of this rank already failed
+      const uint64_t waited = GlobalTimerNs() - start;
+      if (waited > team.timeout_ns) {
+        RecordTimeout(team, phase, op, p, seq, want, seen, waited);
+        return;
+      }
+    }
+  }
+}
+
+// grid (x: blocks, y: copy index). 16-byte units when both ends allow it, then the byte tail.
+struct StageCopies {
+  StageCopy c[4];
+};
+
+__global__ void __launch_bounds__(kStageThreads) StageKernel(Team team, StageCopies copies) {
+  if (Aborted(team)) return;
+  const StageCopy& c = copies.c[blockIdx.y];
+  const char* src = static_cast<const char*>(c.src);
+  char* dst = team.peer[team.rank] + c.dst_off;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t done = 0;
+  if ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16 == 0) {
+    const int64_t n16 = static_cast<int64_t>(c.bytes / 16);
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    for (int64_t i = tid; i < n16; i += stride) d4[i] = s4[i];
+    done = n16 * 16;
+  }
+  for (int64_t i = done + tid; i < static_cast<int64_t>(c.bytes); i += stride) dst[i] = src[i];
+}
+
+// Exclusive scan of in[0, n) into out[0, n) (may alias), in index order; returns the total.
+// Every thread of the block must call it. Thread i owns a contiguous segment.
+__device__ int BlockScanArray(const int32_t* in, int32_t* out, int64_t n) {
+  const int64_t seg = CeilDiv(n, blockDim.x);
+  const int64_t begin = min(static_cast<int64_t>(threadIdx.x) * seg, n);
+  const int64_t end = min(begin + seg, n);
+  int local = 0;
+  for (int64_t i = begin; i < end; ++i) local += in[i];
+  int total = 0;
+  int running = BlockExclusiveScan(local, &total);
+  for (int64_t i = begin; i < end; ++i) {
+    const int c = in[i];
+    out[i] = running;
+    running += c;
+  }
+  __syncthreads();
+  return total;
+}
+
+}  // namespace
+
+namespace {
+
+__global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, DispatchMetaArgs a) {
+  if (Aborted(team)) return;
+  const int R = team.size, me = team.rank, E = a.experts, L = E / R;
+  MetaScratch m(a.scratch, R, E);
+  // 1. Snapshot every source's counts (remote reads; published before its ready flag).
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(R) * E; i += blockDim.x) {
+    const int s = static_cast<int>(i / E);
+    const int32_t* c = reinterpret_cast<const int32_t*>(team.peer[s] + team.lay.counts);
+    m.cnt[i] = c[i - static_cast<int64_t>(s) * E];
+  }
+  __syncthreads();
+  // 2. pre[s][e] = source s's valid slots with expert < e (start of e in its sorted_slot).
+  for (int s = 0; s < R; ++s) BlockScanArray(m.cnt + s * E, m.pre + s * E, E);
+  // 3. G[e] = rows of all sources for experts < e (exclusive prefix of the per-expert totals).
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int t = 0;
+    for (int s = 0; s < R; ++s) t += m.cnt[s * E + e];
+    m.g[e] = t;
+  }
+  __syncthreads();
+  const int grand = BlockScanArray(m.g, m.g, E);
+  if (threadIdx.x == 0) m.g[E] = grand;
+  __syncthreads();
+  // 4. Layout order on destination d = e / L is (local expert, source, t, k): the block of
+  //    (e, s) starts at G[e] - G[d*L] + sum_{s' < s} cnt[s'][e].
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int b = m.g[e] - m.g[(e / L) * L];
+    for (int s = 0; s < me; ++s) b += m.cnt[s * E + e];
+    m.base[e] = b;  // where my (source me) slots of expert e start on their destination
+  }
+  const int first = me * L;
+  const int total_me = m.g[first + L] - m.g[first];
+  for (int b = threadIdx.x; b < L * R; b += blockDim.x) {
+    const int l = b / R, s = b % R, e = first + l;
+    int start = m.g[e] - m.g[first];
+    for (int s2 = 0; s2 < s; ++s2) start += m.cnt[s2 * E + e];
+    m.blk[b] = start;
+    m.srcoff[b] = m.pre[s * E + e];
+  }
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    const int start = m.g[first + l] - m.g[first];
+    const int count = m.g[first + l + 1] - m.g[first + l];
+    a.group_sizes[l] = max(0, min(count, a.capacity - start));
+  }
+  if (threadIdx.x == 0) {
+    m.blk[L * R] = total_me;
+    const int kept = min(total_me, a.capacity);
+    *m.kept = kept;
+    a.stats[0] = total_me - kept;         // dropped rows, this rank as destination
+    a.stats[1] = a.layout_stats[1];       // invalid ids, this rank as source
+  }
+  __syncthreads();
+  // 5. send_row of my slots: base + position among my slots of that expert, if below capacity.
+  const int64_t n = static_cast<int64_t>(a.tokens) * a.topk;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int e = a.topk_idx_out[i];
+    int row = -1;
+    if (e >= 0 && e < E && a.local_order[i] >= 0) {
+      const int r = m.base[e] + (a.local_order[i] - m.pre[me * E + e]);
+      row = r < a.capacity ? r : -1;
+    }
+    a.send_row[i] = row;
+  }
+}
+
+}  // namespace
+
+SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, int64_t capacity,
+                        int64_t stage_row_bytes) {
+  SymLayout s;
+  s.max_slots = max_tokens * topk;
+  s.max_experts = num_experts;
+  s.max_rows = capacity;
+  size_t o = 0;
+  s.ready = o;        o += AlignUp(kMaxRanks * sizeof(uint64_t));
+  s.free = o;         o += AlignUp(kMaxRanks * sizeof(uint64_t));
+  s.abort = o;        o += AlignUp(sizeof(uint32_t));
+  s.counts = o;       o += AlignUp(static_cast<size_t>(num_experts) * sizeof(int32_t));
+  s.sorted_slot = o;  o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(int32_t));
+  s.sorted_w = o;     o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(float));
+  s.stage_w = o;      o += AlignUp(static_cast<size_t>(capacity) * sizeof(float));
+  s.stage = o;
+  s.stage_bytes = std::max(static_cast<size_t>(std::max(max_tokens, capacity)) *
+                               static_cast<size_t>(stage_row_bytes),
+                           static_cast<size_t>(capacity) * sizeof(float));
+  o += AlignUp(s.stage_bytes);
+  s.total = o;
+  return s;
+}
+
+cudaError_t LaunchSync(const Team& team, int32_t flag_signal, uint64_t value, int32_t flag_wait,
+                       uint64_t want, int32_t phase, int32_t op, uint64_t seq,
+                       cudaStream_t stream) {
+  SyncKernel<<<1, 32, 0, stream>>>(team, flag_signal, value, flag_wait, want, phase, op, seq);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchStage(const Team& team, const StageCopy* copies, int num_copies,
+                        cudaStream_t stream) {
+  if (num_copies <= 0) return cudaSuccess;
+  StageCopies c;
+  size_t most = 0;
+  for (int i = 0; i < num_copies && i < 4; ++i) {
+    c.c[i] = copies[i];
+    most = std::max(most, copies[i].bytes);
+  }
+  const int64_t blocks =
+      std::clamp<int64_t>(CeilDiv(static_cast<int64_t>(most) / 16 + 1, kStageThreads), 1,
+                          kMaxStageBlocks);
+  StageKernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(std::min(num_copies, 4))),
+                kStageThreads, 0, stream>>>(team, c);
+  return cudaGetLastError();
+}
+
+size_t DispatchMetaScratchBytes(int64_t ranks, int64_t experts) {
+  return MetaScratch::Ints(ranks, experts) * sizeof(int32_t);
+}
+
+cudaError_t LaunchDispatchMeta(const Team& team, const DispatchMetaArgs& a, cudaStream_t stream) {
+  DispatchMetaKernel<<<1, kMetaThreads, 0, stream>>>(team, a);
+  return cudaGetLastError();
+}
+
+}  // namespace jaxep::cuda::mr

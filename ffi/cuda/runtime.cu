@@ -1,0 +1,220 @@
+// NVSHMEM runtime of the multi-rank path (see runtime.h). Host code only, compiled by nvcc with
+// -rdc when NVSHMEM is found (JAXEP_HAVE_NVSHMEM); the device library is linked so that NVSHMEM's
+// device state exists, even though jaxep's kernels reach peers through plain peer pointers.
+#include "runtime.h"
+
+#include <atomic>
+#include <cstring>
+#include <sstream>
+
+#include <cuda_runtime.h>
+
+#ifdef JAXEP_HAVE_NVSHMEM
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
+
+namespace jaxep::cuda::rt {
+namespace {
+
+struct State {
+  bool up = false;
+  mr::Team team{};
+  Limits limits;
+  void* sym = nullptr;           // nvshmem_malloc'ed block (this PE)
+  mr::Diag* diag_host = nullptr; // cudaHostAllocMapped
+  std::atomic<uint64_t> seq{0};
+};
+
+State& S() {
+  static State s;
+  return s;
+}
+
+std::string CudaErr(const char* what, cudaError_t e) {
+  std::ostringstream os;
+  os << what << " failed: " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
+  return os.str();
+}
+
+}  // namespace
+
+size_t SymmetricBytes(const InitParams& p) {
+  return mr::MakeSymLayout(p.max_tokens, p.topk, p.experts, p.capacity, p.row_bytes).total;
+}
+
+std::string DeviceMemInfo(int device, size_t* free_bytes, size_t* total_bytes) {
+  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return CudaErr("cudaSetDevice", e);
+  if (cudaError_t e = cudaFree(nullptr); e != cudaSuccess) return CudaErr("cudaFree(0)", e);
+  if (cudaError_t e = cudaMemGetInfo(free_bytes, total_bytes); e != cudaSuccess) {
+    return CudaErr("cudaMemGetInfo", e);
+  }
+  return "";
+}
+
+const mr::Team* ActiveTeam() { return S().up ? &S().team : nullptr; }
+const Limits& ActiveLimits() { return S().limits; }
+uint64_t NextSeq() { return S().seq.fetch_add(1) + 1; }
+uint64_t CurrentSeq() { return S().seq.load(); }
+
+bool ReadDiag(mr::Diag* out) {
+  if (!S().up || S().diag_host == nullptr) return false;
+  std::memcpy(out, const_cast<const mr::Diag*>(S().diag_host), sizeof(mr::Diag));
+  return true;
+}
+
+#ifdef JAXEP_HAVE_NVSHMEM
+
+bool BuiltWithNvshmem() { return true; }
+int NvshmemInitStatus() { return nvshmemx_init_status(); }
+
+std::string NvshmemVersion() {
+  int major = 0, minor = 0, patch = 0;
+  nvshmemx_vendor_get_version_info(&major, &minor, &patch);
+  std::ostringstream os;
+  os << major << "." << minor << "." << patch;
+  return os.str();
+}
+
+std::string GetUniqueId(std::string* error) {
+  nvshmemx_uniqueid_t uid = NVSHMEMX_UNIQUEID_INITIALIZER;
+  if (int rc = nvshmemx_get_uniqueid(&uid); rc != 0) {
+    *error = "nvshmemx_get_uniqueid failed with status " + std::to_string(rc);
+    return "";
+  }
+  return std::string(reinterpret_cast<const char*>(&uid), sizeof(uid));
+}
+
+std::string Init(const InitParams& p) {
+  State& s = S();
+  if (s.up) return "the jaxep NVSHMEM runtime is already initialized in this process";
+  if (p.size < 2 || p.size > mr::kMaxRanks) {
+    return "EP size must be in [2, " + std::to_string(mr::kMaxRanks) + "] (one node), got " +
+           std::to_string(p.size);
+  }
+  if (p.unique_id.size() != sizeof(nvshmemx_uniqueid_t)) {
+    return "unique id has " + std::to_string(p.unique_id.size()) + " bytes, expected " +
+           std::to_string(sizeof(nvshmemx_uniqueid_t));
+  }
+  // NVSHMEM binds to the current device of the calling thread: set it first (else its init fails
+  // with "nvshmem initialization failed").
+  if (cudaError_t e = cudaSetDevice(p.device); e != cudaSuccess) return CudaErr("cudaSetDevice", e);
+  if (cudaError_t e = cudaFree(nullptr); e != cudaSuccess) return CudaErr("cudaFree(0)", e);
+  if (int st = nvshmemx_init_status(); st >= NVSHMEM_STATUS_IS_INITIALIZED) {
+    return "NVSHMEM is already initialized in this process by someone else (XLA's NVSHMEM "
+           "collectives or another library; status " + std::to_string(st) + "); jaxep needs to "
+           "own its NVSHMEM initialization";
+  }
+  nvshmemx_uniqueid_t uid;
+  std::memcpy(&uid, p.unique_id.data(), sizeof(uid));
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  if (int rc = nvshmemx_set_attr_uniqueid_args(p.rank, p.size, &uid, &attr); rc != 0) {
+    return "nvshmemx_set_attr_uniqueid_args failed with status " + std::to_string(rc);
+  }
+  // nvshmemx_init_attr() exits the process on failure; call what it wraps to get the status.
+  int provided = 0;
+  nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                NVSHMEM_VENDOR_PATCH_VERSION};
+  if (int rc = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided,
+                                    NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version);
+      rc != 0) {
+    return "NVSHMEM initialization (unique id bootstrap) failed with status " + std::to_string(rc) +
+           " (NVSHMEM_DEBUG=INFO shows why)";
+  }
+  if (nvshmem_my_pe() != p.rank || nvshmem_n_pes() != p.size) {
+    return "NVSHMEM PE " + std::to_string(nvshmem_my_pe()) + " of " +
+           std::to_string(nvshmem_n_pes()) + " does not match rank " + std::to_string(p.rank) +
+           " of " + std::to_string(p.size);
+  }
+  const mr::SymLayout lay = mr::MakeSymLayout(p.max_tokens, p.topk, p.experts, p.capacity,
+                                              p.row_bytes);
+  void* sym = nvshmem_malloc(lay.total);  // collective
+  if (sym == nullptr) {
+    nvshmem_finalize();
+    return "nvshmem_malloc of " + std::to_string(lay.total) + " bytes failed: the symmetric heap is "
+           "too small; set NVSHMEM_SYMMETRIC_SIZE to at least that plus 256 MiB";
+  }
+  std::string err;
+  if (cudaError_t e = cudaMemset(sym, 0, lay.total); e != cudaSuccess) err = CudaErr("cudaMemset", e);
+  if (err.empty()) {
+    if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) err = CudaErr("sync", e);
+  }
+  mr::Team team{};
+  for (int q = 0; q < p.size && err.empty(); ++q) {
+    team.peer[q] = static_cast<char*>(nvshmem_ptr(sym, q));
+    if (team.peer[q] == nullptr) {
+      err = "PE " + std::to_string(q) + " is not reachable with loads/stores from PE " +
+            std::to_string(p.rank) + " (nvshmem_ptr returned NULL: not on this node, or no P2P/MPS); "
+            "the multi-rank kernels are intranode only";
+    }
+  }
+  mr::Diag* diag = nullptr;
+  if (err.empty()) {
+    if (cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&diag), sizeof(mr::Diag),
+                                      cudaHostAllocMapped);
+        e != cudaSuccess) {
+      err = CudaErr("cudaHostAlloc(diagnostics)", e);
+    } else {
+      std::memset(diag, 0, sizeof(mr::Diag));
+      void* dev = nullptr;
+      if (cudaError_t e2 = cudaHostGetDevicePointer(&dev, diag, 0); e2 != cudaSuccess) {
+        err = CudaErr("cudaHostGetDevicePointer", e2);
+      }
+      team.diag = static_cast<mr::Diag*>(dev);
+    }
+  }
+  nvshmem_barrier_all();  // every PE's flags are zero before anyone signals
+  if (!err.empty()) {
+    if (diag != nullptr) cudaFreeHost(diag);
+    nvshmem_free(sym);
+    nvshmem_finalize();
+    return err;
+  }
+  team.rank = p.rank;
+  team.size = p.size;
+  team.timeout_ns = static_cast<uint64_t>(p.timeout_s * 1e9);
+  team.lay = lay;
+  s.team = team;
+  s.limits = Limits{p.max_tokens, p.topk, p.experts, p.capacity, p.row_bytes};
+  s.sym = sym;
+  s.diag_host = diag;
+  s.seq.store(0);
+  s.up = true;
+  return "";
+}
+
+std::string Finalize(bool collective) {
+  State& s = S();
+  if (!s.up) return "";
+  s.up = false;
+  cudaDeviceSynchronize();
+  if (collective) {
+    nvshmem_barrier_all();
+    nvshmem_free(s.sym);
+    nvshmem_finalize();
+  }
+  if (s.diag_host != nullptr) cudaFreeHost(s.diag_host);
+  s.sym = nullptr;
+  s.diag_host = nullptr;
+  s.team = mr::Team{};
+  return "";
+}
+
+#else  // !JAXEP_HAVE_NVSHMEM
+
+bool BuiltWithNvshmem() { return false; }
+int NvshmemInitStatus() { return -1; }
+std::string NvshmemVersion() { return ""; }
+std::string GetUniqueId(std::string* error) {
+  *error = "jaxep was built without NVSHMEM (multi-rank path unavailable)";
+  return "";
+}
+std::string Init(const InitParams&) {
+  return "jaxep was built without NVSHMEM, so the multi-rank CUDA path is unavailable; rebuild "
+         "with the nvidia-nvshmem-cu13 (or -cu12) wheel installed (see docs/build.md)";
+}
+std::string Finalize(bool) { return ""; }
+
+#endif  // JAXEP_HAVE_NVSHMEM
+
+}  // namespace jaxep::cuda::rt

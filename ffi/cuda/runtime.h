@@ -1,0 +1,56 @@
+// The multi-rank runtime: NVSHMEM bootstrap, the symmetric block, the peer table, the host-mapped
+// diagnostic record and the per-call sequence number. Plain C++ (no XLA, no Python); the
+// nanobind bindings are in ffi/runtime.cc, the FFI handlers read ActiveTeam()/NextSeq().
+//
+// One process per PE: Init is called once per process (jaxep.initialize), Finalize frees.
+// Built without NVSHMEM (JAXEP_HAVE_NVSHMEM undefined), Init returns an error saying so.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "multirank.h"
+
+namespace jaxep::cuda::rt {
+
+struct InitParams {
+  int device = 0;            // CUDA ordinal of the process's one GPU
+  int rank = 0;              // PE == process index == position on the EP axis
+  int size = 1;              // number of PEs (EP size)
+  std::string unique_id;     // bytes of nvshmemx_uniqueid_t from PE 0
+  int64_t max_tokens = 0;    // limits the handlers check every call against
+  int64_t topk = 0;
+  int64_t experts = 0;
+  int64_t capacity = 0;
+  int64_t row_bytes = 0;     // hidden * payload itemsize (largest row a call may stage)
+  double timeout_s = 100.0;
+};
+
+struct Limits {
+  int64_t max_tokens = 0, topk = 0, experts = 0, capacity = 0, row_bytes = 0;
+};
+
+bool BuiltWithNvshmem();
+// nvshmemx_init_status() (0 not initialized, 1 bootstrapped, >= 2 initialized); -1 without NVSHMEM.
+int NvshmemInitStatus();
+std::string NvshmemVersion();
+// PE 0: a fresh unique id; "" + *error on failure.
+std::string GetUniqueId(std::string* error);
+// cudaSetDevice + cudaFree(0) on the calling thread, then cudaMemGetInfo. Returns "" or an error.
+std::string DeviceMemInfo(int device, size_t* free_bytes, size_t* total_bytes);
+size_t SymmetricBytes(const InitParams& p);
+// Returns "" on success or the error text (nothing left allocated on failure where avoidable).
+std::string Init(const InitParams& p);
+// collective: barrier + nvshmem_free + nvshmem_finalize (all PEs must call); otherwise only the
+// local host record is dropped (after a timeout a collective finalize could hang on a dead peer).
+std::string Finalize(bool collective);
+
+// nullptr when not initialized. The Team stays valid until Finalize.
+const mr::Team* ActiveTeam();
+const Limits& ActiveLimits();
+uint64_t NextSeq();      // ++seq of this process (first call gets 1)
+uint64_t CurrentSeq();
+// Copies the host-mapped record; false when not initialized.
+bool ReadDiag(mr::Diag* out);
+
+}  // namespace jaxep::cuda::rt

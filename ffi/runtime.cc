@@ -1,0 +1,106 @@
+// Python bindings of the multi-rank runtime (ffi/cuda/runtime.h), used by jaxep/runtime.py:
+// unique id, device memory check, init/finalize, the diagnostic record. Errors raise RuntimeError
+// (these run on the Python thread, never inside an XLA execution).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "cuda/multirank.h"
+#include "cuda/runtime.h"
+
+namespace nb = nanobind;
+namespace rt = jaxep::cuda::rt;
+namespace mr = jaxep::cuda::mr;
+
+namespace {
+
+rt::InitParams Params(int device, int rank, int size, const nb::bytes& uid, int64_t max_tokens,
+                      int64_t topk, int64_t experts, int64_t capacity, int64_t row_bytes,
+                      double timeout_s) {
+  rt::InitParams p;
+  p.device = device;
+  p.rank = rank;
+  p.size = size;
+  p.unique_id = std::string(static_cast<const char*>(uid.data()), uid.size());
+  p.max_tokens = max_tokens;
+  p.topk = topk;
+  p.experts = experts;
+  p.capacity = capacity;
+  p.row_bytes = row_bytes;
+  p.timeout_s = timeout_s;
+  return p;
+}
+
+}  // namespace
+
+void RegisterRuntime(nb::module_& m) {
+  m.def("nvshmem_built", &rt::BuiltWithNvshmem, "True when the multi-rank (NVSHMEM) path is built.");
+  m.def("nvshmem_version", &rt::NvshmemVersion, "NVSHMEM library version ('' without NVSHMEM).");
+  m.def("nvshmem_init_status", &rt::NvshmemInitStatus,
+        "nvshmemx_init_status(): 0 not initialized, 1 bootstrapped, >= 2 initialized; -1 unbuilt.");
+  m.def("max_ranks", []() { return mr::kMaxRanks; });
+  m.def("unique_id", []() {
+    std::string err;
+    std::string id = rt::GetUniqueId(&err);
+    if (!err.empty()) throw std::runtime_error(err);
+    return nb::bytes(id.data(), id.size());
+  }, "A fresh NVSHMEM unique id (PE 0 only), as bytes.");
+  m.def("device_mem_info", [](int device) {
+    size_t free_b = 0, total_b = 0;
+    std::string err = rt::DeviceMemInfo(device, &free_b, &total_b);
+    if (!err.empty()) throw std::runtime_error(err);
+    return nb::make_tuple(free_b, total_b);
+  }, nb::arg("device"), "cudaSetDevice + cudaFree(0) on this thread; (free, total) bytes.");
+  m.def("symmetric_bytes", [](int64_t max_tokens, int64_t topk, int64_t experts, int64_t capacity,
+                              int64_t row_bytes) {
+    rt::InitParams p;
+    p.max_tokens = max_tokens; p.topk = topk; p.experts = experts; p.capacity = capacity;
+    p.row_bytes = row_bytes;
+    return rt::SymmetricBytes(p);
+  }, "Bytes of the symmetric block one PE allocates for these limits.");
+  m.def("runtime_init", [](int device, int rank, int size, nb::bytes uid, int64_t max_tokens,
+                           int64_t topk, int64_t experts, int64_t capacity, int64_t row_bytes,
+                           double timeout_s) {
+    std::string err = rt::Init(Params(device, rank, size, uid, max_tokens, topk, experts, capacity,
+                                      row_bytes, timeout_s));
+    if (!err.empty()) throw std::runtime_error(err);
+  }, nb::arg("device"), nb::arg("rank"), nb::arg("size"), nb::arg("unique_id"),
+     nb::arg("max_tokens"), nb::arg("topk"), nb::arg("experts"), nb::arg("capacity"),
+     nb::arg("row_bytes"), nb::arg("timeout_s"),
+     "Collective: NVSHMEM init with the unique id, symmetric block, peer table, diagnostics.");
+  m.def("runtime_finalize", [](bool collective) {
+    std::string err = rt::Finalize(collective);
+    if (!err.empty()) throw std::runtime_error(err);
+  }, nb::arg("collective") = true);
+  m.def("runtime_info", []() -> nb::object {
+    const mr::Team* t = rt::ActiveTeam();
+    if (t == nullptr) return nb::none();
+    const rt::Limits& l = rt::ActiveLimits();
+    nb::dict d;
+    d["rank"] = t->rank;
+    d["size"] = t->size;
+    d["seq"] = rt::CurrentSeq();
+    d["timeout_ns"] = t->timeout_ns;
+    d["symmetric_bytes"] = t->lay.total;
+    d["stage_bytes"] = t->lay.stage_bytes;
+    d["max_tokens"] = l.max_tokens;
+    d["topk"] = l.topk;
+    d["experts"] = l.experts;
+    d["capacity"] = l.capacity;
+    d["row_bytes"] = l.row_bytes;
+    return d;
+  }, "The initialized runtime's rank, size, limits and call count, or None.");
+  m.def("runtime_diag", []() -> nb::object {
+    mr::Diag d{};
+    if (!rt::ReadDiag(&d) || d.status == 0) return nb::none();
+    nb::dict o;
+    o["rank"] = d.rank;
+    o["phase"] = d.phase;
+    o["peer"] = d.peer;
+    o["op"] = d.op;
+    o["seq"] = d.seq;
+    o["awaited"] = d.awaited;
+    o["seen"] = d.seen;
+    o["waited_ns"] = d.waited_ns;
+    return o;
+  }, "The first timeout recorded by a kernel (dict), or None.");
+}
