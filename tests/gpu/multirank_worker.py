@@ -1,0 +1,370 @@
+"""One rank of the multi-rank GPU tier; started by tests/gpu/test_multirank.py through
+`python -m jaxep.launch --nproc N --share-gpu tests/gpu/multirank_worker.py --case all|killed`.
+
+Every rank builds every rank's inputs from a shared seed, runs the CUDA backend (one process per
+rank, NVSHMEM runtime from jaxep.initialize), and compares its own shard with the NumPy oracle of
+tests/oracle.py computed on the host (XLA collectives cannot run with several processes on one
+GPU, so the reference backend cannot run here). Bitwise: dispatch (rows, weights, group sizes,
+send_row, recv_slot, sanitized ids, stats), dispatch_rows, combine, gather_back, and the gradients
+wrt x and y; the gradient wrt topk_weights contains an XLA f32 reduction (<g, y>), so it is
+compared to 1e-5 relative.
+
+Prints `RESULT <rank> <case> ok|FAIL <detail>` lines and `SUMMARY <rank> <passed>/<total>`;
+exits 1 on any failure. `--case killed`: the last rank exits right after initialize; the others
+must get jaxep.TimeoutError from jaxep.check() within the timeout (prints `KILLED ...`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import jaxep  # noqa: E402
+from jaxep import cuda_backend, reference  # noqa: E402
+from tests import oracle  # noqa: E402
+
+# JAXEP_WORKER_EMULATE=R: one process, R CPU devices, reference backend, checks rank 0 only
+# (debugs this script without a GPU). Otherwise one process per rank, CUDA backend.
+EMULATE = int(os.environ.get("JAXEP_WORKER_EMULATE", "0"))
+R = EMULATE or jax.process_count()
+ME = 0 if EMULATE else jax.process_index()
+BACKEND = "reference" if EMULATE else "cuda"
+MESH = Mesh(np.array(jax.devices()[:R]), ("ep",))
+SPEC = NamedSharding(MESH, P("ep"))
+RESULTS: list[tuple[str, bool, str]] = []
+
+
+def report(case: str, ok: bool, detail: str = "") -> None:
+    RESULTS.append((case, ok, detail))
+    print(f"RESULT {ME} {case} {'ok' if ok else 'FAIL'} {detail}", flush=True)
+
+
+def glob(per_rank):
+    """The global array [R*n, ...] from every rank's array (this process supplies its own shard;
+    a single process emulating R CPU devices, for debugging the worker, supplies them all)."""
+    if jax.process_count() == 1:
+        return jax.device_put(np.concatenate(per_rank), SPEC)
+    local = per_rank[ME]
+    shape = (R * local.shape[0],) + local.shape[1:]
+    dev = jax.local_devices()[0]
+    return jax.make_array_from_single_device_arrays(shape, SPEC, [jax.device_put(local, dev)])
+
+
+def mine(a) -> np.ndarray:
+    for sh in a.addressable_shards:
+        if sh.device == jax.devices()[ME]:
+            return np.asarray(sh.data)
+    raise AssertionError("no shard of this rank")
+
+
+def smap(body, n_in, n_out):
+    return jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("ep"),) * n_in,
+                                 out_specs=(P("ep"),) * n_out))
+
+
+def bits_equal(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return a.tobytes() == b.tobytes()
+
+
+def compare(case: str, name: str, got, want, exact=True, rtol=1e-5, atol=1e-6) -> bool:
+    if exact:
+        ok = bits_equal(got, want)
+    else:
+        ok = np.asarray(got).shape == np.asarray(want).shape and np.allclose(
+            np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=rtol, atol=atol)
+    if not ok:
+        g, w = np.asarray(got), np.asarray(want)
+        detail = f"{name}: shape {g.shape}/{w.shape} dtype {g.dtype}/{w.dtype}"
+        if g.shape == w.shape and g.size:
+            if exact and g.dtype == w.dtype:
+                diff = (g.reshape(g.size, 1).view(np.uint8) != w.reshape(w.size, 1).view(np.uint8)).any(-1)
+                diff = diff.reshape(g.shape)
+            else:
+                diff = ~np.isclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=atol)
+            idx = np.argwhere(diff)[:3].tolist()
+            detail += f", {int(diff.sum())} of {g.size} differ, first {idx}"
+            if idx:
+                i = tuple(idx[0])
+                detail += f" got {g[i]!r} want {w[i]!r}"
+        report(case, False, detail)
+    return ok
+
+
+# --------------------------------------------------------------------------------- inputs
+
+def make_inputs(seed, T, H, K, E, dtype, routing, bad_frac=0.0):
+    rng = np.random.default_rng(seed)
+    idxs = []
+    for _ in range(R):
+        if routing == "uniform":
+            idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+        elif routing == "skewed":
+            p = 1.0 / np.arange(1, E + 1) ** 1.5
+            idx = np.stack([rng.choice(E, K, replace=False, p=p / p.sum()) for _ in range(T)])
+        elif routing == "one_expert":
+            idx = np.full((T, K), -1)
+            idx[:, 0] = 0
+        else:
+            raise ValueError(routing)
+        idx = idx.astype(np.int32)
+        if bad_frac:
+            m = rng.random(idx.shape)
+            idx = np.where(m < bad_frac / 2, -1, idx)
+            bad = rng.choice(np.array([E, E + 3, -2, -7, 2**30], np.int64), idx.shape)
+            idx = np.where((m >= bad_frac / 2) & (m < bad_frac), bad, idx).astype(np.int32)
+        idxs.append(idx)
+    xs = [rng.standard_normal((T, H)).astype(np.float32).astype(dtype) for _ in range(R)]
+    ws = [rng.uniform(0.1, 1.0, (T, K)).astype(np.float32) for _ in range(R)]
+    return xs, idxs, ws
+
+
+def oracle_rows(src, recv_slot, T, K):
+    """dispatch_rows oracle: row c = src[s][t] of slot s*T*K + t*K + k, zeros for -1."""
+    H = src[0].shape[1]
+    out = np.zeros((recv_slot.shape[0], H), src[0].dtype)
+    for c, slot in enumerate(recv_slot):
+        if slot >= 0:
+            s, rem = divmod(int(slot), T * K)
+            out[c] = src[s][rem // K]
+    return out
+
+
+def oracle_gather_back(vs, send_row, idx, E):
+    L = E // R
+    out = np.zeros(send_row.shape, np.float32)
+    for (t, k), row in np.ndenumerate(send_row):
+        if row >= 0:
+            out[t, k] = vs[int(idx[t, k]) // L][row]
+    return out
+
+
+# --------------------------------------------------------------------------------- cases
+
+def case_ops(name, cfg, *, T, H, K, E, C, dtype, routing, bad_frac=0.0, seed=0):
+    """All four backend ops through cuda_backend directly (any dtype, any capacity <= the runtime's)."""
+    xs, idxs, ws = make_inputs(seed, T, H, K, E, dtype, routing, bad_frac)
+    rng = np.random.default_rng(seed + 1000)
+    ys = [rng.standard_normal((C, H)).astype(np.float32).astype(dtype) for _ in range(R)]
+    gs = [rng.standard_normal((T, H)).astype(np.float32).astype(dtype) for _ in range(R)]
+    vs = [rng.standard_normal((C,)).astype(np.float32) for _ in range(R)]
+    ecfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T, dtype=cfg.dtype)
+
+    be = reference if EMULATE else cuda_backend
+
+    def body(x, idx, w, y, g, v):
+        rows, wts, gsz, send_row, recv_slot, idx_out, stats = be.dispatch(
+            x, idx, w, axis_name="ep", config=ecfg, capacity=C)
+        out = be.combine(y, wts, send_row, recv_slot, idx_out, axis_name="ep",
+                                   num_experts=E)
+        rows_g = be.dispatch_rows(g, recv_slot, axis_name="ep", topk=K)
+        back = be.gather_back(v, send_row, recv_slot, idx_out, axis_name="ep",
+                                        num_experts=E)
+        return rows, wts, gsz, send_row, recv_slot, idx_out, stats, out, rows_g, back
+
+    f = smap(body, 6, 10)
+    res = f(*(glob(a) for a in (xs, idxs, ws, ys, gs, vs)))
+    jax.block_until_ready(res)
+    jaxep.check()
+    got = [mine(a) for a in res]
+    o = oracle.dispatch(xs, idxs, ws, num_experts=E, capacity=C)
+    sanitized = np.where((idxs[ME] >= 0) & (idxs[ME] < E), idxs[ME], -1).astype(np.int32)
+    want_out = oracle.combine(ys, o["weights"], o["send_row"], idxs, num_experts=E)[ME]
+    checks = [
+        ("x_rows", got[0], o["x"][ME]), ("weights", got[1], o["weights"][ME]),
+        ("group_sizes", got[2], o["group_sizes"][ME]), ("send_row", got[3], o["send_row"][ME]),
+        ("recv_slot", got[4], o["recv_slot"][ME]), ("topk_idx", got[5], sanitized),
+        ("stats", got[6], np.array([o["dropped"][ME], o["invalid"][ME]], np.int32)),
+        ("combine", got[7], want_out),
+        ("dispatch_rows", got[8], oracle_rows(gs, o["recv_slot"][ME], T, K)),
+        ("gather_back", got[9], oracle_gather_back(vs, o["send_row"][ME], idxs[ME], E)),
+    ]
+    ok = all([compare(name, n, g, w) for n, g, w in checks])
+    if ok:
+        report(name, True, f"dropped={o['dropped'][ME]} invalid={o['invalid'][ME]} "
+                           f"rows={int(o['group_sizes'][ME].sum())}/{C}")
+    return res
+
+
+def case_grads(cfg, seed=7):
+    """Public API (jaxep.dispatch/combine, config of jaxep.initialize), forward + vjp."""
+    T, H, K, E = cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.num_experts
+    C = cfg.capacity(R)
+    dtype = jnp.dtype(cfg.dtype)
+    xs, idxs, ws = make_inputs(seed, T, H, K, E, dtype, "uniform", bad_frac=0.1)
+    rng = np.random.default_rng(seed + 1)
+    ys = [rng.standard_normal((C, H)).astype(dtype) for _ in range(R)]
+    g_out = [rng.standard_normal((T, H)).astype(dtype) for _ in range(R)]
+    g_rows = [rng.standard_normal((C, H)).astype(dtype) for _ in range(R)]
+    g_w = [rng.standard_normal((C,)).astype(np.float32) for _ in range(R)]
+
+    def body(x, idx, w, y, go, gr, gw):
+        def fwd(x, w, y):
+            res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, backend=BACKEND)
+            out = jaxep.combine(y, res.handle, axis_name="ep")
+            return out, res.x, res.weights
+        (out, rows, rw), vjp = jax.vjp(fwd, x, w, y)
+        dx, dw, dy = vjp((go, gr, gw))
+        return out, rows, dx, dw, dy
+
+    f = smap(body, 7, 5)
+    res = f(*(glob(a) for a in (xs, idxs, ws, ys, g_out, g_rows, g_w)))
+    jax.block_until_ready(res)
+    jaxep.check()
+    out, rows, dx, dw, dy = (mine(a) for a in res)
+    o = oracle.dispatch(xs, idxs, ws, num_experts=E, capacity=C)
+    ones = [np.where(o["recv_slot"][r] >= 0, 1.0, 0.0).astype(np.float32) for r in range(R)]
+    want_dx = oracle.combine(g_rows, ones, o["send_row"], idxs, num_experts=E)[ME]
+    gor = oracle_rows(g_out, o["recv_slot"][ME], T, K)
+    want_dy = (o["weights"][ME][:, None] * gor.astype(np.float32)).astype(dtype)
+    # d res.weights = g_w + <dispatch_rows(g_out), y> per row, then gathered back to the slots.
+    dwr = [g_w[r] + np.sum(oracle_rows(g_out, o["recv_slot"][r], T, K).astype(np.float64)
+                           * ys[r].astype(np.float64), axis=-1) for r in range(R)]
+    want_dw = oracle_gather_back(dwr, o["send_row"][ME], idxs[ME], E)
+    ok = all([
+        compare("grads", "out", out, oracle.combine(ys, o["weights"], o["send_row"], idxs,
+                                                    num_experts=E)[ME]),
+        compare("grads", "rows", rows, o["x"][ME]),
+        compare("grads", "dx", dx, want_dx),
+        compare("grads", "dy", dy, want_dy),
+        compare("grads", "dtopk_weights", dw, want_dw, exact=False, rtol=1e-4, atol=1e-4),
+    ])
+    if ok:
+        report("grads", True, f"dtype={cfg.dtype}")
+
+
+def case_repeat(cfg, iters=4, seed=11):
+    """Back-to-back calls in one jitted scan (host handlers run per iteration: not command
+    buffers), then the same executable 3 times without blocking, ranks arriving late."""
+    T, H, K, E = cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.num_experts
+    C = cfg.capacity(R)
+    dtype = jnp.dtype(cfg.dtype)
+    data = [make_inputs(seed + i, T, H, K, E, dtype, "uniform") for i in range(iters)]
+    xs = [np.stack([d[0][r] for d in data]) for r in range(R)]
+    idxs = [np.stack([d[1][r] for d in data]) for r in range(R)]
+    ws = [np.stack([d[2][r] for d in data]) for r in range(R)]
+
+    def body(x, idx, w):
+        def step(carry, inp):
+            xi, ii, wi = inp
+            res = jaxep.dispatch(xi, ii, wi, axis_name="ep", config=cfg, backend=BACKEND)
+            out = jaxep.combine(res.x, res.handle, axis_name="ep")
+            return carry, (res.x, out)
+        _, (rows, outs) = jax.lax.scan(step, 0, (x[0], idx[0], w[0]))
+        return rows[None], outs[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("ep"),) * 3,
+                              out_specs=(P("ep"),) * 2))
+    args = [glob([b[None] for b in a]) for a in (xs, idxs, ws)]
+    outs = []
+    for rep in range(3):
+        if rep == 1:
+            time.sleep(0.3 * ME)  # ranks arrive late, by different amounts
+        outs.append(f(*args))
+    jax.block_until_ready(outs)
+    jaxep.check()
+    ok = True
+    for i, d in enumerate(data):
+        o = oracle.dispatch(d[0], d[1], d[2], num_experts=E, capacity=C)
+        want_out = oracle.combine(o["x"], o["weights"], o["send_row"], d[1], num_experts=E)[ME]
+        for rep, (rows, out) in enumerate(outs):
+            ok &= compare("repeat", f"rows[rep {rep}, iter {i}]", mine(rows)[0][i], o["x"][ME])
+            ok &= compare("repeat", f"combine[rep {rep}, iter {i}]", mine(out)[0][i], want_out)
+            if not ok:
+                return
+    report("repeat", True, f"{iters} iterations x 3 executions, calls={(jaxep._ffi.runtime_info() or {}).get('seq')}")
+
+
+def run_all(args) -> int:
+    K, H, T = 4, 256, 64
+    E = 8 * R
+    cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
+                       capacity_factor=None, dtype="float32", timeout_s=args.timeout_s)
+    jaxep.initialize(cfg)
+    if ME == 0:
+        print("runtime", jaxep._ffi.runtime_info(), flush=True)
+    nodrop = R * T * K
+    cases = [
+        ("bf16_uniform_nodrop", dict(T=T, H=H, K=K, E=E, C=nodrop, dtype=jnp.bfloat16, routing="uniform")),
+        ("bf16_uniform_overflow", dict(T=T, H=H, K=K, E=2 * R, C=T * K // 2, dtype=jnp.bfloat16, routing="uniform")),
+        ("f16_skewed_cap1", dict(T=T, H=H, K=K, E=E, C=T * K, dtype=jnp.float16, routing="skewed")),
+        ("f32_bad_ids", dict(T=T, H=H, K=K, E=E, C=T * K, dtype=jnp.float32, routing="uniform", bad_frac=0.2)),
+        ("bf16_one_expert", dict(T=T, H=H, K=K, E=E, C=T * R // 2, dtype=jnp.bfloat16, routing="one_expert")),
+        ("bf16_odd_shapes", dict(T=37, H=250, K=3, E=E, C=300, dtype=jnp.bfloat16, routing="uniform", bad_frac=0.1)),
+    ]
+    for name, kw in cases:
+        try:
+            case_ops(name, cfg, **kw)
+        except Exception as e:  # pylint: disable=broad-except
+            report(name, False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
+            traceback.print_exc()
+    for fn in (case_grads, case_repeat):
+        try:
+            fn(cfg)
+        except Exception as e:  # pylint: disable=broad-except
+            report(fn.__name__[5:], False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
+            traceback.print_exc()
+    passed = sum(ok for _, ok, _ in RESULTS)
+    print(f"SUMMARY {ME} {passed}/{len(RESULTS)}", flush=True)
+    if passed == len(RESULTS):
+        jaxep.finalize()
+    sys.stdout.flush()
+    return 0 if passed == len(RESULTS) else 1
+
+
+def run_killed(args) -> int:
+    cfg = jaxep.Config(num_experts=4 * R, topk=2, hidden=128, max_tokens_per_rank=32,
+                       capacity_factor=None, dtype="bfloat16", timeout_s=args.timeout_s)
+    jaxep.initialize(cfg)
+    victim = R - 1
+    if ME == victim:
+        print(f"KILLED victim {ME} exits before dispatch", flush=True)
+        os._exit(0)  # no finalize, no jax.distributed shutdown: like a crash
+    xs, idxs, ws = make_inputs(3, 32, 128, 2, 4 * R, jnp.bfloat16, "uniform")
+
+    def body(x, idx, w):
+        res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, backend=BACKEND)
+        return res.x, jaxep.combine(res.x, res.handle, axis_name="ep")
+
+    f = smap(body, 3, 2)
+    t0 = time.time()
+    out = f(*(glob(a) for a in (xs, idxs, ws)))
+    jax.block_until_ready(out)
+    t1 = time.time()
+    try:
+        jaxep.check()
+        print(f"KILLED {ME} FAIL no error after {t1 - t0:.1f}s", flush=True)
+        rc = 1
+    except jaxep.TimeoutError as e:
+        print(f"KILLED {ME} ok TimeoutError after {t1 - t0:.1f}s (timeout {args.timeout_s}s): {e}",
+              flush=True)
+        rc = 0
+    time.sleep(1.0)  # let the watchdog log it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # a peer is dead: skip collective finalize and jax.distributed shutdown
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", default="all", choices=("all", "killed"))
+    p.add_argument("--timeout_s", type=float, default=60.0)
+    args = p.parse_args()
+    import logging
+    logging.basicConfig(level=logging.INFO if ME == 0 else logging.WARNING,
+                        format=f"[rank {ME}] %(levelname)s %(name)s: %(message)s")
+    return run_all(args) if args.case == "all" else run_killed(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

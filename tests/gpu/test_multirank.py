@@ -1,0 +1,71 @@
+"""GPU tier, multi-rank: N = 2, 4, 8 ranks on one GPU under CUDA MPS (`jaxep.launch --share-gpu`),
+each rank comparing the CUDA backend bitwise with the NumPy oracle (tests/gpu/multirank_worker.py),
+plus the killed-peer case (the survivors must raise jaxep.TimeoutError within the timeout).
+
+Skipped without a GPU, without the extension's multi-rank (NVSHMEM) build, or without
+nvidia-cuda-mps-control. Run: python -m pytest -q tests/gpu/test_multirank.py
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxep import _ffi
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "gpu", "multirank_worker.py")
+
+
+def _skip_reason() -> str | None:
+    if not _ffi.is_available():
+        return f"jaxep CUDA extension unavailable: {_ffi.unavailable_reason()}"
+    if not _ffi.multi_rank_built():
+        return "jaxep CUDA extension built without NVSHMEM (no multi-rank path)"
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        return "nvidia-cuda-mps-control not on PATH (needed by --share-gpu)"
+    if shutil.which("nvidia-smi") is None or subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True).returncode != 0:
+        return "no NVIDIA GPU (nvidia-smi -L failed)"
+    return None
+
+
+_REASON = _skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+
+
+def _launch(nproc: int, *args: str, timeout: float) -> tuple[int, str, float]:
+    env = dict(os.environ)
+    env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", str(nproc), "--share-gpu",
+           "--timeout", str(timeout), WORKER, *args]
+    t0 = time.time()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout + 60)
+    return r.returncode, r.stdout + r.stderr, time.time() - t0
+
+
+@pytest.mark.parametrize("nproc", [2, 4, 8])
+def test_multirank_bitwise(nproc):
+    rc, out, secs = _launch(nproc, "--case", "all", timeout=300)
+    results = re.findall(r"^RESULT (\d+) (\S+) (ok|FAIL) ?(.*)$", out, re.M)
+    fails = [r for r in results if r[2] == "FAIL"]
+    summaries = re.findall(r"^SUMMARY (\d+) (\d+)/(\d+)$", out, re.M)
+    assert rc == 0 and not fails and len(summaries) == nproc, (
+        f"rc={rc} after {secs:.0f}s; failures: {fails[:8]}\n--- output tail ---\n{out[-6000:]}")
+
+
+def test_killed_peer_times_out():
+    timeout_s = 5.0
+    rc, out, secs = _launch(4, "--case", "killed", "--timeout_s", str(timeout_s), timeout=180)
+    oks = re.findall(r"^KILLED (\d+) ok TimeoutError after ([\d.]+)s", out, re.M)
+    assert len(oks) == 3, f"rc={rc} after {secs:.0f}s\n--- output tail ---\n{out[-6000:]}"
+    for _, waited in oks:
+        assert float(waited) < timeout_s + 30, out[-3000:]
+    assert "timed out in dispatch" in out, out[-3000:]
