@@ -17,10 +17,12 @@ run() {  # name timeout cmd...
   say "$name rc=$rc ($(( $(date +%s)-t ))s): $(grep -cE '^RESULT [0-9]+ \S+ ok' "$OUT/$name.log") ok, $(grep -cE '^RESULT [0-9]+ \S+ FAIL' "$OUT/$name.log") FAIL"
   grep -E '^(RESULT [0-9]+ \S+ FAIL|KILLED|SUMMARY)' "$OUT/$name.log" | head -12 | tee -a "$S"
   grep -E 'Error|error|Segmentation|Traceback' "$OUT/$name.log" | grep -v "^RESULT" | head -6 | tee -a "$S"
+  return $rc
 }
 W=tests/gpu/multirank_worker.py
+FAILED=0
 for N in ${NS:-2 4 8}; do
-  run "mr_n$N" 200 python3 -m jaxep.launch --nproc $N --share-gpu --timeout 180 $W --case all
+  run "mr_n$N" 150 python3 -m jaxep.launch --nproc $N --share-gpu --timeout 140 $W --case all --timeout_s 20 || { FAILED=1; break; }
 done
 run killed 120 python3 -m jaxep.launch --nproc 4 --share-gpu --timeout 100 $W --case killed --timeout_s 5
 grep -E "ERROR jaxep" "$OUT/killed.log" | head -2 | tee -a "$S"
@@ -28,7 +30,7 @@ if [ "${EP1:-1}" = 1 ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ep1.py tests/gpu/test_backends_bitwise.py > "$OUT/ep1.log" 2>&1
   say "ep1 tier rc=$? : $(tail -1 "$OUT/ep1.log")"
 fi
-if [ "${BENCH:-0}" = 1 ]; then
+if [ "${BENCH:-0}" = 1 ] && [ $FAILED = 0 ]; then
   timeout 240 python3 -m jaxep.launch --nproc 8 --share-gpu --timeout 230 tools/bench_multirank.py \
     --experts 64,256 --iters ${ITERS:-20} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   say "bench 8x rc=$?"; grep -A4 -E "^ +E +ok" "$OUT/bench.log" | tee -a "$S"
