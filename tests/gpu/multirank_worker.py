@@ -243,16 +243,13 @@ def case_grads(cfg, seed=7):
         report("grads", True, f"dtype={cfg.dtype}")
 
 
-def case_repeat(cfg, iters=4, seed=11):
-    """Back-to-back calls in one jitted scan (host handlers run per iteration: not command
-    buffers), then the same executable 3 times without blocking, ranks arriving late."""
+def case_repeat(cfg, iters=4, reps=3, seed=11):
+    """Back-to-back calls in one jitted scan, then the same executable `reps` times on different
+    data without blocking, ranks arriving late. The host handlers must run for every call (they
+    are not command-buffer compatible): the runtime's call counter must grow by 2 per iteration."""
     T, H, K, E = cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.num_experts
     C = cfg.capacity(R)
     dtype = jnp.dtype(cfg.dtype)
-    data = [make_inputs(seed + i, T, H, K, E, dtype, "uniform") for i in range(iters)]
-    xs = [np.stack([d[0][r] for d in data]) for r in range(R)]
-    idxs = [np.stack([d[1][r] for d in data]) for r in range(R)]
-    ws = [np.stack([d[2][r] for d in data]) for r in range(R)]
 
     def body(x, idx, w):
         def step(carry, inp):
@@ -265,24 +262,37 @@ def case_repeat(cfg, iters=4, seed=11):
 
     f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P("ep"),) * 3,
                               out_specs=(P("ep"),) * 2))
-    args = [glob([b[None] for b in a]) for a in (xs, idxs, ws)]
+    datas, args = [], []
+    for rep in range(reps):
+        data = [make_inputs(seed + 100 * rep + i, T, H, K, E, dtype, "uniform") for i in range(iters)]
+        datas.append(data)
+        stacked = [[np.stack([d[j][r] for d in data])[None] for r in range(R)] for j in range(3)]
+        args.append([glob(a) for a in stacked])
+    f.lower(*args[0]).compile()
+    seq0 = (jaxep._ffi.runtime_info() or {}).get("seq", 0)
     outs = []
-    for rep in range(3):
+    for rep in range(reps):
         if rep == 1:
             time.sleep(0.3 * ME)  # ranks arrive late, by different amounts
-        outs.append(f(*args))
+        outs.append(f(*args[rep]))
     jax.block_until_ready(outs)
     jaxep.check()
+    calls = (jaxep._ffi.runtime_info() or {}).get("seq", 0) - seq0
     ok = True
-    for i, d in enumerate(data):
-        o = oracle.dispatch(d[0], d[1], d[2], num_experts=E, capacity=C)
-        want_out = oracle.combine(o["x"], o["weights"], o["send_row"], d[1], num_experts=E)[ME]
-        for rep, (rows, out) in enumerate(outs):
+    for rep in range(reps):
+        for i, d in enumerate(datas[rep]):
+            o = oracle.dispatch(d[0], d[1], d[2], num_experts=E, capacity=C)
+            want_out = oracle.combine(o["x"], o["weights"], o["send_row"], d[1], num_experts=E)[ME]
+            rows, out = outs[rep]
             ok &= compare("repeat", f"rows[rep {rep}, iter {i}]", mine(rows)[0][i], o["x"][ME])
             ok &= compare("repeat", f"combine[rep {rep}, iter {i}]", mine(out)[0][i], want_out)
             if not ok:
                 return
-    report("repeat", True, f"{iters} iterations x 3 executions, calls={(jaxep._ffi.runtime_info() or {}).get('seq')}")
+    if not EMULATE and calls != reps * iters * 2:
+        report("repeat", False, f"host handler ran {calls} times for {reps * iters * 2} calls "
+                                "(captured into a command buffer?)")
+        return
+    report("repeat", True, f"{iters} scan iterations x {reps} executions, {calls} handler runs")
 
 
 def run_all(args) -> int:
