@@ -68,7 +68,7 @@ def test_config_differs_from_initialized():
 
 
 def test_cuda_backend_requested_where_impossible():
-    with pytest.raises(ValueError, match=r"jaxep.dispatch: backend='cuda' (needs the CUDA extension|supports EP size 1)"):
+    with pytest.raises(ValueError, match=r"jaxep.dispatch: backend='cuda' (needs the CUDA extension|supports EP size 1|with EP size \d+ needs the multi-rank)"):
         _trace(*_args(), backend="cuda")
 
 

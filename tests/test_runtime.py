@@ -1,0 +1,76 @@
+"""CPU tier: the multi-rank runtime's Python side (no GPU needed): trace-time errors of the
+multi-rank CUDA path, check()/diagnostic() without a runtime, NVSHMEM settings helpers."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxep
+from jaxep import _ffi, runtime
+
+
+def test_check_is_a_noop_without_runtime():
+    jaxep.check()
+    assert runtime.diagnostic() is None
+    assert runtime.multi_rank_size() == 0
+
+
+def test_timeout_error_is_a_builtin_timeout_error():
+    assert issubclass(jaxep.TimeoutError, TimeoutError)
+
+
+@pytest.mark.parametrize("text,value", [("1073741824", 1 << 30), ("2G", 2 << 30), ("512M", 512 << 20),
+                                        ("64k", 64 << 10), ("1.5G", int(1.5 * (1 << 30)))])
+def test_parse_symmetric_size(text, value):
+    assert runtime._parse_size(text) == value
+
+
+def test_recommended_env():
+    rec = runtime.recommended_env(3 << 30, ranks_on_gpu=8)
+    assert rec["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert int(rec["NVSHMEM_SYMMETRIC_SIZE"]) >= 3 << 30
+    assert rec["NVSHMEM_DISABLE_NCCL"] == "1"
+    assert "NVSHMEM_DISABLE_NCCL" not in runtime.recommended_env(1 << 20)
+
+
+def test_cuda_backend_multi_rank_needs_the_runtime():
+    with pytest.raises(ValueError, match=r"backend='cuda'.*EP size 2|needs the CUDA extension and a GPU"):
+        runtime.select_backend("dispatch", "cuda", 2)
+    assert runtime.select_backend("dispatch", None, 2) == "reference"
+
+
+@pytest.mark.skipif(not _ffi.is_available(), reason="CUDA extension not built")
+def test_ffi_multi_rank_without_runtime_raises_at_trace_time():
+    x = jax.ShapeDtypeStruct((4, 16), jnp.float32)
+    i = jax.ShapeDtypeStruct((4, 2), jnp.int32)
+    w = jax.ShapeDtypeStruct((4, 2), jnp.float32)
+    f = lambda x, i, w: _ffi.dispatch(x, i, w, num_experts=8, capacity=16, rank=-1, ep_size=2)
+    exc = RuntimeError if _ffi.multi_rank_built() else NotImplementedError
+    with pytest.raises(exc, match=r"jaxep._ffi.dispatch: ep_size = 2"):
+        jax.jit(f).trace(x, i, w)
+    with pytest.raises(ValueError, match=r"rank -1 \(from the runtime\)"):
+        jax.jit(lambda x, i, w: _ffi.dispatch(x, i, w, num_experts=8, capacity=16, rank=-1,
+                                              ep_size=1)).trace(x, i, w)
+
+
+@pytest.mark.skipif(not _ffi.is_available(), reason="CUDA extension not built")
+def test_extension_reports_multi_rank_build():
+    info = _ffi.build_info()
+    assert "multi_rank" in info and "nvshmem" in info
+    assert "jaxep_gather_back" in _ffi._module.registrations()
+    if _ffi.multi_rank_built():
+        m = _ffi._module
+        assert m.nvshmem_built() and m.nvshmem_version()
+        assert m.runtime_info() is None and m.runtime_diag() is None
+        # T=4096, K=8, E=256, C=40960, H=7168 bf16: about 588 MB per PE
+        assert 580e6 < m.symmetric_bytes(4096, 8, 256, 40960, 7168 * 2) < 600e6
+
+
+def test_initialize_single_process_does_not_touch_nvshmem():
+    cfg = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4)
+    jaxep.initialize(cfg)
+    try:
+        assert runtime.multi_rank_size() == 0
+        jaxep.check()
+    finally:
+        jaxep.finalize()
