@@ -288,7 +288,9 @@ def case_repeat(cfg, iters=4, reps=3, seed=11):
             ok &= compare("repeat", f"combine[rep {rep}, iter {i}]", mine(out)[0][i], want_out)
             if not ok:
                 return
-    if not EMULATE and calls != reps * iters * 2:
+    # >= : XLA may run a custom call more than once per iteration (seen: 3 runs per scan
+    # iteration of dispatch + combine on jax 0.11.2); fewer would mean replayed captures.
+    if not EMULATE and calls < reps * iters * 2:
         report("repeat", False, f"host handler ran {calls} times for {reps * iters * 2} calls "
                                 "(captured into a command buffer?)")
         return
