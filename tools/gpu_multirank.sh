@@ -14,9 +14,9 @@ python3 -c "import jaxep._ffi as f; print(f.is_available(), f.unavailable_reason
 run() {  # name timeout cmd...
   local name=$1 to=$2; shift 2; local t=$(date +%s)
   timeout "$to" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  say "$name rc=$rc ($(( $(date +%s)-t ))s): $(grep -cE '^RESULT [0-9]+ \S+ ok' "$OUT/$name.log") ok, $(grep -cE '^RESULT [0-9]+ \S+ FAIL' "$OUT/$name.log") FAIL"
-  grep -E '^(RESULT [0-9]+ \S+ FAIL|KILLED|SUMMARY)' "$OUT/$name.log" | head -12 | tee -a "$S"
-  grep -E 'Error|error|Segmentation|Traceback' "$OUT/$name.log" | grep -v "^RESULT" | head -6 | tee -a "$S"
+  say "$name rc=$rc ($(( $(date +%s)-t ))s): $(grep -cE 'RESULT [0-9]+ \S+ ok' "$OUT/$name.log") ok, $(grep -cE 'RESULT [0-9]+ \S+ FAIL' "$OUT/$name.log") FAIL"
+  grep -E '(RESULT [0-9]+ \S+ FAIL|KILLED|SUMMARY)' "$OUT/$name.log" | head -12 | tee -a "$S"
+  grep -E 'Error|error|Segmentation|Traceback' "$OUT/$name.log" | grep -vE "RESULT|GRPC|WatchTasks|UNAVAILABLE|KILLED|ERROR jaxep" | head -6 | tee -a "$S"
   return $rc
 }
 W=tests/gpu/multirank_worker.py
@@ -33,7 +33,7 @@ fi
 if [ "${BENCH:-0}" = 1 ] && [ $FAILED = 0 ]; then
   timeout 240 python3 -m jaxep.launch --nproc 8 --share-gpu --timeout 230 tools/bench_multirank.py \
     --experts 64,256 --iters ${ITERS:-20} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-  say "bench 8x rc=$?"; grep -A4 -E "^ +E +ok" "$OUT/bench.log" | tee -a "$S"
-  grep -E "Error|error" "$OUT/bench.log" | head -5 | tee -a "$S"
+  say "bench 8x rc=$?"; grep -A4 -E " +E +ok +dedup" "$OUT/bench.log" | tee -a "$S"
+  grep -E "Error|error" "$OUT/bench.log" | grep -vE "GRPC|WatchTasks|UNAVAILABLE" | head -5 | tee -a "$S"
 fi
 say "total $(( $(date +%s)-t0 ))s"
