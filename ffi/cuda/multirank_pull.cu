@@ -136,6 +136,90 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
+// Combine, warp per token (topk <= 32): lane k reads slot k once; the warp orders the kept slots
+// by (destination rank, k) into shared memory, then every lane walks that list for its 16-byte
+// units. Same arithmetic as CombinePullKernel: partial = fadd(partial, fmul(w, y)) over k
+// ascending within a rank, out = fadd(out, partial) over ranks ascending; ranks with no kept slot
+// are skipped, which is bitwise the same (out starts at +0.0 and never becomes -0.0, so adding
+// their +0.0 partial is the identity).
+constexpr int kMaxWarpTopk = 32;
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kCombineThreads)
+    CombinePullWarpKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
+                          int64_t units_per_row, const int32_t* __restrict__ send_row,
+                          const int32_t* __restrict__ topk_idx, T* __restrict__ out) {
+  if (Aborted(team)) return;
+  using P = Pack<T, VEC>;
+  __shared__ int s_row[kCombineThreads / kWarpSize][kMaxWarpTopk];
+  __shared__ int s_dest[kCombineThreads / kWarpSize][kMaxWarpTopk];
+  __shared__ float s_w[kCombineThreads / kWarpSize][kMaxWarpTopk];
+  const int R = team.size;
+  const int L = experts / R;
+  const int lane = threadIdx.x % kWarpSize;
+  const int wib = threadIdx.x / kWarpSize;
+  const int64_t wpb = blockDim.x / kWarpSize;
+  const int64_t nwarps = gridDim.x * wpb;
+  P* out_packs = reinterpret_cast<P*>(out);
+  for (int64_t t = blockIdx.x * wpb + wib; t < tokens; t += nwarps) {
+    int dest = R, row = -1;  // dest == R: not kept
+    if (lane < topk) {
+      const int32_t e = topk_idx[t * topk + lane];
+      const int32_t r = send_row[t * topk + lane];
+      if (e >= 0 && e < experts && r >= 0 && r < rows) {
+        dest = e / L;
+        row = r;
+      }
+    }
+    // Position of this lane's slot in (dest, k) order, from one ballot per rank.
+    int before = 0, pos = -1;
+    for (int d = 0; d < R; ++d) {
+      const unsigned m = __ballot_sync(kFullMask, dest == d);
+      if (d == dest) pos = before + __popc(m & ((1u << lane) - 1u));
+      before += __popc(m);
+    }
+    const int n = before;  // kept slots of token t
+    __syncwarp();
+    if (pos >= 0) {
+      s_row[wib][pos] = row;
+      s_dest[wib][pos] = dest;
+      s_w[wib][pos] = reinterpret_cast<const float*>(team.peer[dest] + team.lay.stage_w)[row];
+    }
+    __syncwarp();
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
+      float acc[VEC], partial[VEC];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[v] = partial[v] = 0.0f;
+      int cur = n > 0 ? s_dest[wib][0] : 0;
+      for (int q = 0; q < n; ++q) {
+        const int d = s_dest[wib][q];
+        if (d != cur) {
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            acc[v] = __fadd_rn(acc[v], partial[v]);
+            partial[v] = 0.0f;
+          }
+          cur = d;
+        }
+        const float w = s_w[wib][q];
+        const P p = reinterpret_cast<const P*>(team.peer[d] + team.lay.stage)
+            [static_cast<int64_t>(s_row[wib][q]) * units_per_row + u];
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          partial[v] = __fadd_rn(partial[v], __fmul_rn(w, Convert<T>::ToF32(p.v[v])));
+        }
+      }
+      P o;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        o.v[v] = Convert<T>::FromF32(n > 0 ? __fadd_rn(acc[v], partial[v]) : 0.0f);
+      }
+      out_packs[t * units_per_row + u] = o;
+    }
+    __syncwarp();  // s_* are rewritten for the next token
+  }
+}
+
 __global__ void GatherBackPullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts,
                                      int32_t rows, const int32_t* __restrict__ send_row,
                                      const int32_t* __restrict__ topk_idx, float* __restrict__ out) {
@@ -219,6 +303,19 @@ cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, in
   constexpr int kVec = 16 / sizeof(T);
   const bool packed = hidden % kVec == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int64_t units = packed ? hidden / kVec : hidden;
+  if (topk <= kMaxWarpTopk) {
+    const int64_t wpb = kCombineThreads / kWarpSize;
+    const unsigned grid = static_cast<unsigned>(std::clamp<int64_t>(CeilDiv(tokens, wpb), 1,
+                                                                    kMaxCombineBlocks));
+    if (packed) {
+      CombinePullWarpKernel<T, kVec><<<grid, kCombineThreads, 0, stream>>>(
+          team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
+    } else {
+      CombinePullWarpKernel<T, 1><<<grid, kCombineThreads, 0, stream>>>(
+          team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
+    }
+    return cudaGetLastError();
+  }
   const int64_t blocks =
       std::clamp<int64_t>(CeilDiv(tokens * units, kCombineThreads), 1, kMaxCombineBlocks);
   if (packed) {
