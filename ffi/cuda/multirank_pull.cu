@@ -143,6 +143,10 @@ __global__ void __launch_bounds__(kCombineThreads)
 // are skipped, which is bitwise the same (out starts at +0.0 and never becomes -0.0, so adding
 // their +0.0 partial is the identity).
 constexpr int kMaxWarpTopk = 32;
+// OFF until it has run on a GPU: written after the last device run of 2026-12-02 (the combine
+// figure of docs/performance.md is the thread-per-16-bytes kernel). Turn on, then run
+// tools/gpu_multirank.sh (bitwise at N = 2, 4, 8) and BENCH=1 before keeping it.
+constexpr bool kUseWarpCombine = false;
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kCombineThreads)
@@ -303,7 +307,7 @@ cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, in
   constexpr int kVec = 16 / sizeof(T);
   const bool packed = hidden % kVec == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int64_t units = packed ? hidden / kVec : hidden;
-  if (topk <= kMaxWarpTopk) {
+  if (kUseWarpCombine && topk <= kMaxWarpTopk) {
     const int64_t wpb = kCombineThreads / kWarpSize;
     const unsigned grid = static_cast<unsigned>(std::clamp<int64_t>(CeilDiv(tokens, wpb), 1,
                                                                     kMaxCombineBlocks));
