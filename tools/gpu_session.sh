@@ -13,11 +13,11 @@ python3 -c "import jaxep._ffi as f; print(f.is_available(), f.unavailable_reason
 timeout 240 python3 -m pytest -q tests/gpu -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; summary "gpu tier rc=$? : $(tail -1 "$OUT/gpu_tests.log")"
 for E in 64 256; do
   timeout 150 python3 -m jaxep.bench --backend cuda --tokens 4096 --hidden 7168 --topk 8 --experts $E \
-    --dtype bfloat16 --iters 20 --json "$OUT/bench_e$E.json" --plot "$OUT/bench_e$E.png" > "$OUT/bench_e$E.log" 2>&1
+    --dtype bfloat16 --iters 10 --json "$OUT/bench_e$E.json" --plot "$OUT/bench_e$E.png" > "$OUT/bench_e$E.log" 2>&1
   summary "bench E=$E rc=$?"; grep -E "^(op|dispatch|combine|both|correctness|copy)" "$OUT/bench_e$E.log" | head -8 | tee -a "$OUT/summary.txt"
 done
 for B in cuda reference; do
-  timeout 100 python3 examples/moe_flax.py --backend $B --ep 1 --dtype bfloat16 --steps 150 --batch 64 --seq_len 64 \
+  timeout 100 python3 examples/moe_flax.py --backend $B --ep 1 --dtype bfloat16 --steps 80 --batch 64 --seq_len 64 \
     --d_model 256 --ffn 512 --experts 16 > "$OUT/example_$B.log" 2>&1
   summary "example $B rc=$? : $(grep -iE 'tokens/s' "$OUT/example_$B.log" | tail -2 | tr '\n' ' ')"
 done
