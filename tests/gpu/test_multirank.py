@@ -54,9 +54,10 @@ def _launch(nproc: int, *args: str, timeout: float) -> tuple[int, str, float]:
 @pytest.mark.parametrize("nproc", [2, 4, 8])
 def test_multirank_bitwise(nproc):
     rc, out, secs = _launch(nproc, "--case", "all", timeout=300)
-    results = re.findall(r"^RESULT (\d+) (\S+) (ok|FAIL) ?(.*)$", out, re.M)
+    # jaxep.launch prefixes every line of rank i with "[rank i] ".
+    results = re.findall(r"^(?:\[rank \d+\] )?RESULT (\d+) (\S+) (ok|FAIL) ?(.*)$", out, re.M)
     fails = [r for r in results if r[2] == "FAIL"]
-    summaries = re.findall(r"^SUMMARY (\d+) (\d+)/(\d+)$", out, re.M)
+    summaries = re.findall(r"^(?:\[rank \d+\] )?SUMMARY (\d+) (\d+)/(\d+)$", out, re.M)
     assert rc == 0 and not fails and len(summaries) == nproc, (
         f"rc={rc} after {secs:.0f}s; failures: {fails[:8]}\n--- output tail ---\n{out[-6000:]}")
 
@@ -64,7 +65,7 @@ def test_multirank_bitwise(nproc):
 def test_killed_peer_times_out():
     timeout_s = 5.0
     rc, out, secs = _launch(4, "--case", "killed", "--timeout_s", str(timeout_s), timeout=180)
-    oks = re.findall(r"^KILLED (\d+) ok TimeoutError after ([\d.]+)s", out, re.M)
+    oks = re.findall(r"^(?:\[rank \d+\] )?KILLED (\d+) ok TimeoutError after ([\d.]+)s", out, re.M)
     assert len(oks) == 3, f"rc={rc} after {secs:.0f}s\n--- output tail ---\n{out[-6000:]}"
     for _, waited in oks:
         assert float(waited) < timeout_s + 30, out[-3000:]
