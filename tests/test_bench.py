@@ -223,3 +223,60 @@ def test_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "jaxep.bench", "--tokens=0"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode != 0 and "tokens" in bad.stderr
+
+
+def test_multiprocess_reference_cpu(tmp_path):
+    """The multi-process path on CPU: 2 processes under jaxep.launch (one CPU device each, the
+    reference backend over XLA's CPU collectives), jaxep.initialize by the bench, correctness on
+    each process's own shard, timings gathered to process 0 through the key-value store, JSON by
+    process 0 only. (The CUDA multi-rank path is the same code with backend=cuda; GPU only.)"""
+    out = tmp_path / "mp.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    p = subprocess.run([sys.executable, "-m", "jaxep.launch", "--nproc", "2", "--timeout", "240",
+                        "-m", "jaxep.bench", "--backend=reference", "--tokens=16", "--hidden=32",
+                        "--topk=2", "--experts=8", "--iters=2", "--warmup=1", f"--json={out}"],
+                       capture_output=True, text=True, timeout=300, env=env,
+                       cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "[rank 0] jaxep-bench backend=reference EP=2" in p.stdout
+    assert "[rank 1] jaxep-bench" not in p.stdout  # the table comes from process 0 only
+    doc = json.loads(out.read_text())
+    assert doc["topology"]["num_processes"] == 2 and doc["topology"]["ep_size"] == 2
+    assert doc["correctness"]["passed"]
+    assert all("each of 2 processes" in c for c in doc["correctness"]["checked"])
+    for o in doc["ops"].values():
+        t = o["time_s"]
+        assert len(t["per_process_median"]) == 2 and t["median"] == max(t["per_process_median"])
+        assert o["payload"]["copy_over_op"] > 0
+    assert doc["copy_baseline"]["payload"]["bytes_total"] > 0
+
+
+def test_multiprocess_correctness_failure_reaches_every_process(tmp_path):
+    """A wrong answer on process 1 only: both processes raise BenchCorrectnessError naming it
+    (outcomes gathered through the key-value store), so no process goes on to time."""
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import jax\n"
+        "from jaxep.bench import BenchConfig, run, check\n"
+        "orig = check.oracle_combine_of_rows\n"
+        "def bad(*a, **k):\n"
+        "    out = orig(*a, **k)\n"
+        "    out.view('uint16')[0, 0] ^= 1\n"
+        "    return out\n"
+        "if jax.process_index() == 1:\n"
+        "    check.oracle_combine_of_rows = bad\n"
+        "try:\n"
+        "    run(BenchConfig(tokens=16, hidden=32, topk=2, experts=8, iters=1, warmup=1, inner=1))\n"
+        "except check.BenchCorrectnessError as e:\n"
+        "    print('RAISED', jax.process_index(), e)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    p = subprocess.run([sys.executable, "-m", "jaxep.launch", "--nproc", "2", "--timeout", "240",
+                        str(script)], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    for r in (0, 1):
+        assert f"[rank {r}] RAISED {r} process 1: combine" in p.stdout, p.stdout[-3000:]

@@ -1,202 +1,142 @@
-"""Multi-rank dispatch/combine timing on one GPU (or one node), one process per rank.
+"""Multi-rank benchmark on one GPU: a thin wrapper that runs `jaxep-bench` once per expert count
+under `jaxep.launch` and prints one short table from the JSON files.
 
-    python -m jaxep.launch --nproc 8 --share-gpu tools/bench_multirank.py --experts 64,256
+    python tools/bench_multirank.py --nproc 8 --experts 64,256 --outdir /tmp/bench
+    # runs, for each E (each a separate launch: jaxep.initialize fixes one Config per run):
+    python -m jaxep.launch --nproc 8 --share-gpu --timeout 300 -m jaxep.bench --backend cuda \
+        --tokens 4096 --hidden 7168 --topk 8 --experts E --dtype bfloat16 --iters 10 \
+        --json OUTDIR/bench_n8_eE.json --plot OUTDIR/bench_n8_eE.png      (log: bench_n8_eE.log)
 
-Per op: median wall time per call over --iters (each call blocked on), per rank; the slowest rank's
-median is the op's time. Metric (issue 3): deduplicated payload = unique (token, destination rank)
-pairs x H x itemsize, summed over ranks, divided by that time, as a ratio to a device copy of the
-same bytes timed in the same run:
-  copy_solo: rank 0 alone (its MPS share of SMs), the others idle at a barrier;
-  copy_all:  every rank copies 1/R of the bytes at once (the same SM shares as the op).
-The copy is an XLA elementwise kernel (read N bytes, write N bytes). Correctness is checked first
-(dispatch rows bitwise against a vectorized NumPy layout, combine against float64 to 1e-2).
+Everything the old per-rank script did now lives in the bench (jaxep/bench/): every rank checks
+its shard against the host oracle before timing (XLA collectives cannot run with ranks sharing a
+GPU), the ranks meet at a barrier before timing, each process's timings go to process 0 through
+the key-value store, and the baselines are timed in the same run by every rank at once: a copy of
+the op's least device-memory bytes (`vs_copy`) and a copy of the deduplicated payload (unique
+(token, destination rank) rows), 1/R of it per rank (`payload_copy/op`: docs/performance.md's
+"dispatch / copy_all" metric; > 1 means faster than that copy).
+
+`--backend reference --no-share-gpu` with JAX_PLATFORMS=cpu runs the same thing on CPU (checks this
+wrapper without a GPU). Exit code: 0 when every run passed, else the first failing run's code.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import subprocess
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-import jaxep
-from jaxep import cuda_backend
-
-R, ME = jax.process_count(), jax.process_index()
-MESH = Mesh(np.array(jax.devices()), ("ep",))
-SPEC = NamedSharding(MESH, P("ep"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def glob(local):
-    shape = (R * local.shape[0],) + local.shape[1:]
-    return jax.make_array_from_single_device_arrays(
-        shape, SPEC, [jax.device_put(local, jax.local_devices()[0])])
+def bench_command(a, experts: int, base: str) -> list[str]:
+    cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", str(a.nproc)]
+    if a.share_gpu:
+        cmd.append("--share-gpu")
+    cmd += ["--timeout", str(a.timeout), "-m", "jaxep.bench", f"--backend={a.backend}",
+            f"--tokens={a.tokens}", f"--hidden={a.hidden}", f"--topk={a.topk}",
+            f"--experts={experts}", f"--dtype={a.dtype}", f"--iters={a.iters}",
+            f"--warmup={a.warmup}", f"--inner={a.inner}", f"--json={base}.json"]
+    if a.plot:
+        cmd.append(f"--plot={base}.png")
+    return cmd + list(a.bench_args)
 
 
-def mine(a):
-    return np.asarray(a.addressable_shards[0].data)
+def row(n: int, e: int, rc: int, secs: float, doc: dict | None) -> dict:
+    r = dict(N=n, E=e, rc=rc, secs=round(secs, 1))
+    if doc is None:
+        return r
+    ops = doc["ops"]
+    r.update(ok=bool(doc["correctness"]["passed"]),
+             payload_MB=doc["copy_baseline"]["payload"]["bytes_total"] / 1e6,
+             payload_copy_ms=doc["copy_baseline"]["payload"]["time_s"]["median"] * 1e3)
+    for op in ("dispatch", "combine", "both"):
+        t = ops[op]["time_s"]
+        r[f"{op}_ms"] = t["median"] * 1e3
+        r[f"{op}_payload_copy_over_op"] = ops[op]["payload"]["copy_over_op"]
+        r[f"{op}_vs_copy"] = ops[op]["baselines"]["copy"]["ratio"]
+        r[f"{op}_spread"] = (max(t["per_process_median"]) / min(t["per_process_median"])
+                             if t.get("per_process_median") else None)
+        r[f"{op}_handler_runs"] = t.get("handler_runs_per_op")
+    r["inner"] = ops["dispatch"]["time_s"]["inner"]
+    return r
 
 
-def client():
-    from jax._src import distributed
-    return distributed.global_state.client
+def table(rows) -> str:
+    head = (f"{'N':>2} {'E':>4} {'rc':>3} {'ok':>3} {'pay MB':>8} {'disp ms':>8} {'comb ms':>8} "
+            f"{'both ms':>8} {'pcopy ms':>8} {'d pc/op':>7} {'c pc/op':>7} {'d/copy':>7} "
+            f"{'c/copy':>7} {'inner':>5} {'h/op d,c':>8} {'secs':>5}")
+    out = [head]
+    for r in rows:
+        if "ok" not in r:
+            out.append(f"{r['N']:>2} {r['E']:>4} {r['rc']:>3}   - (no JSON; see the log) {r['secs']:>5}")
+            continue
+        hr = (f"{r['dispatch_handler_runs']:g},{r['combine_handler_runs']:g}"
+              if r["dispatch_handler_runs"] is not None else "-")
+        out.append(f"{r['N']:>2} {r['E']:>4} {r['rc']:>3} {str(r['ok'])[0]:>3} {r['payload_MB']:>8.1f} "
+                   f"{r['dispatch_ms']:>8.3f} {r['combine_ms']:>8.3f} {r['both_ms']:>8.3f} "
+                   f"{r['payload_copy_ms']:>8.3f} {r['dispatch_payload_copy_over_op']:>7.2f} "
+                   f"{r['combine_payload_copy_over_op']:>7.2f} {r['dispatch_vs_copy']:>7.2f} "
+                   f"{r['combine_vs_copy']:>7.2f} {r['inner']:>5} {hr:>8} {r['secs']:>5}")
+    out.append("pcopy = every rank copies 1/N of the payload at once; pc/op = pcopy / op (> 1: faster "
+               "than that copy); x/copy = op / copy of its least HBM bytes; h/op = multi-rank host "
+               "handler runs per op (expected 1)")
+    return "\n".join(out)
 
 
-_BARRIER = [0]
-
-
-def barrier():
-    _BARRIER[0] += 1
-    client().wait_at_barrier(f"bench_{_BARRIER[0]}", 120_000)
-
-
-def gather_floats(name, value):
-    c = client()
-    c.key_value_set(f"bench/{name}/{ME}", repr(float(value)))
-    return [float(c.blocking_key_value_get(f"bench/{name}/{r}", 120_000)) for r in range(R)]
-
-
-def time_calls(fn, iters, warmup=3):
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    barrier()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    jaxep.check()
-    return statistics.median(ts)
-
-
-def routing(rng, T, K, E):
-    # uniform: K distinct experts per token (argsort of random keys is vectorized)
-    return np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
-
-
-def expected_rows(xs, idxs, E, C):
-    """This rank's dispatch rows (vectorized layout: key (local expert, source, t, k))."""
-    L = E // R
-    T, K = idxs[0].shape
-    keys, src = [], []
-    for s in range(R):
-        e = idxs[s].reshape(-1)
-        sel = np.nonzero(e // L == ME)[0]
-        keys.append(np.stack([e[sel] % L, np.full(sel.shape, s), sel], 1))
-    k = np.concatenate(keys)
-    order = np.lexsort((k[:, 2], k[:, 1], k[:, 0]))[:C]
-    k = k[order]
-    rows = np.zeros((C, xs[0].shape[1]), xs[0].dtype)
-    rows[: len(k)] = np.stack([xs[s][slot // K] for _, s, slot in k]) if len(k) else rows[:0]
-    return rows
-
-
-def main():
-    p = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    if os.environ.get("JAXEP_COORDINATOR"):
+        print("tools/bench_multirank.py now starts the ranks itself; run it directly:\n"
+              "  python tools/bench_multirank.py --nproc 8 --experts 64,256\n"
+              "(or one run: python -m jaxep.launch --nproc 8 --share-gpu -m jaxep.bench "
+              "--backend cuda ...)", file=sys.stderr)
+        return 2
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=8)
+    p.add_argument("--experts", default="64,256", help="comma-separated; one launch each")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", default="64,256")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--json", default="")
-    a = p.parse_args()
-    experts = [int(e) for e in a.experts.split(",")]
-    T, H, K = a.tokens, a.hidden, a.topk
-    cfg = jaxep.Config(num_experts=max(experts), topk=K, hidden=H, max_tokens_per_rank=T,
-                       dtype="bfloat16", timeout_s=60.0)
-    jaxep.initialize(cfg)
-    C = cfg.capacity(R)
-    results = []
-    for E in experts:
-        rng = np.random.default_rng(1234 + E)
-        idxs = [routing(rng, T, K, E) for _ in range(R)]
-        xs = [rng.standard_normal((T, H), np.float32).astype(jnp.bfloat16) for _ in range(R)]
-        ws = [rng.uniform(0.1, 1.0, (T, K)).astype(np.float32) for _ in range(R)]
-        L = E // R
-        dedup = sum(len(np.unique(np.arange(T)[:, None] * R + idxs[s] // L)) for s in range(R))
-        dedup_bytes = dedup * H * 2
-        ecfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
-                            dtype="bfloat16")
-
-        def disp(x, idx, w):
-            return cuda_backend.dispatch(x, idx, w, axis_name="ep", config=ecfg, capacity=C)
-
-        def comb(y, wts, send_row, recv_slot, idx_out):
-            return cuda_backend.combine(y, wts, send_row, recv_slot, idx_out, axis_name="ep",
-                                        num_experts=E)
-
-        fd = jax.jit(jax.shard_map(disp, mesh=MESH, in_specs=(P("ep"),) * 3,
-                                   out_specs=(P("ep"),) * 7))
-        fc = jax.jit(jax.shard_map(comb, mesh=MESH, in_specs=(P("ep"),) * 5, out_specs=P("ep")))
-        x, idx, w = glob(xs[ME]), glob(idxs[ME]), glob(ws[ME])
-        d = fd(x, idx, w)
-        jax.block_until_ready(d)
-        jaxep.check()
-        rows, wts, gsz, send_row, recv_slot, idx_out, stats = d
-        ok_rows = mine(rows).tobytes() == expected_rows(xs, idxs, E, C).tobytes()
-        out = fc(rows, wts, send_row, recv_slot, idx_out)
-        jax.block_until_ready(out)
-        # combine of the dispatched rows: out[t] = x[t] * sum of kept weights (to rounding)
-        sr = mine(send_row)
-        wsum = np.where(sr >= 0, ws[ME], 0.0).sum(1)
-        ok_comb = np.allclose(mine(out).astype(np.float64),
-                              xs[ME].astype(np.float64) * wsum[:, None], rtol=2e-2, atol=2e-2)
-        oks = gather_floats(f"ok{E}", float(ok_rows and ok_comb))
-        t_d = time_calls(lambda: fd(x, idx, w), a.iters)
-        t_c = time_calls(lambda: fc(rows, wts, send_row, recv_slot, idx_out), a.iters)
-        td_all, tc_all = gather_floats(f"td{E}", t_d), gather_floats(f"tc{E}", t_c)
-        # copies of the same bytes
-        n = dedup_bytes // 2
-        copy = jax.jit(lambda v: v + jnp.bfloat16(1))
-        t_solo = 0.0
-        if ME == 0:
-            big = jnp.full((n,), 1.5, jnp.bfloat16)
-            for _ in range(3):
-                jax.block_until_ready(copy(big))
-            ts = []
-            for _ in range(a.iters):
-                t0 = time.perf_counter()
-                jax.block_until_ready(copy(big))
-                ts.append(time.perf_counter() - t0)
-            t_solo = statistics.median(ts)
-            del big
-        barrier()
-        part = jnp.full((n // R,), 1.5, jnp.bfloat16)
-        t_part = time_calls(lambda: copy(part), a.iters)
-        del part
-        tp_all = gather_floats(f"tp{E}", t_part)
-        t_solo = gather_floats(f"ts{E}", t_solo)[0]
-        if ME == 0:
-            td, tc, tp = max(td_all), max(tc_all), max(tp_all)
-            r = dict(E=E, R=R, T=T, H=H, K=K, C=C, correct=all(v == 1.0 for v in oks),
-                     dedup_bytes=dedup_bytes, dispatch_s=td, combine_s=tc, copy_solo_s=t_solo,
-                     copy_all_s=tp, dispatch_GBps=dedup_bytes / td / 1e9,
-                     combine_GBps=dedup_bytes / tc / 1e9, copy_solo_GBps=dedup_bytes / t_solo / 1e9,
-                     copy_all_GBps=dedup_bytes / tp / 1e9,
-                     dispatch_vs_solo=t_solo / td, combine_vs_solo=t_solo / tc,
-                     dispatch_vs_all=tp / td, combine_vs_all=tp / tc,
-                     dispatch_rank_medians=td_all, combine_rank_medians=tc_all)
-            results.append(r)
-            print("BENCH " + json.dumps(r), flush=True)
-    if ME == 0:
-        print(f"{'E':>4} {'ok':>3} {'dedup MB':>9} {'disp ms':>8} {'comb ms':>8} {'copy1 ms':>8} "
-              f"{'copyR ms':>8} {'d/copy1':>7} {'c/copy1':>7} {'d/copyR':>7} {'c/copyR':>7}")
-        for r in results:
-            print(f"{r['E']:>4} {str(r['correct'])[0]:>3} {r['dedup_bytes'] / 1e6:>9.1f} "
-                  f"{r['dispatch_s'] * 1e3:>8.3f} {r['combine_s'] * 1e3:>8.3f} "
-                  f"{r['copy_solo_s'] * 1e3:>8.3f} {r['copy_all_s'] * 1e3:>8.3f} "
-                  f"{r['dispatch_vs_solo']:>7.2f} {r['combine_vs_solo']:>7.2f} "
-                  f"{r['dispatch_vs_all']:>7.2f} {r['combine_vs_all']:>7.2f}", flush=True)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(results, f, indent=1)
-    barrier()
-    jaxep.finalize()
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--inner", type=int, default=0, help="ops per timed sample (0: ~20 ms)")
+    p.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
+    p.add_argument("--share-gpu", dest="share_gpu", action=argparse.BooleanOptionalAction,
+                   default=True, help="all ranks on one GPU under CUDA MPS (default)")
+    p.add_argument("--timeout", type=float, default=300.0, help="per launch, seconds")
+    p.add_argument("--outdir", default=".")
+    p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--summary_json", default=None, help="also write the table's rows here")
+    p.add_argument("bench_args", nargs="*", help="more jaxep.bench flags (after --)")
+    a = p.parse_args(argv)
+    os.makedirs(a.outdir, exist_ok=True)
+    rows, first_rc = [], 0
+    for e in (int(v) for v in a.experts.split(",")):
+        base = os.path.join(a.outdir, f"bench_n{a.nproc}_e{e}")
+        for stale in (base + ".json",):
+            if os.path.exists(stale):
+                os.remove(stale)
+        cmd = bench_command(a, e, base)
+        print(f"bench_multirank: N={a.nproc} E={e}: {' '.join(cmd)}  (log: {base}.log)", flush=True)
+        t0 = time.time()
+        with open(base + ".log", "w") as log:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL).returncode
+        doc = None
+        if os.path.exists(base + ".json"):
+            with open(base + ".json") as f:
+                doc = json.load(f)
+        rows.append(row(a.nproc, e, rc, time.time() - t0, doc))
+        print(f"bench_multirank: N={a.nproc} E={e}: rc={rc} in {time.time() - t0:.0f}s", flush=True)
+        first_rc = first_rc or rc or (0 if doc else 1)
+    print(table(rows), flush=True)
+    if a.summary_json:
+        with open(a.summary_json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return first_rc
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

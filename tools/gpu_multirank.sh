@@ -33,9 +33,9 @@ if [ "${EP1:-1}" = 1 ]; then
   say "ep1 tier rc=$? : $(tail -1 "$OUT/ep1.log")"
 fi
 if [ "${BENCH:-0}" = 1 ] && [ $FAILED = 0 ]; then
-  timeout 240 python3 -m jaxep.launch --nproc 8 --share-gpu --timeout 230 tools/bench_multirank.py \
-    --experts ${EXPERTS:-64,256} --iters ${ITERS:-20} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-  say "bench 8x rc=$?"; grep -A4 -E " +E +ok +dedup" "$OUT/bench.log" | tee -a "$S"
+  timeout 400 python3 tools/bench_multirank.py --nproc 8 --timeout 190 --outdir "$OUT" \
+    --experts ${EXPERTS:-64,256} --iters ${ITERS:-10} --summary_json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  say "bench 8x rc=$?"; grep -A4 -E "^ +N +E +rc" "$OUT/bench.log" | tee -a "$S"
   grep -E "Error|error" "$OUT/bench.log" | grep -vE "GRPC|WatchTasks|UNAVAILABLE" | head -5 | tee -a "$S"
 fi
 say "total $(( $(date +%s)-t0 ))s"

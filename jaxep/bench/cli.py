@@ -35,8 +35,9 @@ CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Emulated host devices on C
                                    lower_bound=0, upper_bound=512)
 GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", 0, "Node layout override; 0 = from the machine.",
                                      lower_bound=0, upper_bound=1024)
-RANKS_PER_GPU = flags.DEFINE_integer("ranks_per_gpu", 1, "Ranks sharing one GPU (emulated links).",
-                                     lower_bound=1, upper_bound=64)
+RANKS_PER_GPU = flags.DEFINE_integer("ranks_per_gpu", 0, "Ranks sharing one GPU (emulated links); 0 = "
+                                     "auto: all processes under jaxep.launch --share-gpu (CUDA MPS), "
+                                     "else 1.", lower_bound=0, upper_bound=64)
 NVLINK_GBPS = flags.DEFINE_float("nvlink_gbps", 0.0, "NVLink peak GB/s per GPU per direction; 0 = table.",
                                  lower_bound=0.0, upper_bound=1e5)
 RDMA_GBPS = flags.DEFINE_float("rdma_gbps", 0.0, "RDMA peak GB/s per GPU (NIC); 0 = sysfs or 50.",
@@ -60,7 +61,7 @@ def bench_config():
         imbalance=IMBALANCE.value, capacity_factor=nz(CAPACITY_FACTOR.value), num_sms=nz(NUM_SMS.value),
         chunk_tokens=nz(CHUNK_TOKENS.value), backend=None if BACKEND.value == "auto" else BACKEND.value,
         warmup=WARMUP.value, iters=ITERS.value, inner=INNER.value, ep_size=nz(EP_SIZE.value),
-        gpus_per_node=nz(GPUS_PER_NODE.value), ranks_per_gpu=RANKS_PER_GPU.value,
+        gpus_per_node=nz(GPUS_PER_NODE.value), ranks_per_gpu=nz(RANKS_PER_GPU.value),
         nvlink_gbps=nz(NVLINK_GBPS.value), rdma_gbps=nz(RDMA_GBPS.value), hbm_gbps=nz(HBM_GBPS.value),
         check=CHECK.value, sweep=SWEEP.value, sweep_num_sms=tuple(int(v) for v in SWEEP_NUM_SMS.value),
         sweep_chunk_tokens=tuple(int(v) for v in SWEEP_CHUNK_TOKENS.value))

@@ -64,6 +64,17 @@ def table(r: dict) -> str:
     cp = r["copy_baseline"]
     lines.append(f"copy baseline: {cp['bytes_per_rank'] / 1e6:.2f} MB/rank in {_ms(cp['time_s']['median'])} ms "
                  f"= {_g(cp['gbps'])} GB/s (read+write)")
+    if "payload" in cp:
+        pl = cp["payload"]
+        lines.append(f"payload: {pl['bytes_total'] / 1e6:.2f} MB of unique (token, destination rank) rows over all "
+                     f"ranks; every rank copying 1/R of it at once: {_ms(pl['time_s']['median'])} ms; copy/op: " +
+                     ", ".join(f"{op} {o['payload']['copy_over_op']:.2f}" for op, o in r["ops"].items()
+                               if "payload" in o) + " (> 1: faster than that copy)")
+    runs = {op: o["time_s"]["handler_runs_per_op"] for op, o in r["ops"].items()
+            if "handler_runs_per_op" in o["time_s"]}
+    if runs:
+        lines.append("multi-rank host handler runs per op: " + ", ".join(f"{op} {v:g}" for op, v in runs.items())
+                     + " (expected dispatch 1, combine 1, both 2)")
     ro = r["routing"]
     lines.append(f"rows/rank {min(ro['rows_per_rank'])}..{max(ro['rows_per_rank'])}, dropped "
                  f"{sum(ro['dropped_rows'])}, invalid ids {sum(ro['invalid_ids'])}")

@@ -2,12 +2,22 @@
 
 The returned dict is the JSON document of docs/benchmark.md (schema_version 1) on process 0;
 other processes return the same dict without the over-process fields filled in.
+
+Several processes (`python -m jaxep.launch --nproc N [--share-gpu] -m jaxep.bench ...`, one device
+each): `run` calls `jaxep.initialize` with the benchmark's config when nobody did (the multi-rank
+CUDA backend needs it; elsewhere it only records the config) and `jaxep.finalize` at the end.
+Correctness is checked by every process on its own shard and the outcome gathered through JAX's
+distributed key-value store, so every process fails together; timings are gathered the same way to
+process 0. With several ranks on one GPU XLA collectives cannot run, so the reference backend is
+not run there: correctness is checked against the host oracle instead.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +55,7 @@ class BenchConfig:
     inner: int = 0                          # ops per sample; 0 = about 20 ms per sample
     ep_size: int | None = None              # None: every device
     gpus_per_node: int | None = None        # None: GPUs on this host (nvidia-smi), else EP size
-    ranks_per_gpu: int = 1
+    ranks_per_gpu: int | None = None        # None: all processes when they share one GPU (MPS), else 1
     nvlink_gbps: float | None = None
     rdma_gbps: float | None = None
     hbm_gbps: float | None = None
@@ -71,14 +81,24 @@ def _mesh(bc: BenchConfig):
     return jax.sharding.Mesh(np.array(devs[:R]), (AXIS,)), R
 
 
-def _gpus_per_node(bc, R, platform):
+def _ranks_per_gpu(bc, R, platform) -> int:
+    """The flag when given; else, with several processes on a GPU machine under CUDA MPS (what
+    `jaxep.launch --share-gpu` sets up: every rank on one GPU), the number of processes; else 1."""
+    if bc.ranks_per_gpu:
+        return bc.ranks_per_gpu
+    if platform == "gpu" and jax.process_count() > 1 and os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        return R
+    return 1
+
+
+def _gpus_per_node(bc, R, platform, rpg):
     if bc.gpus_per_node:
         return bc.gpus_per_node
     if platform == "gpu":
         from jaxep.doctor import nvidia_smi
         n = len(nvidia_smi()["gpus"]) or jax.local_device_count()
-        return max(1, min(n, R // bc.ranks_per_gpu))
-    return max(1, R // bc.ranks_per_gpu)  # CPU: one emulated node
+        return max(1, min(n, R // rpg))
+    return max(1, R // rpg)  # CPU: one emulated node
 
 
 def _global(mesh, R, per_rank_shape, dtype, block):
@@ -121,18 +141,45 @@ class _Ops:
         self.loops = {"dispatch": timing.device_loop(disp, mesh, AXIS),
                       "combine": timing.device_loop(comb, mesh, AXIS),
                       "both": timing.device_loop(both, mesh, AXIS)}
+        # Multi-rank CUDA: count the host handler runs per op (1 custom call each; 2 for both).
+        multi = backend == "cuda" and mesh.size > 1
+        self.calls = {"dispatch": 1, "combine": 1, "both": 2} if multi else {op: 0 for op in OPS}
 
     def time(self, bc, x, idx, w, res):
         args = {"dispatch": (x, idx, w), "combine": (res.x, res.handle), "both": (x, idx, w)}
-        return {op: timing.over_processes(timing.time_loop(
-            self.loops[op], args[op], warmup=bc.warmup, iters=bc.iters, inner=bc.inner,
-            markers=self.markers[op])) for op in OPS}
+        out = {}
+        for op in OPS:
+            out[op] = timing.over_processes(timing.time_loop(
+                self.loops[op], args[op], warmup=bc.warmup, iters=bc.iters, inner=bc.inner,
+                markers=self.markers[op], calls_per_op=self.calls[op]))
+            jaxep.check()  # a multi-rank kernel's timeout surfaces here (no-op without the runtime)
+        return out
 
 
 def _correctness(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R):
-    """Runs every check that applies; returns a list of what was checked. Raises on mismatch."""
+    """Every process checks the shards it holds; the outcomes are gathered (key-value store), so
+    every process raises if any failed, naming the process. Returns what was checked."""
+    error = None
+    try:
+        done = _correctness_local(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all,
+                                  capacity, R)
+    except check.BenchCorrectnessError as e:
+        error, done = str(e), []
+    errors = timing.allgather(error)
+    bad = [(p, e) for p, e in enumerate(errors) if e is not None]
+    if bad:
+        raise check.BenchCorrectnessError("; ".join(
+            (f"process {p}: " if len(errors) > 1 else "") + e for p, e in bad))
+    if len(errors) > 1:
+        done = [d + f" (each of {len(errors)} processes on its own shard)" for d in done]
+    return done
+
+
+def _correctness_local(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R):
     res = ops.dispatch_once(x, idx, w)
     out = ops.combine_once(res.x, res.handle)
+    jax.block_until_ready(out)
+    jaxep.check()
     T, H = bc.tokens, bc.hidden
     L = bc.experts // R
     sh = lambda a, n: check.local_shards(a, n)
@@ -161,7 +208,7 @@ def _correctness(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capa
             check.bitwise_equal("combine(dispatched rows) vs host oracle", r, outs[r],
                                 check.oracle_combine_of_rows(lay, w_all, r, x_r))
         done.append("dispatch rows/weights and combine output bitwise == host oracle (docs/design.md)")
-    return done, res
+    return done
 
 
 def _op_report(op, t, dbytes, cbytes, hbm, peaks_, copy_t, ref_t, algbw):
@@ -216,6 +263,10 @@ def _sweep(bc, mesh, x, idx, w, backend, emit):
     if backend == "reference":
         return dict(skipped="the reference backend ignores num_sms and chunk_tokens: nothing to sweep",
                     points=[], best=None)
+    if jax.process_count() > 1:
+        return dict(skipped="several processes: jaxep.initialize fixes one Config per run, so each "
+                            "setting needs its own run (--num_sms / --chunk_tokens)",
+                    points=[], best=None)
     points = []
     for sms, chunk in itertools.product(bc.sweep_num_sms, bc.sweep_chunk_tokens):
         cfg = bc.jaxep_config(num_sms=sms, chunk_tokens=chunk)
@@ -234,12 +285,36 @@ def _sweep(bc, mesh, x, idx, w, backend, emit):
                 snippet=f"jaxep.Config({', '.join(f'{f.name}={getattr(cfg, f.name)!r}' for f in dataclasses.fields(cfg))})")
 
 
+@contextlib.contextmanager
+def _runtime(bc: BenchConfig):
+    """With several processes: `jaxep.initialize(config)` unless the caller did, and, when the run
+    succeeded, a barrier and `jaxep.finalize()` (collective). After an error the runtime is left
+    as it is: a collective finalize could wait forever for a peer that failed differently."""
+    from jaxep import runtime
+    if jax.process_count() == 1 or runtime.initialized_config() is not None:
+        yield
+        return
+    if bc.ep_size not in (None, jax.device_count()):
+        raise ValueError(f"jaxep-bench: with {jax.process_count()} processes the EP size is every "
+                         f"device ({jax.device_count()}), got ep_size={bc.ep_size}")
+    jaxep.initialize(bc.jaxep_config())
+    yield
+    timing.barrier()
+    jaxep.finalize()
+
+
 def run(bc: BenchConfig, emit=print) -> dict:
     """Runs the benchmark described by `bc`; returns the JSON-able result (docs/benchmark.md)."""
+    with _runtime(bc):
+        return _run(bc, emit)
+
+
+def _run(bc: BenchConfig, emit) -> dict:
     mesh, R = _mesh(bc)
     dev = mesh.devices.flat[0]
     platform = dev.platform
-    topo = accounting.Topology(R, _gpus_per_node(bc, R, platform), bc.ranks_per_gpu)
+    rpg = _ranks_per_gpu(bc, R, platform)
+    topo = accounting.Topology(R, _gpus_per_node(bc, R, platform, rpg), rpg)
     cfg = bc.jaxep_config()
     capacity = cfg.capacity(R)
     backend = select_backend("bench", bc.backend, R)  # jaxep's own automatic choice
@@ -258,6 +333,10 @@ def run(bc: BenchConfig, emit=print) -> dict:
 
     # XLA collectives cannot run with several processes on one GPU (GPU.md): no reference there.
     ref_runs = not (jax.process_count() > 1 and topo.ranks_per_gpu > 1)
+    if jax.process_count() > 1 and backend == "cuda":
+        emit(f"jaxep-bench: {jax.process_count()} processes, multi-rank CUDA runtime of EP size "
+             f"{R}; {topo.ranks_per_gpu} rank(s) per GPU; reference baseline "
+             f"{'runs' if ref_runs else 'skipped (XLA collectives cannot run with ranks sharing a GPU)'}")
     ops = _Ops(cfg, backend, mesh)
     ref_ops = _Ops(cfg, "reference", mesh) if backend != "reference" and ref_runs else None
     emulated = platform != "gpu" or topo.ranks_per_gpu > 1
@@ -270,7 +349,7 @@ def run(bc: BenchConfig, emit=print) -> dict:
 
     checked = []
     if bc.check:
-        checked, _ = _correctness(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R)
+        checked = _correctness(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R)
         emit("correctness: OK (" + "; ".join(checked) + ")")
     res = ops.dispatch_once(x, idx, w)
 
@@ -289,6 +368,12 @@ def run(bc: BenchConfig, emit=print) -> dict:
 
     hbm = accounting.hbm_bytes(lay, T, H, dtype.itemsize)
     copy = _time_copy(bc, mesh, R, int(hbm.max()))
+    # The payload: unique (token, destination rank) pairs x row bytes, all ranks together; its copy
+    # baseline: every rank at once reads and writes 1/R of it (docs/performance.md's multi-rank
+    # metric, formerly tools/bench_multirank.py's "copy_all").
+    row_d = H * dtype.itemsize
+    payload_total = int(tr.pairs.sum()) * row_d
+    payload_copy = _time_copy(bc, mesh, R, 2 * payload_total // R)
     copy_gbps = hbm.max() / copy["median"] / 1e9
     pk = peaks.resolve(dev.device_kind, platform, nvlink=bc.nvlink_gbps, rdma=bc.rdma_gbps, hbm=bc.hbm_gbps)
     if emulated:  # no real links: the memory system is the only "link"
@@ -298,7 +383,6 @@ def run(bc: BenchConfig, emit=print) -> dict:
     elif pk["hbm"][0] is None:
         pk["hbm"] = (copy_gbps, "measured copy")
 
-    row_d = H * dtype.itemsize
     row_c = H * 4  # combine sends f32 partial sums (docs/design.md)
     dbytes = accounting.link_bytes(tr, row_d)
     cbytes = accounting.link_bytes(tr.reversed(), row_c)
@@ -310,6 +394,16 @@ def run(bc: BenchConfig, emit=print) -> dict:
     for op in OPS:
         ref_t = ref_times[op]["median"] if ref_times else (times[op]["median"] if backend == "reference" else None)
         out_ops[op] = _op_report(op, times[op], dbytes, cbytes, hbm, pk, copy["median"], ref_t, algbw[op])
+        n = 2 if op == "both" else 1
+        out_ops[op]["payload"] = dict(
+            bytes_total=payload_total * n, copy_time_s=payload_copy["median"] * n,
+            copy_over_op=payload_copy["median"] * n / times[op]["median"],
+            note="unique (token, destination rank) pairs x H x itemsize over all ranks; copy: every "
+                 "rank copies 1/R of it at once, same run; copy_over_op > 1: faster than that copy")
+        runs = times[op].get("handler_runs_per_op")
+        if runs is not None and runs != ops.calls[op]:
+            notes.append(f"{op}: the multi-rank host handlers ran {runs:g} times per op, expected "
+                         f"{ops.calls[op]} (XLA ran a custom call more than once; the time includes it)")
     if algbw["dispatch"]["rdma"].max() > 0:
         notes.append("algorithm bandwidth (DeepEP-style) divides byte counts by the op's time: "
                      f"its RDMA/NVL ratio is the byte ratio {algbw['dispatch']['rdma'].max() / algbw['dispatch']['nvl'].max():.3f} "
@@ -329,7 +423,9 @@ def run(bc: BenchConfig, emit=print) -> dict:
         routing=dict(rows_per_rank=lay.rows.tolist(), dropped_rows=lay.dropped.tolist(),
                      invalid_ids=lay.invalid.tolist(),
                      tokens_to_rank=tr.pairs.sum(0).tolist(), row_bytes_dispatch=row_d, row_bytes_combine=row_c),
-        copy_baseline=dict(bytes_per_rank=int(hbm.max()), time_s=copy, gbps=float(copy_gbps)),
+        copy_baseline=dict(bytes_per_rank=int(hbm.max()), time_s=copy, gbps=float(copy_gbps),
+                           payload=dict(bytes_total=payload_total, bytes_per_rank=2 * payload_total // R,
+                                        time_s=payload_copy)),
         ops=out_ops, sweep=_sweep(bc, mesh, x, idx, w, backend, emit) if bc.sweep else None,
         notes=notes)
     return result

@@ -62,10 +62,18 @@ def compile_loop(fn, args, markers=()):
 
 
 def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: float = 0.02,
-              markers=()) -> dict:
+              markers=(), calls_per_op: int = 0) -> dict:
     """Median/min/max seconds per op over `iters` samples of `inner` back-to-back ops each.
 
-    inner=0 picks inner so that one sample takes about target_s (from a 1-iteration probe).
+    inner=0 picks inner so that one sample takes about target_s (from a 1-iteration probe). With
+    several processes every process runs the same number of ops (a multi-rank op's n-th call must
+    be the same op on every rank; XLA collectives likewise): `inner` is the largest any process
+    picked, and the processes meet at a barrier before the timed samples (as
+    tools/bench_multirank.py did), so that they start together.
+
+    calls_per_op > 0 (the multi-rank CUDA backend): also reports `handler_runs_per_op`, the runs of
+    jaxep's multi-rank host handlers per op during the samples, from the runtime's call counter
+    (expected: calls_per_op; more means XLA ran a custom call more than once, see docs/design.md).
     """
     fn = compile_loop(fn, args, markers)
     for _ in range(warmup):
@@ -73,9 +81,50 @@ def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: fl
     if inner <= 0:
         probe = min(_once(fn, 1, args) for _ in range(3))
         inner = int(min(1000, max(1, math.ceil(target_s / max(probe, 1e-7)))))
+    inner = max(allgather(inner))
+    barrier()
+    seq0 = _handler_seq() if calls_per_op else None
     samples = np.array([_once(fn, inner, args) / inner for _ in range(iters)])
-    return dict(median=float(np.median(samples)), min=float(samples.min()), max=float(samples.max()),
-                inner=inner, samples=samples.tolist())
+    out = dict(median=float(np.median(samples)), min=float(samples.min()), max=float(samples.max()),
+               inner=inner, samples=samples.tolist())
+    if seq0 is not None:
+        out["handler_runs_per_op"] = (_handler_seq() - seq0) / (iters * inner)
+    return out
+
+
+def _handler_seq() -> int | None:
+    """Runs of the multi-rank host handlers so far in this process (None without the runtime)."""
+    from jaxep import _ffi
+    info = _ffi.runtime_info() if _ffi.is_available() else None
+    return None if info is None else int(info.get("seq", 0))
+
+
+def _client():
+    from jax._src import distributed  # the store jax.distributed.initialize set up
+    return distributed.global_state.client
+
+
+_barrier_calls = [0]
+
+
+def barrier(timeout_ms: int = 600_000) -> None:
+    """All processes meet here (JAX's distributed key-value store; no XLA collective)."""
+    if jax.process_count() == 1:
+        return
+    _barrier_calls[0] += 1
+    _client().wait_at_barrier(f"jaxep_bench_barrier/{_barrier_calls[0]}", timeout_ms)
+
+
+def allgather(payload) -> list:
+    """Every process's JSON-able payload, in process order, on every process ([payload] alone)."""
+    if jax.process_count() == 1:
+        return [payload]
+    client = _client()
+    _gather_calls[0] += 1
+    key = f"jaxep_bench_all/{_gather_calls[0]}"
+    client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(payload))
+    return [json.loads(client.blocking_key_value_get(f"{key}/{p}", 600_000))
+            for p in range(jax.process_count())]
 
 
 def gather(payload) -> list | None:
@@ -86,8 +135,7 @@ def gather(payload) -> list | None:
     """
     if jax.process_count() == 1:
         return [payload]
-    from jax._src import distributed  # the store jax.distributed.initialize set up
-    client = distributed.global_state.client
+    client = _client()
     _gather_calls[0] += 1
     key = f"jaxep_bench/{_gather_calls[0]}"
     me = jax.process_index()
@@ -105,6 +153,10 @@ def over_processes(stats: dict) -> dict:
         return stats
     meds = [p["median"] for p in allp]
     slow = int(np.argmax(meds))
-    return dict(median=float(np.max(meds)), min=float(min(p["min"] for p in allp)),
-                max=float(max(p["max"] for p in allp)), inner=stats["inner"],
-                per_process_median=meds, slowest_process=slow, samples=allp[slow]["samples"])
+    out = dict(median=float(np.max(meds)), min=float(min(p["min"] for p in allp)),
+               max=float(max(p["max"] for p in allp)), inner=stats["inner"],
+               per_process_median=meds, slowest_process=slow, samples=allp[slow]["samples"])
+    runs = [p["handler_runs_per_op"] for p in allp if "handler_runs_per_op" in p]
+    if runs:
+        out["handler_runs_per_op"] = max(runs)
+    return out
