@@ -12,6 +12,9 @@ Commands:
     python examples/moe_flax.py --short     # what CI runs (< 2 minutes on 2 cores)
     python examples/moe_flax.py --ep 8 --steps 500
     python examples/moe_flax.py --backend cuda --ep 1 --dtype bfloat16   # one GPU, CUDA custom calls
+    python examples/moe_flax.py --compare_backends --dtype bfloat16      # one GPU, EP 1: the same
+        # training with the CUDA backend, then with the reference backend, in this one process;
+        # prints both tokens/s and their ratio
 
 Emulated devices: on CPU, unless XLA_FLAGS already sets --xla_force_host_platform_device_count, this
 script adds `--xla_force_host_platform_device_count=8` to XLA_FLAGS for its own process before jax is
@@ -31,7 +34,8 @@ import sys
 def _emulate_cpu_devices(count: int = 8) -> None:
     """Adds the host device count flag to XLA_FLAGS (CPU runs only; the user's setting wins)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    gpu = any(a in ("--backend=cuda", "cuda") for a in sys.argv[1:]) or any(
+    gpu = any(a in ("--backend=cuda", "cuda") or a.startswith("--compare_backends")
+              for a in sys.argv[1:]) or any(
         p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu", "rocm"))
     if gpu or "xla_force_host_platform_device_count" in flags:
         return
@@ -72,6 +76,10 @@ _F = flags.DEFINE_integer("ffn", 128, "hidden width F of each expert", lower_bou
 _EP = flags.DEFINE_integer("ep", None, "EP size (default: 4, or 1 with --backend cuda)",
                            lower_bound=1, upper_bound=1024)
 _BACKEND = flags.DEFINE_enum("backend", "auto", ["auto", "reference", "cuda"], "jaxep backend")
+_COMPARE = flags.DEFINE_bool("compare_backends", False,
+                             "train twice in this process, --backend cuda then --backend reference "
+                             "(same flags, seed and device; --ep defaults to 1), and print both "
+                             "tokens/s and their ratio")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute/payload dtype")
 _CF = flags.DEFINE_float("capacity_factor", 1.25, "receive capacity factor; 0 = never drop",
                          lower_bound=0.0)
@@ -204,9 +212,10 @@ class Progress:
             print(line, flush=True)
 
 
-def run(steps: int, short: bool) -> dict:
-    backend = None if _BACKEND.value == "auto" else _BACKEND.value
-    ep = _EP.value or (1 if backend == "cuda" else min(4, jax.device_count()))
+def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
+    backend_flag = backend_flag or _BACKEND.value
+    backend = None if backend_flag == "auto" else backend_flag
+    ep = _EP.value or (1 if backend == "cuda" or _COMPARE.value else min(4, jax.device_count()))
     if ep > jax.device_count():
         raise app.UsageError(f"--ep={ep} needs {ep} devices, this process sees {jax.device_count()}"
                              " (on CPU: raise --xla_force_host_platform_device_count in XLA_FLAGS)")
@@ -261,9 +270,10 @@ def _train_and_check(model, optimizer, batch, steps, dtype) -> dict:
     print(f"loss: first {first:.4f}, last (mean of last {min(10, steps)} steps) {last:.4f}; "
           f"ln(vocab) = {math.log(_VOCAB.value):.4f}")
     print(f"throughput: {tok_s:.0f} tokens/s after the first step (first step incl. compile: "
-          f"{t_compile:.1f}s); mean drop rate {100 * np.mean(drops):.2f}% of routed rows")
+          f"{t_compile:.1f}s); mean drop rate {100 * np.mean(drops):.2f}% of routed rows", flush=True)
 
     # The dense-equivalence check: block 0's MoE on the activations it sees, vs the dense layer.
+    t_check = time.perf_counter()
     x = moe_input_of_block0(model, batch(steps + 1)[:, :-1])
     moe = model.blocks[0].moe
     y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
@@ -274,7 +284,8 @@ def _train_and_check(model, optimizer, batch, steps, dtype) -> dict:
     ok = bool(err <= tol)
     print(f"dense check (block 0 MoE vs single-device dense layer, {x.shape[0] * x.shape[1]} "
           f"tokens, {int(np.sum(aux['dropped_rows']))} rows dropped and masked alike): "
-          f"max |diff| = {err:.3e}, tol {tol:.1e}: {'PASS' if ok else 'FAIL'}")
+          f"max |diff| = {err:.3e}, tol {tol:.1e}: {'PASS' if ok else 'FAIL'} "
+          f"({time.perf_counter() - t_check:.1f}s)", flush=True)
     return dict(first=first, last=last, tokens_per_s=tok_s, dense_ok=ok, dense_err=err)
 
 
@@ -283,15 +294,28 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     short = _SHORT.value
     steps = min(_STEPS.value, 100) if short else _STEPS.value
-    r = run(steps, short)
-    if not r["dense_ok"]:
-        raise SystemExit("moe_flax: FAILED: the MoE layer differs from its dense reference")
-    fell = r["last"] < 0.75 * r["first"]
-    if not fell:
-        msg = f"loss did not fall enough: first {r['first']:.4f}, last {r['last']:.4f}"
-        if not short:
-            raise SystemExit("moe_flax: FAILED: " + msg)
-        print("moe_flax: note (short mode): " + msg)
+    if _COMPARE.value:
+        results = {}
+        for b in ("cuda", "reference"):
+            print(f"moe_flax: --compare_backends: training with backend={b}", flush=True)
+            results[b] = run(steps, short, b)
+        c, ref = results["cuda"]["tokens_per_s"], results["reference"]["tokens_per_s"]
+        print(f"moe_flax: compare (same process and device, {steps} steps each, run one after the "
+              f"other): cuda {c:.0f} tokens/s, reference {ref:.0f} tokens/s, cuda/reference = "
+              f"{c / ref if ref else float('nan'):.3f}; loss last cuda "
+              f"{results['cuda']['last']:.4f} reference {results['reference']['last']:.4f}",
+              flush=True)
+    else:
+        results = {_BACKEND.value: run(steps, short)}
+    for b, r in results.items():
+        if not r["dense_ok"]:
+            raise SystemExit(f"moe_flax: FAILED ({b}): the MoE layer differs from its dense reference")
+        fell = r["last"] < 0.75 * r["first"]
+        if not fell:
+            msg = f"loss did not fall enough ({b}): first {r['first']:.4f}, last {r['last']:.4f}"
+            if not short:
+                raise SystemExit("moe_flax: FAILED: " + msg)
+            print("moe_flax: note (short mode): " + msg)
     print("moe_flax: OK")
 
 

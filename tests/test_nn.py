@@ -167,3 +167,26 @@ def test_errors():
         moe(jnp.zeros((4, H + 1)))
     with pytest.raises(ValueError, match="divisible by the 2 token shards"):
         moe(jnp.zeros((3, H)))
+
+
+def test_multirank_layer_worker_on_cpu():
+    """tests/gpu/nn_multirank_worker.py (the GPU tier's N-rank layer test) as 2 real processes on
+    CPU with the reference backend (XLA's CPU collectives): checks the worker's multi-process
+    logic (per-rank blocks, per-rank router gradient, expert gradients summed over the token
+    blocks, host reference) without a GPU. The CUDA backend's run is GPU only."""
+    import os
+    import re
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    r = subprocess.run([sys.executable, "-m", "jaxep.launch", "--nproc", "2", "--timeout", "240",
+                        os.path.join(root, "tests", "gpu", "nn_multirank_worker.py"),
+                        "--backend", "reference", "--tokens", "32", "--hidden", "32"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert len(re.findall(r"^\[rank \d\] RESULT \d step\d ok", out, re.M)) == 4, out[-4000:]
+    assert len(re.findall(r"^\[rank \d\] SUMMARY \d 2/2$", out, re.M)) == 2, out[-4000:]
