@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# ONE device call for the next GPU session (issues 4 and 5), written without device time: none of
+# the new steps below has run on a GPU yet. From the repository root on the GPU machine:
+#   OUT=/some/dir bash tools/gpu_next.sh
+# Steps, most important first, each bounded so the whole call ends within BUDGET seconds (480 s
+# by default; a step that no longer fits is reported as "skipped (time)"):
+#   build     pip install --no-build-isolation --no-deps -e . (extension with NVSHMEM)
+#   bench8_64 jaxep-bench itself, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64
+#             (python -m jaxep.launch --nproc 8 --share-gpu -m jaxep.bench --backend cuda ...,
+#             via tools/bench_multirank.py: correctness vs the host oracle, table, JSON, PNG)
+#   nn        pytest tests/gpu/test_nn_multirank.py: jaxep.nn layer fwd+bwd on 2 and 4 ranks vs the
+#             dense host reference, and examples/moe_flax.py --compare_backends (EP 1, cuda vs
+#             reference in one process, tokens/s ratio)
+#   gputier   pytest of the rest of tests/gpu: multi-rank N=2/4/8 + killed peer (under pytest for
+#             the first time), EP=1 tier, bitwise
+#   bench4_64, bench8_256   the bench for E=64 on 4 ranks (~33 SMs each) and E=256 on 8 ranks
+# Rough estimate (not measured as a whole): build 60-120 s, bench ~40-60 s each, nn ~110 s, gputier
+# ~150-190 s: the last step may not fit in 480 s; BUDGET=570 stays under the device tool's 600 s.
+# Output in $OUT: summary.txt (the table, printed last) and logs.tar.gz (every log, JSON, PNG).
+# CPU dry run of this script's flow (no GPU: the GPU tests skip, the bench runs on the reference):
+#   BUILD=0 JAX_PLATFORMS=cpu BENCH_EXTRA="--backend reference --no-share-gpu --tokens 16 --hidden 32
+#   --topk 2" OUT=/tmp/dry bash tools/gpu_next.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/jaxep_out}; mkdir -p "$OUT"
+LOGS="$OUT/logs"; mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PIP_BREAK_SYSTEM_PACKAGES=1
+export JAXEP_LOG_LEVEL=${JAXEP_LOG_LEVEL:-INFO}
+BUDGET=${BUDGET:-480}
+T0=$(date +%s)
+S="$OUT/summary.txt"; : > "$S"
+ROWS="$LOGS/rows.txt"; : > "$ROWS"
+left() { echo $(( BUDGET - ($(date +%s) - T0) - 15 )); }   # 15 s kept for the table and the tar
+row() { printf '%-11s %-16s %5ss  %s\n' "$1" "$2" "$3" "$4" >> "$ROWS"; }
+
+# step NAME CAP MIN LOG CMD...: runs CMD with timeout min(CAP, time left); skipped when < MIN left.
+step() {
+  local name=$1 cap=$2 min=$3 log=$4; shift 4
+  local l; l=$(left)
+  if [ "$l" -lt "$min" ]; then row "$name" "skipped (time)" 0 "needs ${min}s, ${l}s left"; return 99; fi
+  local to=$(( cap < l ? cap : l )) t=$(date +%s)
+  echo "=== $name (timeout ${to}s): $*" | tee -a "$LOGS/commands.txt"
+  timeout -k 15 "$to" "$@" > "$log" 2>&1; local rc=$?
+  local st=ok; [ $rc = 124 ] && st="TIMEOUT" || { [ $rc != 0 ] && st="FAIL rc=$rc"; }
+  LAST_SECS=$(( $(date +%s) - t ))
+  row "$name" "$st" "$LAST_SECS" "$(grep -vE '^(pcopy|$)' "$log" | tail -1 | cut -c1-110)"
+  return $rc
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+  python3 -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
+} > "$LOGS/machine.txt" 2>&1
+head -3 "$LOGS/machine.txt" | tee -a "$S"
+
+if [ "${BUILD:-1}" = 1 ]; then   # BUILD=0: use the extension already built (CPU dry runs of this script)
+  python3 -m pip uninstall -y jaxep > /dev/null 2>&1   # a stale editable install would shadow ./jaxep
+  step build 240 120 "$LOGS/build.log" python3 -m pip install --no-build-isolation --no-deps -e .
+fi
+python3 -c "import jaxep._ffi as f; print('extension', f.is_available(), f.unavailable_reason(), f.build_info())" \
+  2>&1 | tail -1 | tee -a "$S" "$LOGS/build_info.txt"
+
+bench() {  # name nproc experts cap
+  local l; l=$(left); local to=$(( $4 < l ? $4 : l ))
+  step "$1" "$4" 60 "$LOGS/$1.log" python3 tools/bench_multirank.py --nproc "$2" --experts "$3" \
+    --iters 10 --timeout $(( to - 20 )) --outdir "$LOGS" --summary_json "$LOGS/$1.rows.json" ${BENCH_EXTRA:-}
+}
+bench bench8_64 8 64 150
+step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider tests/gpu/test_nn_multirank.py
+# The rest of tests/gpu, the multi-rank driver first (never run under pytest on a GPU before);
+# -v: a step cut by its timeout still shows which tests finished.
+step gputier 300 120 "$LOGS/gputier.log" python3 -m pytest -v -rs -p no:cacheprovider \
+  tests/gpu/test_multirank.py tests/gpu/test_cuda_ep1.py tests/gpu/test_backends_bitwise.py
+bench bench4_64 4 64 120
+bench bench8_256 8 256 120
+
+python3 -m jaxep.doctor > "$LOGS/doctor.log" 2>&1 || true
+
+# ---------------------------------------------------------------- the table (printed last)
+{
+  echo "--- layer test and example (from nn.log) ---"
+  grep -hE "^rank [0-9]+ (hlo|step[0-9]) (ok|FAIL)|cuda [0-9]+ tokens/s, reference" "$LOGS/nn.log" 2>/dev/null | cut -c1-200 | head -16
+  grep -hE "^(FAILED|ERROR) |(PASSED|FAILED|SKIPPED|ERROR) +\[" "$LOGS/nn.log" "$LOGS/gputier.log" 2>/dev/null \
+    | grep -vE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" | cut -c1-160 | head -14
+  grep -hcE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" "$LOGS/gputier.log" 2>/dev/null \
+    | sed 's/^/EP=1 tier tests passed: /'
+
+  echo "--- bench (tools/bench_multirank.py table over every run) ---"
+  python3 - "$LOGS" <<'EOF' 2>&1
+import glob, json, os, sys
+sys.path.insert(0, "tools")
+import bench_multirank as b
+rows = []
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "bench*.rows.json")), key=os.path.getmtime):
+    rows += json.load(open(path))
+print(b.table(rows) if rows else "no bench rows")
+for r in rows:
+    if r.get("ok") is None:
+        print(f"N={r['N']} E={r['E']}: no JSON (rc={r['rc']}); see logs/bench_n{r['N']}_e{r['E']}.log")
+EOF
+  grep -hE "BenchCorrectnessError|TimeoutError|Traceback|failed:|error:" "$LOGS"/bench_n*_e*.log 2>/dev/null | cut -c1-200 | head -6
+  echo "--- steps ---"
+  cat "$ROWS"
+  echo "total $(( $(date +%s) - T0 ))s of ${BUDGET}s"
+} >> "$S"
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+cat "$S"
