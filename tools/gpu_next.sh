@@ -12,7 +12,7 @@
 #             dense host reference, and examples/moe_flax.py --compare_backends (EP 1, cuda vs
 #             reference in one process, tokens/s ratio)
 #   gputier   pytest of the rest of tests/gpu: multi-rank N=2/4/8 + killed peer (under pytest for
-#             the first time), EP=1 tier, bitwise
+#             the first time), EP=1 tier, bitwise, the bench on 2 ranks (test_bench_multirank.py)
 #   bench4_64, bench8_256   the bench for E=64 on 4 ranks (~33 SMs each) and E=256 on 8 ranks
 # Rough estimate (not measured as a whole): build 60-120 s, bench ~40-60 s each, nn ~110 s, gputier
 # ~150-190 s: the last step may not fit in 480 s; BUDGET=570 stays under the device tool's 600 s.
@@ -68,11 +68,12 @@ step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider test
 # The rest of tests/gpu, the multi-rank driver first (never run under pytest on a GPU before);
 # -v: a step cut by its timeout still shows which tests finished.
 step gputier 300 120 "$LOGS/gputier.log" python3 -m pytest -v -rs -p no:cacheprovider \
-  tests/gpu/test_multirank.py tests/gpu/test_cuda_ep1.py tests/gpu/test_backends_bitwise.py
+  tests/gpu/test_multirank.py tests/gpu/test_cuda_ep1.py tests/gpu/test_backends_bitwise.py \
+  tests/gpu/test_bench_multirank.py
 bench bench4_64 4 64 120
 bench bench8_256 8 256 120
 
-python3 -m jaxep.doctor > "$LOGS/doctor.log" 2>&1 || true
+timeout 30 python3 -m jaxep.doctor > "$LOGS/doctor.log" 2>&1 || true
 
 # ---------------------------------------------------------------- the table (printed last)
 {

@@ -1,0 +1,56 @@
+"""GPU tier: `jaxep-bench` itself on 2 ranks sharing the GPU under CUDA MPS, CUDA backend, small
+sizes: the correctness check (every rank against the host oracle) must pass before timing, and
+process 0 must write the table and the JSON. Skipped without a GPU, the extension's NVSHMEM build
+or nvidia-cuda-mps-control. Written without device time: NOT run on a GPU yet.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jaxep import _ffi
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _skip_reason() -> str | None:
+    if not _ffi.is_available():
+        return f"jaxep CUDA extension unavailable: {_ffi.unavailable_reason()}"
+    if not _ffi.multi_rank_built():
+        return "jaxep CUDA extension built without NVSHMEM (no multi-rank path)"
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        return "nvidia-cuda-mps-control not on PATH (needed by --share-gpu)"
+    if shutil.which("nvidia-smi") is None or subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True).returncode != 0:
+        return "no NVIDIA GPU (nvidia-smi -L failed)"
+    return None
+
+
+_REASON = _skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+
+
+def test_bench_two_ranks_share_gpu(tmp_path):
+    out = tmp_path / "b.json"
+    env = dict(os.environ)
+    env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", "2", "--share-gpu", "--timeout", "200",
+           "-m", "jaxep.bench", "--backend=cuda", "--tokens=256", "--hidden=512", "--topk=4",
+           "--experts=16", "--iters=3", "--warmup=1", f"--json={out}"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=260)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-6000:]
+    assert "[rank 0] correctness: OK" in text and "host oracle" in text, text[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["backend_used"] == "cuda" and doc["topology"]["ranks_per_gpu"] == 2
+    assert doc["correctness"]["passed"]
+    for op in ("dispatch", "combine", "both"):
+        t = doc["ops"][op]["time_s"]
+        assert len(t["per_process_median"]) == 2
+        print(op, f"{t['median'] * 1e3:.3f} ms, handler runs per op {t.get('handler_runs_per_op')}")
