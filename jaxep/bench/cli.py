@@ -45,6 +45,9 @@ RDMA_GBPS = flags.DEFINE_float("rdma_gbps", 0.0, "RDMA peak GB/s per GPU (NIC); 
 HBM_GBPS = flags.DEFINE_float("hbm_gbps", 0.0, "Device memory peak GB/s; 0 = table or measured copy.",
                               lower_bound=0.0, upper_bound=1e6)
 CHECK = flags.DEFINE_bool("check", True, "Check correctness before timing (keep it on).")
+TIMEOUT_S = flags.DEFINE_float("timeout_s", 60.0, "Bound on every device-side wait of the multi-rank "
+                               "CUDA kernels (jaxep.Config.timeout_s): a stuck peer gives "
+                               "jaxep.TimeoutError after this long.", lower_bound=1.0, upper_bound=3600.0)
 SWEEP = flags.DEFINE_bool("sweep", False, "Sweep num_sms x chunk_tokens and print the best Config.")
 SWEEP_NUM_SMS = flags.DEFINE_list("sweep_num_sms", ["16", "24", "32", "48", "64"], "num_sms values to sweep.")
 SWEEP_CHUNK_TOKENS = flags.DEFINE_list("sweep_chunk_tokens", ["64", "128", "256", "512"], "chunk_tokens values.")
@@ -63,7 +66,7 @@ def bench_config():
         warmup=WARMUP.value, iters=ITERS.value, inner=INNER.value, ep_size=nz(EP_SIZE.value),
         gpus_per_node=nz(GPUS_PER_NODE.value), ranks_per_gpu=nz(RANKS_PER_GPU.value),
         nvlink_gbps=nz(NVLINK_GBPS.value), rdma_gbps=nz(RDMA_GBPS.value), hbm_gbps=nz(HBM_GBPS.value),
-        check=CHECK.value, sweep=SWEEP.value, sweep_num_sms=tuple(int(v) for v in SWEEP_NUM_SMS.value),
+        check=CHECK.value, timeout_s=TIMEOUT_S.value, sweep=SWEEP.value, sweep_num_sms=tuple(int(v) for v in SWEEP_NUM_SMS.value),
         sweep_chunk_tokens=tuple(int(v) for v in SWEEP_CHUNK_TOKENS.value))
 
 

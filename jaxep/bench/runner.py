@@ -60,6 +60,7 @@ class BenchConfig:
     rdma_gbps: float | None = None
     hbm_gbps: float | None = None
     check: bool = True
+    timeout_s: float = 60.0                 # jaxep.Config.timeout_s: bound on the CUDA kernels' waits
     sweep: bool = False
     sweep_num_sms: tuple = (16, 24, 32, 48, 64)
     sweep_chunk_tokens: tuple = (64, 128, 256, 512)
@@ -68,7 +69,7 @@ class BenchConfig:
         kw = dict(num_experts=self.experts, topk=self.topk, hidden=self.hidden,
                   max_tokens_per_rank=self.tokens, capacity_factor=self.capacity_factor,
                   dtype=self.dtype, mode=self.mode, num_sms=self.num_sms,
-                  chunk_tokens=self.chunk_tokens)
+                  chunk_tokens=self.chunk_tokens, timeout_s=self.timeout_s)
         kw.update(override)
         return jaxep.Config(**kw)
 
