@@ -7,31 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from jaxep import _ffi
+import gpu_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _skip_reason() -> str | None:
-    if not _ffi.is_available():
-        return f"jaxep CUDA extension unavailable: {_ffi.unavailable_reason()}"
-    if not _ffi.multi_rank_built():
-        return "jaxep CUDA extension built without NVSHMEM (no multi-rank path)"
-    if shutil.which("nvidia-cuda-mps-control") is None:
-        return "nvidia-cuda-mps-control not on PATH (needed by --share-gpu)"
-    if shutil.which("nvidia-smi") is None or subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True).returncode != 0:
-        return "no NVIDIA GPU (nvidia-smi -L failed)"
-    return None
+ROOT = gpu_env.ROOT
 
 
-_REASON = _skip_reason()
+_REASON = gpu_env.multirank_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 

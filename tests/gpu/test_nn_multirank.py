@@ -15,39 +15,27 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-from jaxep import _ffi
+import gpu_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = gpu_env.ROOT
 WORKER = os.path.join(ROOT, "tests", "gpu", "nn_multirank_worker.py")
 EXAMPLE = os.path.join(ROOT, "examples", "moe_flax.py")
 
 
 def _gpu_reason() -> str | None:
-    if not _ffi.is_available():
-        return f"jaxep CUDA extension unavailable: {_ffi.unavailable_reason()}"
-    if shutil.which("nvidia-smi") is None or subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True).returncode != 0:
-        return "no NVIDIA GPU (nvidia-smi -L failed)"
+    if (reason := gpu_env.gpu_reason()) is not None:
+        return reason
     try:
         import flax  # noqa: F401
         import optax  # noqa: F401
     except ImportError as e:
         return f"flax/optax missing: {e}"
-    return None
-
-
-def _multirank_reason() -> str | None:
-    if not _ffi.multi_rank_built():
-        return "jaxep CUDA extension built without NVSHMEM (no multi-rank path)"
-    if shutil.which("nvidia-cuda-mps-control") is None:
-        return "nvidia-cuda-mps-control not on PATH (needed by --share-gpu)"
     return None
 
 
@@ -64,7 +52,7 @@ def _env():
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_layer_forward_backward_multirank(nproc):
-    reason = _multirank_reason()
+    reason = gpu_env.multirank_reason()
     if reason:
         pytest.skip(reason)
     timeout = 200
