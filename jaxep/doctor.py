@@ -284,7 +284,7 @@ def format_report(f: dict) -> str:
         if shm["found"] else "NVSHMEM: wheel not found",
         f"jaxep extension: {'available' if ext['available'] else 'not available'}"
         f" ({ext['reason'] or ''}) links {ext['nvshmem_host_needed']}",
-        f"NICs: " + (", ".join(f"{p['device']}/{p['port']} {p['state']} {p['rate_gbps']} Gb/s "
+        "NICs: " + (", ".join(f"{p['device']}/{p['port']} {p['state']} {p['rate_gbps']} Gb/s "
                                 f"numa {p['numa_node']}" for p in f["infiniband"]) or "none"),
     ]
     lines += [f"GPU {a['gpu']}: numa {a['numa_node']}, nearest NIC {a['nearest_nic']} "

@@ -51,7 +51,7 @@ def test_dtypes(dtype):
     cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T, capacity_factor=None,
                        dtype=dtype)
     xs, ws = harness.inputs(rng, R, T, H, K, jnp.dtype(dtype))
-    got, _ = _check(cfg, xs, idxs := harness.routing(rng, R, T, K, E), ws, expert_fn=_expert)
+    got, _ = _check(cfg, xs, harness.routing(rng, R, T, K, E), ws, expert_fn=_expert)
     assert got["out"][0].dtype == jnp.dtype(dtype)
 
 

@@ -2,7 +2,6 @@
 multi-rank CUDA path, check()/diagnostic() without a runtime, NVSHMEM settings helpers."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxep
