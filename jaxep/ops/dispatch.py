@@ -17,12 +17,14 @@ The transpose of dispatch is an unweighted combine; the transpose of combine is 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxep import runtime
 from jaxep.ops import _common
+from jaxep.config import Config
 from jaxep.types import DispatchResult, Handle, Stats
 
 _PAYLOAD_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -65,16 +67,12 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name: str = "ep", config, backen
                           stats=Stats(dropped_rows=stats[0:1], invalid_ids=stats[1:2]))
 
 
-class _Static(tuple):
-    """Hashable static arguments of the primitive: (axis_name, config, backend, capacity)."""
-
-    def __new__(cls, axis_name, config, backend, capacity):
-        return super().__new__(cls, (axis_name, config, backend, capacity))
-
-    axis_name = property(lambda s: s[0])
-    config = property(lambda s: s[1])
-    backend = property(lambda s: s[2])
-    capacity = property(lambda s: s[3])
+class _Static(NamedTuple):
+    """Hashable static arguments of the primitive."""
+    axis_name: str
+    config: Config
+    backend: str
+    capacity: int
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
