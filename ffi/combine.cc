@@ -1,9 +1,11 @@
 // XLA FFI handler `jaxep_combine` (CUDA platform).
 //
-// out[t] = cast(0 + fma chain over k ascending of the kept slots: p = fmaf(w[row], f32(y[row]), p))
-// in the fixed order of docs/design.md (kernel in ffi/cuda/combine.cu). Every element of `out` is written,
+// out[t] = cast(sum over k ascending of the kept slots: p = fadd(p, fmul(w[row], f32(y[row]))),
+// starting at +0.0), each product and sum a single rounded f32 operation (never an FMA), the fixed
+// order of docs/design.md (kernel in ffi/cuda/combine.cu). Every element of `out` is written,
 // tokens with no kept slot get 0. ep_size > 1 runs the multi-rank protocol of ffi/multirank.cc
-// (sum over ranks ascending of the per-rank fma chains, in f32, cast once).
+// (sum over ranks ascending of the per-rank partial sums, in f32, cast once); recv_slot (the
+// handle's, [C]) tells it which rows of y are kept, the only ones it stages for its peers.
 #include <cstdint>
 #include <string_view>
 
@@ -36,7 +38,8 @@ ffi::Error CombineTyped(cudaStream_t stream, const ffi::AnyBuffer& y, const floa
 }
 
 ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32, 1> weights,
-                       ffi::Buffer<ffi::S32, 2> send_row, ffi::Buffer<ffi::S32, 2> topk_idx,
+                       ffi::Buffer<ffi::S32, 2> send_row, ffi::Buffer<ffi::S32, 1> recv_slot,
+                       ffi::Buffer<ffi::S32, 2> topk_idx,
                        int64_t num_experts, int64_t rank, int64_t ep_size,
                        ffi::Result<ffi::AnyBuffer> out) {
   if (ffi::Error err = CheckRankAttrs(kCombine, rank, ep_size); err.failure()) return err;
@@ -53,6 +56,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
       (err = CheckRange(kCombine, "C (rows of y)", rows, 0, kInt32Max)).failure() ||
       (err = CheckRange(kCombine, "T*K (slots)", tokens * topk, 0, kInt32Max)).failure() ||
       (err = CheckDims(kCombine, "weights", weights.dimensions(), {rows})).failure() ||
+      (err = CheckDims(kCombine, "recv_slot", recv_slot.dimensions(), {rows})).failure() ||
       (err = CheckDims(kCombine, "topk_idx", topk_idx.dimensions(), {tokens, topk})).failure() ||
       (err = CheckDims(kCombine, "out", out->dimensions(), {tokens, hidden})).failure()) {
     return err;
@@ -73,7 +77,8 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
                                                 DataTypeName(y.element_type())));
     }
     return MultiRankCombine(stream, y, weights.typed_data(), send_row.typed_data(),
-                            topk_idx.typed_data(), tokens, topk, num_experts, ep_size, o);
+                            recv_slot.typed_data(), topk_idx.typed_data(), tokens, topk,
+                            num_experts, ep_size, o);
   }
   switch (y.element_type()) {
     case ffi::DataType::BF16:
@@ -104,6 +109,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                        // y [C, H] bf16|f16|f32
         .Arg<jaxep::F32Vec>()                              // weights [C], per-row weights
         .Arg<jaxep::S32Mat>()                              // send_row [T, K] (handle)
+        .Arg<jaxep::S32Vec>()                              // recv_slot [C] (handle)
         .Arg<jaxep::S32Mat>()                              // topk_idx [T, K] sanitized (handle)
         .Attr<int64_t>("num_experts")                      // E
         .Attr<int64_t>("rank")                             // 0 (R == 1) or -1 (from the runtime)

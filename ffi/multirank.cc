@@ -7,6 +7,9 @@
 // jaxep/_ffi.py checks the same at trace time, so these errors are a last line of defence.
 #include "multirank.h"
 
+#include <cstdlib>
+#include <string_view>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -188,10 +191,25 @@ ffi::Error MultiRankDispatchRows(cudaStream_t stream, const ffi::AnyBuffer& x,
   return ffi::Error::Success();
 }
 
+namespace {
+
+// JAXEP_COMBINE_KERNEL=thread selects the thread-per-16-bytes combine pull (for A/B timing and as a
+// fallback); anything else, or unset, the warp-per-token kernel. Read once per process.
+mr::CombineKernel CombineKernelFromEnv() {
+  static const mr::CombineKernel kernel = [] {
+    const char* v = std::getenv("JAXEP_COMBINE_KERNEL");
+    return v != nullptr && std::string_view(v) == "thread" ? mr::CombineKernel::kThread
+                                                           : mr::CombineKernel::kWarp;
+  }();
+  return kernel;
+}
+
+}  // namespace
+
 ffi::Error MultiRankCombine(cudaStream_t stream, const ffi::AnyBuffer& y, const float* weights,
-                            const int32_t* send_row, const int32_t* topk_idx, int64_t tokens,
-                            int64_t topk, int64_t num_experts, int64_t ep_size,
-                            ffi::AnyBuffer& out) {
+                            const int32_t* send_row, const int32_t* recv_slot,
+                            const int32_t* topk_idx, int64_t tokens, int64_t topk,
+                            int64_t num_experts, int64_t ep_size, ffi::AnyBuffer& out) {
   constexpr std::string_view kT = "jaxep_combine";
   const int64_t rows = y.dimensions()[0];
   const int64_t hidden = y.dimensions()[1];
@@ -204,28 +222,32 @@ ffi::Error MultiRankCombine(cudaStream_t stream, const ffi::AnyBuffer& y, const 
   const uint64_t seq = rt::NextSeq();
   JAXEP_TRY(kT, "wait free", mr::LaunchSync(*team, mr::kFlagNone, 0, mr::kFlagFree, seq - 1,
                                             mr::kPhaseFree, mr::kOpCombine, seq, stream));
-  const mr::StageCopy copies[2] = {
-      {y.untyped_data(), static_cast<size_t>(rows * row_bytes), team->lay.stage},
-      {weights, static_cast<size_t>(rows) * 4, team->lay.stage_w}};
-  JAXEP_TRY(kT, "stage", mr::LaunchStage(*team, copies, 2, stream));
+  // Only the kept rows of y (recv_slot >= 0) are staged: peers read no others.
+  const mr::StageCopy stage_w{weights, static_cast<size_t>(rows) * 4, team->lay.stage_w};
+  JAXEP_TRY(kT, "stage weights", mr::LaunchStage(*team, &stage_w, 1, stream));
+  JAXEP_TRY(kT, "stage rows", mr::LaunchStageRows(*team, static_cast<int32_t>(rows), row_bytes,
+                                                  recv_slot, y.untyped_data(), team->lay.stage,
+                                                  stream));
   JAXEP_TRY(kT, "ready", mr::LaunchSync(*team, mr::kFlagReady, seq, mr::kFlagReady, seq,
                                         mr::kPhaseReady, mr::kOpCombine, seq, stream));
   const int32_t t32 = static_cast<int32_t>(tokens), k32 = static_cast<int32_t>(topk);
   const int32_t e32 = static_cast<int32_t>(num_experts), r32 = static_cast<int32_t>(rows);
+  const mr::CombineKernel kernel = CombineKernelFromEnv();
   cudaError_t err = cudaSuccess;
   switch (y.element_type()) {
     case ffi::DataType::BF16:
       err = mr::LaunchCombinePull<__nv_bfloat16>(*team, t32, k32, e32, r32, hidden, send_row,
                                                  topk_idx, static_cast<__nv_bfloat16*>(out.untyped_data()),
-                                                 stream);
+                                                 kernel, stream);
       break;
     case ffi::DataType::F16:
       err = mr::LaunchCombinePull<__half>(*team, t32, k32, e32, r32, hidden, send_row, topk_idx,
-                                          static_cast<__half*>(out.untyped_data()), stream);
+                                          static_cast<__half*>(out.untyped_data()), kernel, stream);
       break;
     default:
       err = mr::LaunchCombinePull<float>(*team, t32, k32, e32, r32, hidden, send_row, topk_idx,
-                                         static_cast<float*>(out.untyped_data()), stream);
+                                         static_cast<float*>(out.untyped_data()), kernel,
+                                         stream);
       break;
   }
   JAXEP_TRY(kT, "pull", err);

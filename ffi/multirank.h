@@ -28,8 +28,8 @@ ffi::Error MultiRankDispatchRows(cudaStream_t stream, const ffi::AnyBuffer& x,
                                  int64_t ep_size, ffi::AnyBuffer& x_rows);
 
 ffi::Error MultiRankCombine(cudaStream_t stream, const ffi::AnyBuffer& y, const float* weights,
-                            const int32_t* send_row, const int32_t* topk_idx, int64_t tokens,
-                            int64_t topk, int64_t num_experts, int64_t ep_size,
-                            ffi::AnyBuffer& out);
+                            const int32_t* send_row, const int32_t* recv_slot,
+                            const int32_t* topk_idx, int64_t tokens, int64_t topk,
+                            int64_t num_experts, int64_t ep_size, ffi::AnyBuffer& out);
 
 }  // namespace jaxep

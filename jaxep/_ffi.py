@@ -286,11 +286,13 @@ def dispatch_rows(x, recv_slot, *, topk: int, rank: int = 0, ep_size: int = 1):
   return tuple(call(x, recv_slot, rank=_i64(rank), ep_size=_i64(ep_size), topk=_i64(topk)))
 
 
-def combine(y, weights, send_row, topk_idx, *, num_experts: int, rank: int = 0,
+def combine(y, weights, send_row, recv_slot, topk_idx, *, num_experts: int, rank: int = 0,
             ep_size: int = 1):
-  """``jaxep_combine``: y[C,H], weights[C] f32, send_row[T,K] i32, topk_idx[T,K] i32.
+  """``jaxep_combine``: y[C,H], weights[C] f32, send_row[T,K] i32, recv_slot[C] i32,
+  topk_idx[T,K] i32 (send_row, recv_slot and topk_idx from dispatch's handle).
 
-  Returns ``(out[T,H],)`` in the dtype of y, reduced in the fixed order of docs/design.md.
+  Returns ``(out[T,H],)`` in the dtype of y, reduced in the fixed order of docs/design.md. With
+  ep_size > 1 only the rows with recv_slot >= 0 are staged for the peers (the rows send_row names).
   """
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -302,9 +304,12 @@ def combine(y, weights, send_row, topk_idx, *, num_experts: int, rank: int = 0,
   _check_dtype(op, "y", y, _PAYLOAD_DTYPES)
   _check_dtype(op, "weights", weights, "float32")
   _check_dtype(op, "send_row", send_row, "int32")
+  _check_dtype(op, "recv_slot", recv_slot, "int32")
   _check_dtype(op, "topk_idx", topk_idx, "int32")
   if tuple(weights.shape) != (y.shape[0],):
     _fail(op, "weights", f"shape {(y.shape[0],)}", f"shape {tuple(weights.shape)}")
+  if tuple(recv_slot.shape) != (y.shape[0],):
+    _fail(op, "recv_slot", f"shape {(y.shape[0],)}", f"shape {tuple(recv_slot.shape)}")
   if tuple(topk_idx.shape) != tuple(send_row.shape):
     _fail(op, "topk_idx", f"shape {tuple(send_row.shape)}", f"shape {tuple(topk_idx.shape)}")
   if y.shape[0] > _INT32_MAX or send_row.shape[0] * send_row.shape[1] > _INT32_MAX:
@@ -313,7 +318,7 @@ def combine(y, weights, send_row, topk_idx, *, num_experts: int, rank: int = 0,
               staged_bytes=y.shape[0] * y.shape[1] * np.dtype(y.dtype).itemsize)
   out_types = (jax.ShapeDtypeStruct((send_row.shape[0], y.shape[1]), y.dtype),)  # out
   call = jax.ffi.ffi_call("jaxep_combine", out_types, vmap_method="sequential")
-  return tuple(call(y, weights, send_row, topk_idx, num_experts=_i64(num_experts),
+  return tuple(call(y, weights, send_row, recv_slot, topk_idx, num_experts=_i64(num_experts),
                     rank=_i64(rank), ep_size=_i64(ep_size)))
 
 

@@ -51,10 +51,9 @@ def dispatch_rows(x, recv_slot, *, axis_name, topk):
 
 
 def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
-    del recv_slot  # the source side walks its own slots; the expert side only stages y
     rank, ep = _rank_attrs(axis_name)
-    (out,) = _ffi.combine(y, weights, send_row, topk_idx, num_experts=num_experts, rank=rank,
-                          ep_size=ep)
+    (out,) = _ffi.combine(y, weights, send_row, recv_slot, topk_idx, num_experts=num_experts,
+                          rank=rank, ep_size=ep)
     return _varying(out, axis_name)
 
 

@@ -43,8 +43,8 @@ def bench_command(a, experts: int, base: str) -> list[str]:
     return cmd + list(a.bench_args)
 
 
-def row(n: int, e: int, rc: int, secs: float, doc: dict | None) -> dict:
-    r = dict(N=n, E=e, rc=rc, secs=round(secs, 1))
+def row(n: int, e: int, rc: int, secs: float, doc: dict | None, kernel: str = "warp") -> dict:
+    r = dict(N=n, E=e, rc=rc, secs=round(secs, 1), combine_kernel=kernel)
     if doc is None:
         return r
     ops = doc["ops"]
@@ -66,7 +66,7 @@ def row(n: int, e: int, rc: int, secs: float, doc: dict | None) -> dict:
 def table(rows) -> str:
     head = (f"{'N':>2} {'E':>4} {'rc':>3} {'ok':>3} {'pay MB':>8} {'disp ms':>8} {'comb ms':>8} "
             f"{'both ms':>8} {'pcopy ms':>8} {'d pc/op':>7} {'c pc/op':>7} {'d/copy':>7} "
-            f"{'c/copy':>7} {'inner':>5} {'h/op d,c':>8} {'secs':>5}")
+            f"{'c/copy':>7} {'inner':>5} {'h/op d,c':>8} {'secs':>5} {'comb kernel':>11}")
     out = [head]
     for r in rows:
         if "ok" not in r:
@@ -78,10 +78,11 @@ def table(rows) -> str:
                    f"{r['dispatch_ms']:>8.3f} {r['combine_ms']:>8.3f} {r['both_ms']:>8.3f} "
                    f"{r['payload_copy_ms']:>8.3f} {r['dispatch_payload_copy_over_op']:>7.2f} "
                    f"{r['combine_payload_copy_over_op']:>7.2f} {r['dispatch_vs_copy']:>7.2f} "
-                   f"{r['combine_vs_copy']:>7.2f} {r['inner']:>5} {hr:>8} {r['secs']:>5}")
+                   f"{r['combine_vs_copy']:>7.2f} {r['inner']:>5} {hr:>8} {r['secs']:>5} "
+                   f"{r.get('combine_kernel', 'warp'):>11}")
     out.append("pcopy = every rank copies 1/N of the payload at once; pc/op = pcopy / op (> 1: faster "
                "than that copy); x/copy = op / copy of its least HBM bytes; h/op = multi-rank host "
-               "handler runs per op (expected 1)")
+               "handler runs per op (expected 1); comb kernel = JAXEP_COMBINE_KERNEL of the run")
     return "\n".join(out)
 
 
@@ -109,12 +110,15 @@ def main(argv=None) -> int:
     p.add_argument("--outdir", default=".")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--summary_json", default=None, help="also write the table's rows here")
+    p.add_argument("--combine_kernel", default="warp", choices=("warp", "thread"),
+                   help="JAXEP_COMBINE_KERNEL for the ranks (the multi-rank combine pull kernel)")
     p.add_argument("bench_args", nargs="*", help="more jaxep.bench flags (after --)")
     a = p.parse_args(argv)
     os.makedirs(a.outdir, exist_ok=True)
     rows, first_rc = [], 0
     for e in (int(v) for v in a.experts.split(",")):
-        base = os.path.join(a.outdir, f"bench_n{a.nproc}_e{e}")
+        tag = "" if a.combine_kernel == "warp" else f"_{a.combine_kernel}"
+        base = os.path.join(a.outdir, f"bench_n{a.nproc}_e{e}{tag}")
         for stale in (base + ".json",):
             if os.path.exists(stale):
                 os.remove(stale)
@@ -123,12 +127,13 @@ def main(argv=None) -> int:
         t0 = time.time()
         with open(base + ".log", "w") as log:
             rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL).returncode
+                                stdin=subprocess.DEVNULL,
+                                env=dict(os.environ, JAXEP_COMBINE_KERNEL=a.combine_kernel)).returncode
         doc = None
         if os.path.exists(base + ".json"):
             with open(base + ".json") as f:
                 doc = json.load(f)
-        rows.append(row(a.nproc, e, rc, time.time() - t0, doc))
+        rows.append(row(a.nproc, e, rc, time.time() - t0, doc, a.combine_kernel))
         print(f"bench_multirank: N={a.nproc} E={e}: rc={rc} in {time.time() - t0:.0f}s", flush=True)
         first_rc = first_rc or rc or (0 if doc else 1)
     print(table(rows), flush=True)

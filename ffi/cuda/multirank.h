@@ -136,6 +136,18 @@ cudaError_t LaunchRowsPull(const Team& team, int32_t tokens, int32_t topk, int32
                            int64_t row_bytes, const int32_t* recv_slot, void* x_rows,
                            cudaStream_t stream);
 
+// Combine staging (expert side): y row p into this rank's stage at dst_off + p * row_bytes, for
+// the rows with recv_slot[p] >= 0 only (the kept rows: the only ones a peer's send_row names).
+cudaError_t LaunchStageRows(const Team& team, int32_t rows, int64_t row_bytes,
+                            const int32_t* recv_slot, const void* src, size_t dst_off,
+                            cudaStream_t stream);
+
+// Which combine pull kernel runs (JAXEP_COMBINE_KERNEL, read once by ffi/multirank.cc):
+// kWarp (default) is a warp per token with the token's kept slots listed once in shared memory,
+// kThread a thread per 16 bytes of output that walks all (rank, k) pairs itself; kThread also
+// serves topk > 32. Both give the same bits.
+enum class CombineKernel : int32_t { kWarp = 0, kThread = 1 };
+
 // Combine pull (source side), the fixed order of docs/design.md:
 //   out[t] = 0; for r ascending: { p = 0; for k ascending with kept slot on r:
 //            p = p + (stage_w_r[row] * f32(stage_r[row]));  out = out + p }; cast once,
@@ -144,7 +156,8 @@ cudaError_t LaunchRowsPull(const Team& team, int32_t tokens, int32_t topk, int32
 template <typename T>
 cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                               int32_t rows, int64_t hidden, const int32_t* send_row,
-                              const int32_t* topk_idx, T* out, cudaStream_t stream);
+                              const int32_t* topk_idx, T* out, CombineKernel kernel,
+                              cudaStream_t stream);
 
 // gather_back pull (source side): out[t,k] = stage_f32_d[send_row[t,k]] of the slot's
 // destination d, 0 where the slot was not kept.

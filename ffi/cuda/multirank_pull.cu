@@ -88,6 +88,28 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// Combine staging (expert side): row p of y into this rank's stage, only where recv_slot[p] >= 0.
+// Rows past the kept ones are never read by a peer (send_row names kept rows only), so copying
+// the used rows instead of all C saves (C - kept) rows of reads and writes. Warp per row.
+template <typename Unit>
+__global__ void __launch_bounds__(kRowThreads)
+    StageRowsKernel(Team team, int32_t rows, int64_t units_per_row,
+                    const int32_t* __restrict__ recv_slot, const Unit* __restrict__ src,
+                    size_t dst_off) {
+  if (Aborted(team)) return;
+  Unit* dst = reinterpret_cast<Unit*>(team.peer[team.rank] + dst_off);
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t wpb = blockDim.x / kWarpSize;
+  const int64_t nwarps = gridDim.x * wpb;
+  for (int64_t p = blockIdx.x * wpb + threadIdx.x / kWarpSize; p < rows; p += nwarps) {
+    if (recv_slot[p] < 0) continue;
+    const Unit* s = src + p * units_per_row;
+    Unit* d = dst + p * units_per_row;
+#pragma unroll 4
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) d[u] = s[u];
+  }
+}
+
 // Combine: thread per (token, VEC consecutive elements). The reduction order is fixed by the
 // loops (ranks ascending outside, k ascending inside), independent of the launch shape.
 template <typename T, int VEC>
@@ -136,17 +158,16 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-// Combine, warp per token (topk <= 32): lane k reads slot k once; the warp orders the kept slots
-// by (destination rank, k) into shared memory, then every lane walks that list for its 16-byte
-// units. Same arithmetic as CombinePullKernel: partial = fadd(partial, fmul(w, y)) over k
-// ascending within a rank, out = fadd(out, partial) over ranks ascending; ranks with no kept slot
-// are skipped, which is bitwise the same (out starts at +0.0 and never becomes -0.0, so adding
-// their +0.0 partial is the identity).
+// Combine, warp per token (topk <= 32), the default kernel. Lane k reads slot k's index once; the
+// warp orders the kept slots by (destination rank, k) into shared memory (row pointer, rank,
+// weight), then every lane walks that list for its 16-byte units, loading kBatch rows before
+// reducing them so several loads are in flight per lane. Same arithmetic as CombinePullKernel:
+// partial = fadd(partial, fmul(w, y)) over k ascending within a rank, out = fadd(out, partial) over
+// ranks ascending. Ranks with no kept slot are skipped, which is bitwise the same: out starts at
+// +0.0 and a sum starting from +0.0 never becomes -0.0 under round-to-nearest, so adding such a
+// rank's +0.0 partial is the identity (NaN and inf propagate alike).
 constexpr int kMaxWarpTopk = 32;
-// OFF until it has run on a GPU: written after the last device run of 2026-12-02 (the combine
-// figure of docs/performance.md is the thread-per-16-bytes kernel). Turn on, then run
-// tools/gpu_multirank.sh (bitwise at N = 2, 4, 8) and BENCH=1 before keeping it.
-constexpr bool kUseWarpCombine = false;
+constexpr int kWarpBatch = 8;
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kCombineThreads)
@@ -155,17 +176,17 @@ __global__ void __launch_bounds__(kCombineThreads)
                           const int32_t* __restrict__ topk_idx, T* __restrict__ out) {
   if (Aborted(team)) return;
   using P = Pack<T, VEC>;
-  __shared__ int s_row[kCombineThreads / kWarpSize][kMaxWarpTopk];
-  __shared__ int s_dest[kCombineThreads / kWarpSize][kMaxWarpTopk];
-  __shared__ float s_w[kCombineThreads / kWarpSize][kMaxWarpTopk];
+  constexpr int kWarps = kCombineThreads / kWarpSize;
+  __shared__ const P* s_src[kWarps][kMaxWarpTopk];  // row start in the destination's stage
+  __shared__ int s_dest[kWarps][kMaxWarpTopk];
+  __shared__ float s_w[kWarps][kMaxWarpTopk];
   const int R = team.size;
   const int L = experts / R;
   const int lane = threadIdx.x % kWarpSize;
   const int wib = threadIdx.x / kWarpSize;
-  const int64_t wpb = blockDim.x / kWarpSize;
-  const int64_t nwarps = gridDim.x * wpb;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
   P* out_packs = reinterpret_cast<P*>(out);
-  for (int64_t t = blockIdx.x * wpb + wib; t < tokens; t += nwarps) {
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + wib; t < tokens; t += nwarps) {
     int dest = R, row = -1;  // dest == R: not kept
     if (lane < topk) {
       const int32_t e = topk_idx[t * topk + lane];
@@ -183,11 +204,12 @@ __global__ void __launch_bounds__(kCombineThreads)
       before += __popc(m);
     }
     const int n = before;  // kept slots of token t
-    __syncwarp();
     if (pos >= 0) {
-      s_row[wib][pos] = row;
+      const char* base = team.peer[dest];
+      s_src[wib][pos] = reinterpret_cast<const P*>(base + team.lay.stage) +
+                        static_cast<int64_t>(row) * units_per_row;
       s_dest[wib][pos] = dest;
-      s_w[wib][pos] = reinterpret_cast<const float*>(team.peer[dest] + team.lay.stage_w)[row];
+      s_w[wib][pos] = reinterpret_cast<const float*>(base + team.lay.stage_w)[row];
     }
     __syncwarp();
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
@@ -195,22 +217,29 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[v] = partial[v] = 0.0f;
       int cur = n > 0 ? s_dest[wib][0] : 0;
-      for (int q = 0; q < n; ++q) {
-        const int d = s_dest[wib][q];
-        if (d != cur) {
+      for (int q0 = 0; q0 < n; q0 += kWarpBatch) {
+        P p[kWarpBatch];
+#pragma unroll
+        for (int j = 0; j < kWarpBatch; ++j) {
+          if (q0 + j < n) p[j] = s_src[wib][q0 + j][u];
+        }
+#pragma unroll
+        for (int j = 0; j < kWarpBatch; ++j) {
+          if (q0 + j >= n) break;
+          const int d = s_dest[wib][q0 + j];
+          if (d != cur) {
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+              acc[v] = __fadd_rn(acc[v], partial[v]);
+              partial[v] = 0.0f;
+            }
+            cur = d;
+          }
+          const float w = s_w[wib][q0 + j];
 #pragma unroll
           for (int v = 0; v < VEC; ++v) {
-            acc[v] = __fadd_rn(acc[v], partial[v]);
-            partial[v] = 0.0f;
+            partial[v] = __fadd_rn(partial[v], __fmul_rn(w, Convert<T>::ToF32(p[j].v[v])));
           }
-          cur = d;
-        }
-        const float w = s_w[wib][q];
-        const P p = reinterpret_cast<const P*>(team.peer[d] + team.lay.stage)
-            [static_cast<int64_t>(s_row[wib][q]) * units_per_row + u];
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) {
-          partial[v] = __fadd_rn(partial[v], __fmul_rn(w, Convert<T>::ToF32(p.v[v])));
         }
       }
       P o;
@@ -299,15 +328,38 @@ cudaError_t LaunchRowsPull(const Team& team, int32_t tokens, int32_t topk, int32
   return cudaGetLastError();
 }
 
+cudaError_t LaunchStageRows(const Team& team, int32_t rows, int64_t row_bytes,
+                            const int32_t* recv_slot, const void* src, size_t dst_off,
+                            cudaStream_t stream) {
+  if (rows <= 0 || row_bytes <= 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(RowBlocks<char>(rows));
+  // The stage is 256-byte aligned: the unit depends on src, the row size and dst_off.
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(dst_off);
+#define JAXEP_STAGE_ROWS(U)                                                                \
+  StageRowsKernel<U><<<grid, kRowThreads, 0, stream>>>(                                    \
+      team, rows, row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot,                 \
+      static_cast<const U*>(src), dst_off)
+  switch (UnitBytes(reinterpret_cast<const void*>(bits), row_bytes)) {
+    case 16: JAXEP_STAGE_ROWS(uint4); break;
+    case 8: JAXEP_STAGE_ROWS(uint2); break;
+    case 4: JAXEP_STAGE_ROWS(uint32_t); break;
+    case 2: JAXEP_STAGE_ROWS(uint16_t); break;
+    default: JAXEP_STAGE_ROWS(uint8_t); break;
+  }
+#undef JAXEP_STAGE_ROWS
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                               int32_t rows, int64_t hidden, const int32_t* send_row,
-                              const int32_t* topk_idx, T* out, cudaStream_t stream) {
+                              const int32_t* topk_idx, T* out, CombineKernel kernel,
+                              cudaStream_t stream) {
   if (tokens <= 0 || hidden <= 0) return cudaSuccess;
   constexpr int kVec = 16 / sizeof(T);
   const bool packed = hidden % kVec == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int64_t units = packed ? hidden / kVec : hidden;
-  if (kUseWarpCombine && topk <= kMaxWarpTopk) {
+  if (kernel == CombineKernel::kWarp && topk <= kMaxWarpTopk) {
     const int64_t wpb = kCombineThreads / kWarpSize;
     const unsigned grid = static_cast<unsigned>(std::clamp<int64_t>(CeilDiv(tokens, wpb), 1,
                                                                     kMaxCombineBlocks));
@@ -346,7 +398,7 @@ cudaError_t LaunchGatherBackPull(const Team& team, int32_t tokens, int32_t topk,
 #define JAXEP_INSTANTIATE_COMBINE_PULL(T)                                                       \
   template cudaError_t LaunchCombinePull<T>(const Team&, int32_t, int32_t, int32_t, int32_t,    \
                                             int64_t, const int32_t*, const int32_t*, T*,        \
-                                            cudaStream_t)
+                                            CombineKernel, cudaStream_t)
 JAXEP_INSTANTIATE_COMBINE_PULL(float);
 JAXEP_INSTANTIATE_COMBINE_PULL(__nv_bfloat16);
 JAXEP_INSTANTIATE_COMBINE_PULL(__half);

@@ -185,7 +185,7 @@ def test_dispatch_and_combine_bitwise(case, dtype_name):
   for wname, wrow in (("dispatch_weights", weights),
                       ("random_weights", rng.uniform(-2, 2, (c,)).astype(np.float32))):
     (out,) = _ffi.combine(jnp.asarray(y), jnp.asarray(wrow), jnp.asarray(send_row),
-                          jnp.asarray(topk_idx_out), num_experts=e)
+                          jnp.asarray(recv_slot), jnp.asarray(topk_idx_out), num_experts=e)
     ref = oracle_combine(y, wrow, send_row, topk_idx_out, num_experts=e)
     assert_bitwise(f"{case[0]}/{dtype_name}/combine[{wname}]", out, ref)
 
@@ -203,8 +203,8 @@ def test_combine_of_dispatched_rows_is_weighted_sum():
   for dtype_name in ("f32", "bf16"):
     case = ("e2e", 256, 8, 32, 256, 1500, "zipf")
     (x, idx, w, c), got, want = _run_case(case, dtype_name, seed=5)
-    x_rows, weights, _, send_row, _, topk_idx_out, _ = got
-    (out,) = _ffi.combine(x_rows, weights, send_row, topk_idx_out, num_experts=32)
+    x_rows, weights, _, send_row, recv_slot, topk_idx_out, _ = got
+    (out,) = _ffi.combine(x_rows, weights, send_row, recv_slot, topk_idx_out, num_experts=32)
     ref = oracle_combine(want[0], want[1], want[3], want[5], num_experts=32)
     assert_bitwise(f"e2e/{dtype_name}", out, ref)
 
@@ -218,7 +218,7 @@ def test_repeated_calls_identical_and_under_jit():
   @jax.jit
   def step(xs, idxs, ws):
     res = _ffi.dispatch(xs, idxs, ws, num_experts=e, capacity=c)
-    (out,) = _ffi.combine(res[0], res[1], res[3], res[5], num_experts=e)
+    (out,) = _ffi.combine(res[0], res[1], res[3], res[4], res[5], num_experts=e)
     return res + (out,)
 
   runs = [step(xs, idxs, ws) for _ in range(4)]  # back to back, no host sync in between
@@ -252,7 +252,8 @@ def test_multi_rank_is_a_clear_error():
                   rank=1, ep_size=2)
   with pytest.raises(errs, match="ep_size = 2"):
     _ffi.combine(jnp.zeros((16, 64), jnp.float32), jnp.zeros((16,)), jnp.asarray(idx),
-                 jnp.asarray(idx), num_experts=8, rank=0, ep_size=2)
+                 jnp.full((16,), -1, jnp.int32), jnp.asarray(idx), num_experts=8, rank=0,
+                 ep_size=2)
   with pytest.raises(errs, match="ep_size = 4"):
     _ffi.dispatch_rows(jnp.asarray(x), jnp.full((16,), -1, jnp.int32), topk=2, rank=0, ep_size=4)
 

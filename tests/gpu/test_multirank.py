@@ -25,8 +25,8 @@ _REASON = gpu_env.multirank_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
-def _launch(nproc: int, *args: str, timeout: float) -> tuple[int, str, float]:
-    env = dict(os.environ)
+def _launch(nproc: int, *args: str, timeout: float, env_extra=None) -> tuple[int, str, float]:
+    env = dict(os.environ, **(env_extra or {}))
     env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", str(nproc), "--share-gpu",
@@ -37,9 +37,13 @@ def _launch(nproc: int, *args: str, timeout: float) -> tuple[int, str, float]:
     return r.returncode, r.stdout + r.stderr, time.time() - t0
 
 
-@pytest.mark.parametrize("nproc", [2, 4, 8])
-def test_multirank_bitwise(nproc):
-    rc, out, secs = _launch(nproc, "--case", "all", timeout=300)
+# The warp-per-token combine pull is the default; JAXEP_COMBINE_KERNEL=thread runs the
+# thread-per-16-bytes one (also the topk > 32 path): both must give the oracle's bits.
+@pytest.mark.parametrize("nproc,combine_kernel", [(2, "warp"), (4, "warp"), (8, "warp"),
+                                                  (2, "thread")])
+def test_multirank_bitwise(nproc, combine_kernel):
+    rc, out, secs = _launch(nproc, "--case", "all", timeout=300,
+                            env_extra={"JAXEP_COMBINE_KERNEL": combine_kernel})
     # jaxep.launch prefixes every line of rank i with "[rank i] ".
     results = re.findall(r"^(?:\[rank \d+\] )?RESULT (\d+) (\S+) (ok|FAIL) ?(.*)$", out, re.M)
     fails = [r for r in results if r[2] == "FAIL"]
