@@ -13,6 +13,7 @@
 #             reference in one process, tokens/s ratio)
 #   gputier   pytest of the rest of tests/gpu: multi-rank N=2/4/8 + killed peer (under pytest for
 #             the first time), EP=1 tier, bitwise, the bench on 2 ranks (test_bench_multirank.py)
+#   bench8_64t the same with JAXEP_COMBINE_KERNEL=thread (A/B of the combine pull kernels)
 #   bench4_64, bench8_256   the bench for E=64 on 4 ranks (~33 SMs each) and E=256 on 8 ranks
 # Rough estimate (not measured as a whole): build 60-120 s, bench ~40-60 s each, nn ~110 s, gputier
 # ~150-190 s: the last step may not fit in 480 s; BUDGET=570 stays under the device tool's 600 s.
@@ -58,12 +59,14 @@ fi
 python3 -c "import jaxep._ffi as f; print('extension', f.is_available(), f.unavailable_reason(), f.build_info())" \
   2>&1 | tail -1 | tee -a "$S" "$LOGS/build_info.txt"
 
-bench() {  # name nproc experts cap
+bench() {  # name nproc experts cap [combine kernel]
   local l; l=$(left); local to=$(( $4 < l ? $4 : l ))
   step "$1" "$4" 60 "$LOGS/$1.log" python3 tools/bench_multirank.py --nproc "$2" --experts "$3" \
-    --iters 10 --timeout $(( to - 20 )) --outdir "$LOGS" --summary_json "$LOGS/$1.rows.json" ${BENCH_EXTRA:-}
+    --iters 10 --timeout $(( to - 20 )) --outdir "$LOGS" --summary_json "$LOGS/$1.rows.json" \
+    --combine_kernel "${5:-warp}" ${BENCH_EXTRA:-}
 }
 bench bench8_64 8 64 150
+bench bench8_64t 8 64 120 thread   # the thread-per-16-bytes combine pull, same inputs, same call
 step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider tests/gpu/test_nn_multirank.py
 # The rest of tests/gpu, the multi-rank driver first (never run under pytest on a GPU before);
 # -v: a step cut by its timeout still shows which tests finished.
