@@ -59,6 +59,29 @@ ffi::Error Cuda(std::string_view target, std::string_view what, cudaError_t e) {
     if (ffi::Error _e = Cuda(target, what, (expr)); _e.failure()) return _e;        \
   } while (0)
 
+// Kernel choices for A/B timing (docs/performance.md), read once per process: the alternative
+// kernels give the same bits, and also serve topk > 32. Unset or any other value: the default.
+//   JAXEP_DISPATCH_KERNEL=row     warp per destination row instead of warp per (source, token)
+//   JAXEP_COMBINE_KERNEL=thread   thread per 16 output bytes instead of warp per token
+bool EnvIs(const char* name, std::string_view value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string_view(v) == value;
+}
+
+mr::DispatchKernel DispatchKernelFromEnv() {
+  static const mr::DispatchKernel k = EnvIs("JAXEP_DISPATCH_KERNEL", "row")
+                                          ? mr::DispatchKernel::kRow
+                                          : mr::DispatchKernel::kToken;
+  return k;
+}
+
+mr::CombineKernel CombineKernelFromEnv() {
+  static const mr::CombineKernel k = EnvIs("JAXEP_COMBINE_KERNEL", "thread")
+                                         ? mr::CombineKernel::kThread
+                                         : mr::CombineKernel::kWarp;
+  return k;
+}
+
 // Carves 256-byte aligned regions out of one scratch allocation.
 class Carver {
  public:
@@ -131,12 +154,14 @@ ffi::Error MultiRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
   JAXEP_TRY(kT, "wait free", mr::LaunchSync(*team, mr::kFlagNone, 0, mr::kFlagFree, seq - 1,
                                             mr::kPhaseFree, mr::kOpDispatch, seq, stream));
   const mr::SymLayout& lay = team->lay;
-  const mr::StageCopy copies[4] = {
+  const mr::StageCopy copies[6] = {
       {x.untyped_data(), static_cast<size_t>(tokens * row_bytes), lay.stage},
       {sorted_slot, ints, lay.sorted_slot},
       {sorted_w, ints, lay.sorted_w},
-      {counts, static_cast<size_t>(num_experts) * 4, lay.counts}};
-  JAXEP_TRY(kT, "stage", mr::LaunchStage(*team, copies, 4, stream));
+      {counts, static_cast<size_t>(num_experts) * 4, lay.counts},
+      {order, ints, lay.slot_order},
+      {topk_idx_out, ints, lay.slot_expert}};
+  JAXEP_TRY(kT, "stage", mr::LaunchStage(*team, copies, 6, stream));
   JAXEP_TRY(kT, "ready", mr::LaunchSync(*team, mr::kFlagReady, seq, mr::kFlagReady, seq,
                                         mr::kPhaseReady, mr::kOpDispatch, seq, stream));
   // 5. Prefix sums over all sources' counts, then the pull into XLA's outputs.
@@ -157,7 +182,8 @@ ffi::Error MultiRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
                                                static_cast<int32_t>(topk),
                                                static_cast<int32_t>(num_experts),
                                                static_cast<int32_t>(capacity), row_bytes, meta,
-                                               x_rows.untyped_data(), weights, recv_slot, stream));
+                                               x_rows.untyped_data(), weights, recv_slot,
+                                               DispatchKernelFromEnv(), stream));
   // 6. Peers may overwrite what I read.
   JAXEP_TRY(kT, "signal free", mr::LaunchSync(*team, mr::kFlagFree, seq, mr::kFlagNone, 0,
                                               mr::kPhaseNone, mr::kOpDispatch, seq, stream));
@@ -190,21 +216,6 @@ ffi::Error MultiRankDispatchRows(cudaStream_t stream, const ffi::AnyBuffer& x,
                                               mr::kPhaseNone, mr::kOpDispatchRows, seq, stream));
   return ffi::Error::Success();
 }
-
-namespace {
-
-// JAXEP_COMBINE_KERNEL=thread selects the thread-per-16-bytes combine pull (for A/B timing and as a
-// fallback); anything else, or unset, the warp-per-token kernel. Read once per process.
-mr::CombineKernel CombineKernelFromEnv() {
-  static const mr::CombineKernel kernel = [] {
-    const char* v = std::getenv("JAXEP_COMBINE_KERNEL");
-    return v != nullptr && std::string_view(v) == "thread" ? mr::CombineKernel::kThread
-                                                           : mr::CombineKernel::kWarp;
-  }();
-  return kernel;
-}
-
-}  // namespace
 
 ffi::Error MultiRankCombine(cudaStream_t stream, const ffi::AnyBuffer& y, const float* weights,
                             const int32_t* send_row, const int32_t* recv_slot,

@@ -43,8 +43,8 @@ def bench_command(a, experts: int, base: str) -> list[str]:
     return cmd + list(a.bench_args)
 
 
-def row(n: int, e: int, rc: int, secs: float, doc: dict | None, kernel: str = "warp") -> dict:
-    r = dict(N=n, E=e, rc=rc, secs=round(secs, 1), combine_kernel=kernel)
+def row(n: int, e: int, rc: int, secs: float, doc: dict | None, kernels: str = "token/warp") -> dict:
+    r = dict(N=n, E=e, rc=rc, secs=round(secs, 1), kernels=kernels)
     if doc is None:
         return r
     ops = doc["ops"]
@@ -66,7 +66,7 @@ def row(n: int, e: int, rc: int, secs: float, doc: dict | None, kernel: str = "w
 def table(rows) -> str:
     head = (f"{'N':>2} {'E':>4} {'rc':>3} {'ok':>3} {'pay MB':>8} {'disp ms':>8} {'comb ms':>8} "
             f"{'both ms':>8} {'pcopy ms':>8} {'d pc/op':>7} {'c pc/op':>7} {'d/copy':>7} "
-            f"{'c/copy':>7} {'inner':>5} {'h/op d,c':>8} {'secs':>5} {'comb kernel':>11}")
+            f"{'c/copy':>7} {'inner':>5} {'h/op d,c':>8} {'secs':>5} {'kernels d/c':>11}")
     out = [head]
     for r in rows:
         if "ok" not in r:
@@ -79,10 +79,10 @@ def table(rows) -> str:
                    f"{r['payload_copy_ms']:>8.3f} {r['dispatch_payload_copy_over_op']:>7.2f} "
                    f"{r['combine_payload_copy_over_op']:>7.2f} {r['dispatch_vs_copy']:>7.2f} "
                    f"{r['combine_vs_copy']:>7.2f} {r['inner']:>5} {hr:>8} {r['secs']:>5} "
-                   f"{r.get('combine_kernel', 'warp'):>11}")
+                   f"{r.get('kernels', 'token/warp'):>11}")
     out.append("pcopy = every rank copies 1/N of the payload at once; pc/op = pcopy / op (> 1: faster "
                "than that copy); x/copy = op / copy of its least HBM bytes; h/op = multi-rank host "
-               "handler runs per op (expected 1); comb kernel = JAXEP_COMBINE_KERNEL of the run")
+               "handler runs per op (expected 1); kernels d/c = JAXEP_DISPATCH_KERNEL/JAXEP_COMBINE_KERNEL of the run")
     return "\n".join(out)
 
 
@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--outdir", default=".")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--summary_json", default=None, help="also write the table's rows here")
+    p.add_argument("--dispatch_kernel", default="token", choices=("token", "row"),
+                   help="JAXEP_DISPATCH_KERNEL for the ranks (the multi-rank dispatch pull kernel)")
     p.add_argument("--combine_kernel", default="warp", choices=("warp", "thread"),
                    help="JAXEP_COMBINE_KERNEL for the ranks (the multi-rank combine pull kernel)")
     p.add_argument("bench_args", nargs="*", help="more jaxep.bench flags (after --)")
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
     os.makedirs(a.outdir, exist_ok=True)
     rows, first_rc = [], 0
     for e in (int(v) for v in a.experts.split(",")):
-        tag = "" if a.combine_kernel == "warp" else f"_{a.combine_kernel}"
+        kernels = f"{a.dispatch_kernel}/{a.combine_kernel}"
+        tag = "" if kernels == "token/warp" else f"_{a.dispatch_kernel}_{a.combine_kernel}"
         base = os.path.join(a.outdir, f"bench_n{a.nproc}_e{e}{tag}")
         for stale in (base + ".json",):
             if os.path.exists(stale):
@@ -128,12 +131,13 @@ def main(argv=None) -> int:
         with open(base + ".log", "w") as log:
             rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL,
-                                env=dict(os.environ, JAXEP_COMBINE_KERNEL=a.combine_kernel)).returncode
+                                env=dict(os.environ, JAXEP_DISPATCH_KERNEL=a.dispatch_kernel,
+                                         JAXEP_COMBINE_KERNEL=a.combine_kernel)).returncode
         doc = None
         if os.path.exists(base + ".json"):
             with open(base + ".json") as f:
                 doc = json.load(f)
-        rows.append(row(a.nproc, e, rc, time.time() - t0, doc, a.combine_kernel))
+        rows.append(row(a.nproc, e, rc, time.time() - t0, doc, kernels))
         print(f"bench_multirank: N={a.nproc} E={e}: rc={rc} in {time.time() - t0:.0f}s", flush=True)
         first_rc = first_rc or rc or (0 if doc else 1)
     print(table(rows), flush=True)

@@ -33,9 +33,13 @@ ROWS="$LOGS/rows.txt"; : > "$ROWS"
 left() { echo $(( BUDGET - ($(date +%s) - T0) - 15 )); }   # 15 s kept for the table and the tar
 row() { printf '%-11s %-16s %5ss  %s\n' "$1" "$2" "$3" "$4" >> "$ROWS"; }
 
+# STEPS="build mr bench8_64 ..." runs only the named steps (default: every step).
+wanted() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
+
 # step NAME CAP MIN LOG CMD...: runs CMD with timeout min(CAP, time left); skipped when < MIN left.
 step() {
   local name=$1 cap=$2 min=$3 log=$4; shift 4
+  wanted "$name" || return 0
   local l; l=$(left)
   if [ "$l" -lt "$min" ]; then row "$name" "skipped (time)" 0 "needs ${min}s, ${l}s left"; return 99; fi
   local to=$(( cap < l ? cap : l )) t=$(date +%s)
@@ -59,14 +63,16 @@ fi
 python3 -c "import jaxep._ffi as f; print('extension', f.is_available(), f.unavailable_reason(), f.build_info())" \
   2>&1 | tail -1 | tee -a "$S" "$LOGS/build_info.txt"
 
-bench() {  # name nproc experts cap [combine kernel]
+bench() {  # name nproc experts cap [dispatch kernel] [combine kernel]
   local l; l=$(left); local to=$(( $4 < l ? $4 : l ))
   step "$1" "$4" 60 "$LOGS/$1.log" python3 tools/bench_multirank.py --nproc "$2" --experts "$3" \
     --iters 10 --timeout $(( to - 20 )) --outdir "$LOGS" --summary_json "$LOGS/$1.rows.json" \
-    --combine_kernel "${5:-warp}" ${BENCH_EXTRA:-}
+    --dispatch_kernel "${5:-token}" --combine_kernel "${6:-warp}" ${BENCH_EXTRA:-}
 }
+# The multi-rank driver alone (STEPS=mr; gputier below runs it too).
+step mr 240 120 "$LOGS/mr.log" python3 -m pytest -v -rs -p no:cacheprovider tests/gpu/test_multirank.py
 bench bench8_64 8 64 150
-bench bench8_64t 8 64 120 thread   # the thread-per-16-bytes combine pull, same inputs, same call
+bench bench8_64a 8 64 120 row thread   # the alternative pull kernels: same inputs, same call
 step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider tests/gpu/test_nn_multirank.py
 # The rest of tests/gpu, the multi-rank driver first (never run under pytest on a GPU before);
 # -v: a step cut by its timeout still shows which tests finished.
@@ -75,6 +81,13 @@ step gputier 300 120 "$LOGS/gputier.log" python3 -m pytest -v -rs -p no:cachepro
   tests/gpu/test_bench_multirank.py
 bench bench4_64 4 64 120
 bench bench8_256 8 256 120
+bench bench4_64a 4 64 120 row thread
+# EP=1 at the example's tiny sizes (cuda vs the reference in one run: per-call overheads) and the
+# example's own comparison at its default sizes.
+step ep1small 90 40 "$LOGS/ep1small.log" python3 -m jaxep.bench --backend cuda --tokens 2048 \
+  --hidden 128 --topk 2 --experts 8 --dtype bfloat16 --iters 20 --json "$LOGS/ep1small.json"
+step example 180 60 "$LOGS/example.log" python3 examples/moe_flax.py --compare_backends \
+  --dtype bfloat16 --steps 60
 
 timeout 30 python3 -m jaxep.doctor > "$LOGS/doctor.log" 2>&1 || true
 
@@ -82,11 +95,13 @@ timeout 30 python3 -m jaxep.doctor > "$LOGS/doctor.log" 2>&1 || true
 {
   echo "--- layer test and example (from nn.log) ---"
   grep -hE "^rank [0-9]+ (hlo|step[0-9]) (ok|FAIL)|cuda [0-9]+ tokens/s, reference" "$LOGS/nn.log" 2>/dev/null | cut -c1-200 | head -16
-  grep -hE "^(FAILED|ERROR) |(PASSED|FAILED|SKIPPED|ERROR) +\[" "$LOGS/nn.log" "$LOGS/gputier.log" 2>/dev/null \
+  grep -hE "^(FAILED|ERROR) |(PASSED|FAILED|SKIPPED|ERROR) +\[" "$LOGS/nn.log" "$LOGS/mr.log" "$LOGS/gputier.log" 2>/dev/null \
     | grep -vE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" | cut -c1-160 | head -14
   grep -hcE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" "$LOGS/gputier.log" 2>/dev/null \
     | sed 's/^/EP=1 tier tests passed: /'
 
+  grep -hE "cuda [0-9]+ tokens/s, reference|^throughput|dense check" "$LOGS/example.log" 2>/dev/null | cut -c1-200
+  grep -hiE "^ *(dispatch|combine|both) .*(ms|x)" "$LOGS/ep1small.log" 2>/dev/null | head -8 | cut -c1-200
   echo "--- bench (tools/bench_multirank.py table over every run) ---"
   python3 - "$LOGS" <<'EOF' 2>&1
 import glob, json, os, sys

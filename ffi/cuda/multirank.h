@@ -63,12 +63,14 @@ enum OpCode : int32_t { kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3, kO
 //   counts[E]        i32   dispatch: this source's valid slots per expert
 //   sorted_slot[N]   i32   dispatch: this source's valid slot ids (t*K+k) ordered by (expert, slot)
 //   sorted_w[N]      f32   dispatch: topk_weights of those slots
+//   slot_order[N]    i32   dispatch: slot t*K+k's index in sorted_slot, -1 if masked
+//   slot_expert[N]   i32   dispatch: the sanitized expert id of slot t*K+k (-1 if masked)
 //   stage_w[Cmax]    f32   combine: the expert side's per-row weights
 //   stage[...]       bytes x rows (dispatch, dispatch_rows: T x row), y rows (combine: C x row),
 //                          v (gather_back: C x f32)
 struct SymLayout {
-  size_t ready = 0, free = 0, abort = 0, counts = 0, sorted_slot = 0, sorted_w = 0, stage_w = 0,
-         stage = 0, stage_bytes = 0, total = 0;
+  size_t ready = 0, free = 0, abort = 0, counts = 0, sorted_slot = 0, sorted_w = 0,
+         slot_order = 0, slot_expert = 0, stage_w = 0, stage = 0, stage_bytes = 0, total = 0;
   int64_t max_slots = 0;     // N = max_tokens * topk
   int64_t max_experts = 0;   // E
   int64_t max_rows = 0;      // Cmax
@@ -94,7 +96,7 @@ cudaError_t LaunchSync(const Team& team, int32_t flag_signal, uint64_t value, in
                        uint64_t want, int32_t phase, int32_t op, uint64_t seq,
                        cudaStream_t stream);
 
-// Step 3: up to 4 copies (device -> this PE's symmetric block at byte offset dst_off).
+// Step 3: up to 8 copies (device -> this PE's symmetric block at byte offset dst_off).
 struct StageCopy {
   const void* src = nullptr;
   size_t bytes = 0;
@@ -123,12 +125,18 @@ struct DispatchMetaArgs {
 size_t DispatchMetaScratchBytes(int64_t ranks, int64_t experts);
 cudaError_t LaunchDispatchMeta(const Team& team, const DispatchMetaArgs& a, cudaStream_t stream);
 
+// Which dispatch pull kernel runs (JAXEP_DISPATCH_KERNEL, read once by ffi/multirank.cc):
+// kToken (default, topk <= 32) is a warp per (source, token) that reads the token's staged row once
+// and writes it to every row of this destination that wants it; kRow (also topk > 32) a warp per
+// destination row, which reads a token's row once per local expert it chose. Same output bits.
+enum class DispatchKernel : int32_t { kToken = 0, kRow = 1 };
+
 // Dispatch pull (destination side): rows [0, kept) from the sources' stages in layout order,
 // zero rows after; weights and recv_slot alike. Uses the scratch written by LaunchDispatchMeta.
 cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                                int32_t capacity, int64_t row_bytes, const void* meta_scratch,
                                void* x_rows, float* weights, int32_t* recv_slot,
-                               cudaStream_t stream);
+                               DispatchKernel kernel, cudaStream_t stream);
 
 // dispatch_rows pull: x_rows[c] = stage row t of source s, slot = recv_slot[c] = s*T*K + t*K + k;
 // zero rows where recv_slot is outside [0, R*T*K).

@@ -62,6 +62,75 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// Destination side of dispatch, token-major (topk <= 32): warp per (source s, token t) of [0, R*T).
+// Lane k finds slot (t, k)'s row on this destination from s's staged slot_expert/slot_order and the
+// meta scratch (the same formula as the source-side send_row: block start + index within the
+// block); the warp then reads s's staged row t once and stores it to each of those rows. A token
+// that chose several of this rank's experts is read once instead of once per expert. Rows
+// [kept, C) are zeroed by the same warps afterwards. Same output as DispatchPullKernel.
+constexpr int kMaxTokenTopk = 32;
+
+template <typename Unit>
+__global__ void __launch_bounds__(kRowThreads)
+    DispatchPullTokenKernel(Team team, int32_t tokens, int32_t topk, int32_t experts,
+                            int32_t capacity, int64_t units_per_row, const void* meta_scratch,
+                            Unit* __restrict__ x_rows, float* __restrict__ weights,
+                            int32_t* __restrict__ recv_slot) {
+  if (Aborted(team)) return;
+  constexpr int kWarps = kRowThreads / kWarpSize;
+  __shared__ int s_dst[kWarps][kMaxTokenTopk];
+  const int R = team.size, me = team.rank, L = experts / R;
+  const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
+  const int kept = *m.kept;
+  const int lane = threadIdx.x % kWarpSize;
+  const int wib = threadIdx.x / kWarpSize;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + wib;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t slots_per_rank = static_cast<int64_t>(tokens) * topk;
+  const int64_t items = static_cast<int64_t>(tokens) * R;
+  for (int64_t it = gw; it < items; it += nwarps) {
+    const int s = static_cast<int>(it / tokens);
+    const int64_t t = it - static_cast<int64_t>(s) * tokens;
+    const char* src_base = team.peer[s];
+    int q = -1;  // this lane's row on this destination, or -1
+    if (lane < topk) {
+      const int64_t slot = t * topk + lane;
+      const int32_t e = reinterpret_cast<const int32_t*>(src_base + team.lay.slot_expert)[slot];
+      if (e >= 0 && e < experts && e / L == me) {
+        const int32_t idx = reinterpret_cast<const int32_t*>(src_base + team.lay.slot_order)[slot];
+        if (idx >= 0) {
+          const int b = (e - me * L) * R + s;
+          const int row = m.blk[b] + (idx - m.srcoff[b]);
+          if (row < kept) {  // kept <= C: rows past it were dropped for capacity
+            q = row;
+            weights[row] = reinterpret_cast<const float*>(src_base + team.lay.sorted_w)[idx];
+            recv_slot[row] = static_cast<int32_t>(s * slots_per_rank + slot);
+          }
+        }
+      }
+    }
+    const unsigned mask = __ballot_sync(kFullMask, q >= 0);
+    if (mask == 0u) continue;  // uniform across the warp
+    const int n = __popc(mask);
+    if (q >= 0) s_dst[wib][__popc(mask & ((1u << lane) - 1u))] = q;
+    __syncwarp();
+    const Unit* src = reinterpret_cast<const Unit*>(src_base + team.lay.stage) + t * units_per_row;
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
+      const Unit v = src[u];
+      for (int j = 0; j < n; ++j) x_rows[static_cast<int64_t>(s_dst[wib][j]) * units_per_row + u] = v;
+    }
+    __syncwarp();  // s_dst is rewritten for the next item
+  }
+  for (int64_t p = kept + gw; p < capacity; p += nwarps) {
+    Unit* dst = x_rows + p * units_per_row;
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+    if (lane == 0) {
+      weights[p] = 0.0f;
+      recv_slot[p] = -1;
+    }
+  }
+}
+
 // dispatch_rows: warp per row c; the slot names the source rank and token.
 template <typename Unit>
 __global__ void __launch_bounds__(kRowThreads)
@@ -290,13 +359,22 @@ int64_t RowBlocks(int64_t rows) {
 cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                                int32_t capacity, int64_t row_bytes, const void* meta_scratch,
                                void* x_rows, float* weights, int32_t* recv_slot,
-                               cudaStream_t stream) {
+                               DispatchKernel kernel, cudaStream_t stream) {
   if (capacity <= 0) return cudaSuccess;
-  const unsigned grid = static_cast<unsigned>(RowBlocks<char>(capacity));
+  const bool by_token = kernel == DispatchKernel::kToken && topk <= kMaxTokenTopk;
+  const unsigned grid = static_cast<unsigned>(
+      RowBlocks<char>(by_token ? std::max<int64_t>(static_cast<int64_t>(tokens) * team.size, 1)
+                               : capacity));
 #define JAXEP_DISPATCH_PULL(U)                                                                   \
-  DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(                                       \
-      team, tokens, topk, experts, capacity, row_bytes / static_cast<int64_t>(sizeof(U)),        \
-      meta_scratch, static_cast<U*>(x_rows), weights, recv_slot)
+  if (by_token) {                                                                                \
+    DispatchPullTokenKernel<U><<<grid, kRowThreads, 0, stream>>>(                                \
+        team, tokens, topk, experts, capacity, row_bytes / static_cast<int64_t>(sizeof(U)),      \
+        meta_scratch, static_cast<U*>(x_rows), weights, recv_slot);                              \
+  } else {                                                                                       \
+    DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(                                     \
+        team, tokens, topk, experts, capacity, row_bytes / static_cast<int64_t>(sizeof(U)),      \
+        meta_scratch, static_cast<U*>(x_rows), weights, recv_slot);                              \
+  }
   switch (UnitBytes(x_rows, row_bytes)) {
     case 16: JAXEP_DISPATCH_PULL(uint4); break;
     case 8: JAXEP_DISPATCH_PULL(uint2); break;

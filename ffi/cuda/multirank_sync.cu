@@ -94,8 +94,9 @@ __global__ void SyncKernel(Team team, int32_t flag_signal, uint64_t value, int32
 }
 
 // grid (x: blocks, y: copy index). 16-byte units when both ends allow it, then the byte tail.
+constexpr int kMaxStageCopies = 8;
 struct StageCopies {
-  StageCopy c[4];
+  StageCopy c[kMaxStageCopies];
 };
 
 __global__ void __launch_bounds__(kStageThreads) StageKernel(Team team, StageCopies copies) {
@@ -219,6 +220,8 @@ SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, i
   s.counts = o;       o += AlignUp(static_cast<size_t>(num_experts) * sizeof(int32_t));
   s.sorted_slot = o;  o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(int32_t));
   s.sorted_w = o;     o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(float));
+  s.slot_order = o;   o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(int32_t));
+  s.slot_expert = o;  o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(int32_t));
   s.stage_w = o;      o += AlignUp(static_cast<size_t>(capacity) * sizeof(float));
   s.stage = o;
   s.stage_bytes = std::max(static_cast<size_t>(std::max(max_tokens, capacity)) *
@@ -241,14 +244,15 @@ cudaError_t LaunchStage(const Team& team, const StageCopy* copies, int num_copie
   if (num_copies <= 0) return cudaSuccess;
   StageCopies c;
   size_t most = 0;
-  for (int i = 0; i < num_copies && i < 4; ++i) {
+  for (int i = 0; i < num_copies && i < kMaxStageCopies; ++i) {
     c.c[i] = copies[i];
     most = std::max(most, copies[i].bytes);
   }
   const int64_t blocks =
       std::clamp<int64_t>(CeilDiv(static_cast<int64_t>(most) / 16 + 1, kStageThreads), 1,
                           kMaxStageBlocks);
-  StageKernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(std::min(num_copies, 4))),
+  StageKernel<<<dim3(static_cast<unsigned>(blocks),
+                     static_cast<unsigned>(std::min(num_copies, kMaxStageCopies))),
                 kStageThreads, 0, stream>>>(team, c);
   return cudaGetLastError();
 }

@@ -37,13 +37,17 @@ def _launch(nproc: int, *args: str, timeout: float, env_extra=None) -> tuple[int
     return r.returncode, r.stdout + r.stderr, time.time() - t0
 
 
-# The warp-per-token combine pull is the default; JAXEP_COMBINE_KERNEL=thread runs the
-# thread-per-16-bytes one (also the topk > 32 path): both must give the oracle's bits.
-@pytest.mark.parametrize("nproc,combine_kernel", [(2, "warp"), (4, "warp"), (8, "warp"),
-                                                  (2, "thread")])
-def test_multirank_bitwise(nproc, combine_kernel):
-    rc, out, secs = _launch(nproc, "--case", "all", timeout=300,
-                            env_extra={"JAXEP_COMBINE_KERNEL": combine_kernel})
+# The default pull kernels (dispatch: warp per (source, token); combine: warp per token) and the
+# alternatives (JAXEP_DISPATCH_KERNEL=row, JAXEP_COMBINE_KERNEL=thread; also the topk > 32 paths)
+# must all give the oracle's bits.
+_ALT_KERNELS = {"JAXEP_DISPATCH_KERNEL": "row", "JAXEP_COMBINE_KERNEL": "thread"}
+
+
+@pytest.mark.parametrize("nproc,kernels", [(2, "default"), (4, "default"), (8, "default"),
+                                           (2, "alternative")])
+def test_multirank_bitwise(nproc, kernels):
+    env = _ALT_KERNELS if kernels == "alternative" else {k: "" for k in _ALT_KERNELS}
+    rc, out, secs = _launch(nproc, "--case", "all", timeout=300, env_extra=env)
     # jaxep.launch prefixes every line of rank i with "[rank i] ".
     results = re.findall(r"^(?:\[rank \d+\] )?RESULT (\d+) (\S+) (ok|FAIL) ?(.*)$", out, re.M)
     fails = [r for r in results if r[2] == "FAIL"]
