@@ -69,7 +69,8 @@ cudaError_t LaunchGatherRows(const void* x, int64_t num_tokens, int64_t row_byte
 // out[t] = cast<T>(__fadd_rn(0.0f, partial[t])) with
 //   partial[t] = 0.0f; for k ascending, when topk_idx[t,k] is an expert of `rank`
 //   (0 <= id < E and id / (E / ep_size) == rank) and 0 <= send_row[t,k] < C:
-//     partial[t] = __fmaf_rn(weights[row], f32(y[row]), partial[t])   (one rounding)
+//     partial[t] = __fadd_rn(partial[t], __fmul_rn(weights[row], f32(y[row])))
+//   (product and sum each rounded once: never an FMA, docs/design.md)
 // T is __nv_bfloat16, __half or float (explicit instantiations in combine.cu).
 template <typename T>
 cudaError_t LaunchCombine(const T* y, const float* weights, const int32_t* send_row,
