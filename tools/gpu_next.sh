@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# ONE device call for the next GPU session (issues 4 and 5), written without device time: none of
-# the new steps below has run on a GPU yet. From the repository root on the GPU machine:
-#   OUT=/some/dir bash tools/gpu_next.sh
-# Steps, most important first, each bounded so the whole call ends within BUDGET seconds (480 s
-# by default; a step that no longer fits is reported as "skipped (time)"):
-#   build     pip install --no-build-isolation --no-deps -e . (extension with NVSHMEM)
-#   bench8_64 jaxep-bench itself, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64
-#             (python -m jaxep.launch --nproc 8 --share-gpu -m jaxep.bench --backend cuda ...,
-#             via tools/bench_multirank.py: correctness vs the host oracle, table, JSON, PNG)
-#   nn        pytest tests/gpu/test_nn_multirank.py: jaxep.nn layer fwd+bwd on 2 and 4 ranks vs the
-#             dense host reference, and examples/moe_flax.py --compare_backends (EP 1, cuda vs
-#             reference in one process, tokens/s ratio)
-#   gputier   pytest of the rest of tests/gpu: multi-rank N=2/4/8 + killed peer (under pytest for
-#             the first time), EP=1 tier, bitwise, the bench on 2 ranks (test_bench_multirank.py)
-#   bench8_64t the same with JAXEP_COMBINE_KERNEL=thread (A/B of the combine pull kernels)
-#   bench4_64, bench8_256   the bench for E=64 on 4 ranks (~33 SMs each) and E=256 on 8 ranks
-# Rough estimate (not measured as a whole): build 60-120 s, bench ~40-60 s each, nn ~110 s, gputier
-# ~150-190 s: the last step may not fit in 480 s; BUDGET=570 stays under the device tool's 600 s.
+# One bounded device call that runs every GPU check and the benchmarks (runs 4-6 of
+# docs/performance.md used it). From the repository root on the GPU machine:
+#   OUT=/some/dir [STEPS="build mr bench8_64 ..."] BUDGET=560 bash tools/gpu_next.sh
+# Steps in order, each bounded so the whole call ends within BUDGET seconds (480 by default; a step
+# that no longer fits is reported as "skipped (time)"); STEPS= runs only the named ones:
+#   build      pip install --no-build-isolation --no-deps -e . (extension with NVSHMEM), ~20 s
+#   mr         pytest tests/gpu/test_multirank.py: N = 2/4/8 bitwise, alternative kernels, killed
+#              peer (~120 s; gputier runs it again: leave one of the two out of STEPS)
+#   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
+#              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
+#   bench8_64a the same with the alternative kernels (JAXEP_DISPATCH_KERNEL=row,
+#              JAXEP_COMBINE_KERNEL=thread): same-run A/B, ~40 s
+#   nn         pytest tests/gpu/test_nn_multirank.py: the jaxep.nn layer on 2 and 4 ranks vs the
+#              dense host reference, and examples/moe_flax.py --compare_backends (EP 1), ~125 s
+#   gputier    pytest of tests/gpu (multi-rank driver, EP=1 tier, bitwise, bench on 2 ranks), ~170 s
+#   bench4_64, bench8_256, bench4_64a   more bench setups, ~35 s each
+#   ep1small   jaxep-bench at EP=1 and the example's tiny sizes (cuda vs reference), ~10 s
+#   example    examples/moe_flax.py --compare_backends --dtype bfloat16 --steps 60, ~40 s
+# All steps do not fit in one call: pick with STEPS (runs 5's list: "build mr bench8_64 bench8_64a
+# bench4_64 bench8_256 bench4_64a ep1small example", 372 s).
 # Output in $OUT: summary.txt (the table, printed last) and logs.tar.gz (every log, JSON, PNG).
 # CPU dry run of this script's flow (no GPU: the GPU tests skip, the bench runs on the reference):
 #   BUILD=0 JAX_PLATFORMS=cpu BENCH_EXTRA="--backend reference --no-share-gpu --tokens 16 --hidden 32
