@@ -1,0 +1,123 @@
+"""jaxep.initialize's refusals in a multi-process GPU run (issue 3, deliverable 1), on CPU: the
+extension, the devices and the distributed client are fakes, so each check of
+`runtime._init_multi_rank` is reached in isolation and its message is asserted. What the GPU
+tier cannot easily provoke (two local devices, NVSHMEM initialized by someone else, JAX holding
+the memory NVSHMEM needs) is covered here; the real NVSHMEM init is covered by tests/gpu."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import jaxep
+from jaxep import _ffi, runtime
+
+CFG = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=16)
+GIB = 1 << 30
+
+
+class FakeExt:
+    """The pieces of jaxep._jaxep_cuda that _init_multi_rank reads, with settable answers."""
+
+    def __init__(self, status=0, free=80 * GIB, sym=1 << 20):
+        self.status, self.free, self.sym, self.inits = status, free, sym, []
+
+    def max_ranks(self):
+        return 8
+
+    def nvshmem_init_status(self):
+        return self.status
+
+    def symmetric_bytes(self, *args):
+        return self.sym
+
+    def device_mem_info(self, ordinal):
+        return self.free, 141 * GIB
+
+    def unique_id(self):
+        return b"uid"
+
+    def runtime_init(self, *args):
+        self.inits.append(args)
+
+    def nvshmem_version(self):
+        return "fake"
+
+
+def _device(i):
+    return types.SimpleNamespace(id=i, process_index=i, local_hardware_id=0, device_kind="fake")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Two processes, this one is process 0 with one device; every check passes by default."""
+    ext = FakeExt()
+    state = types.SimpleNamespace(local=[_device(0)], client=None)
+    monkeypatch.setattr(_ffi, "_module", ext)
+    monkeypatch.setattr(_ffi, "multi_rank_built", lambda: True)
+    monkeypatch.setattr(runtime.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(runtime.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(runtime.jax, "local_devices", lambda: state.local)
+    monkeypatch.setattr(runtime.jax, "devices", lambda: [_device(0), _device(1)])
+    monkeypatch.setattr(runtime, "_start_watchdog", lambda: None)
+    for k in ("NVSHMEM_SYMMETRIC_SIZE", "CUDA_MPS_PIPE_DIRECTORY"):
+        monkeypatch.delenv(k, raising=False)
+    from jax._src import distributed
+    monkeypatch.setattr(distributed.global_state, "client", None)
+    state.ext = ext
+    yield state
+    runtime._state.multi_rank = False  # pylint: disable=protected-access
+
+
+def _refusal(match):
+    with pytest.raises(RuntimeError, match=match) as e:
+        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    assert str(e.value).startswith("jaxep.initialize: ")
+    return str(e.value)
+
+
+def test_two_local_devices_are_refused(fake):
+    fake.local = [_device(0), _device(1)]
+    msg = _refusal("exactly one local device per process, got 2")
+    assert "python -m jaxep.launch" in msg and "CUDA_VISIBLE_DEVICES" in msg
+
+
+def test_nvshmem_initialized_by_someone_else_is_refused(fake):
+    fake.ext.status = 2
+    _refusal("NVSHMEM is already initialized in this process by someone else")
+
+
+def test_jax_holding_the_memory_nvshmem_needs_is_refused(fake, monkeypatch):
+    fake.ext.free = 1 * GIB  # less than the 1 GiB default heap + margin
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    msg = _refusal("GPU 0 has 1.00 GiB free")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in msg and "XLA_PYTHON_CLIENT_PREALLOCATE" in msg
+
+
+def test_symmetric_block_larger_than_the_heap_names_the_setting(fake, monkeypatch):
+    fake.ext.sym = 2 * GIB
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1G")
+    msg = _refusal("the symmetric block needs")
+    assert "NVSHMEM_SYMMETRIC_SIZE=" in msg and "capacity_factor" in msg
+
+
+def test_processes_not_ordered_by_device_are_refused(fake, monkeypatch):
+    monkeypatch.setattr(runtime.jax, "devices", lambda: [_device(1), _device(0)])
+    _refusal(r"ordered by process .* got process indices \[1, 0\]")
+
+
+def test_missing_distributed_client_is_refused_before_nvshmem_init(fake):
+    _refusal("jax.distributed is not initialized")
+    assert fake.ext.inits == []  # nothing was initialized on the way
+
+
+def test_all_checks_pass_then_nvshmem_is_initialized(fake, monkeypatch):
+    from jax._src import distributed
+    kv = {}
+    client = types.SimpleNamespace(key_value_set_bytes=kv.__setitem__,
+                                   blocking_key_value_get_bytes=lambda k, ms: kv[k])
+    monkeypatch.setattr(distributed.global_state, "client", client)
+    runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    (args,) = fake.ext.inits
+    assert args[:4] == (0, 0, 2, b"uid")  # ordinal, PE, processes, the unique id it published
+    assert list(kv.values()) == [b"uid"]
