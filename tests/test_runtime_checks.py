@@ -43,6 +43,12 @@ class FakeExt:
     def nvshmem_version(self):
         return "fake"
 
+    def runtime_finalize(self, collective):
+        self.finalized = getattr(self, "finalized", []) + [collective]
+
+    def runtime_diag(self):
+        return getattr(self, "diag", None)
+
 
 def _device(i):
     return types.SimpleNamespace(id=i, process_index=i, local_hardware_id=0, device_kind="fake")
@@ -121,3 +127,33 @@ def test_all_checks_pass_then_nvshmem_is_initialized(fake, monkeypatch):
     (args,) = fake.ext.inits
     assert args[:4] == (0, 0, 2, b"uid")  # ordinal, PE, processes, the unique id it published
     assert list(kv.values()) == [b"uid"]
+
+
+def test_finalize_then_initialize_again_uses_a_fresh_unique_id(fake, monkeypatch):
+    """initialize -> finalize (collective) -> initialize with another config: NVSHMEM is set up
+    again under a new key-value key (a late rank can never read the previous run's unique id)."""
+    from jax._src import distributed
+    kv = {}
+    client = types.SimpleNamespace(key_value_set_bytes=kv.__setitem__,
+                                   blocking_key_value_get_bytes=lambda k, ms: kv[k])
+    monkeypatch.setattr(distributed.global_state, "client", client)
+    monkeypatch.setattr(_ffi, "is_available", lambda: True)
+    monkeypatch.setattr(runtime.jax, "default_backend", lambda: "gpu")
+    other = jaxep.Config(num_experts=16, topk=2, hidden=64, max_tokens_per_rank=16)
+    try:
+        jaxep.initialize(CFG)
+        with pytest.raises(ValueError, match="already initialized with another config"):
+            jaxep.initialize(other)
+        jaxep.finalize()
+        assert fake.ext.finalized == [True] and runtime.initialized_config() is None
+        jaxep.initialize(other)
+        assert runtime.initialized_config() == other and len(fake.ext.inits) == 2
+        assert len(kv) == 2  # one unique-id key per initialization
+        # After a timeout a peer may be dead: finalize drops local state without a collective.
+        fake.ext.diag = dict(rank=0, op=1, seq=3, phase=2, peer=1, seen=0, awaited=3, waited_ns=5e9)
+        with pytest.raises(jaxep.TimeoutError, match="rank 0 timed out .* waiting for peer 1"):
+            jaxep.check()
+        jaxep.finalize()
+        assert fake.ext.finalized == [True, False]
+    finally:
+        runtime._state.config = runtime._state.axis_name = None  # pylint: disable=protected-access
