@@ -359,7 +359,21 @@ def _mps_alive(daemon: MpsDaemon) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _exited(pid)
+
+
+def _exited(pid: int) -> bool:
+    """True for a zombie (exited, not yet reaped). The daemon forks away from us, so its parent is
+    the container's init, which may never reap it: kill(pid, 0) still succeeds on a zombie (every
+    --share-gpu launch on the lent GPU machine warned that the daemon "still runs" after 'quit')."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False  # no /proc (not Linux): trust kill(pid, 0)
+    # Fields after the command name, which is in parentheses and may itself contain ') '.
+    state = stat[stat.rfind(")") + 1:].split()[:1]
+    return state in (["Z"], ["X"])
 
 
 def _read_tail(path, n) -> str:

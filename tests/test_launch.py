@@ -371,3 +371,22 @@ def test_mps_stop_checks_the_daemon_is_gone(monkeypatch):
         f.write(str(gone.pid))
     assert launch.mps_stop(d, {}, wait_s=0.2) is None
     assert not os.path.exists(d.tmpdir)
+
+
+def test_mps_alive_treats_a_zombie_daemon_as_stopped(tmp_path):
+    """An exited daemon that nobody reaped (a zombie) must not count as running."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)  # the child exits at once and stays a zombie until waited for
+    try:
+        deadline = time.monotonic() + 10
+        while not launch._exited(pid) and time.monotonic() < deadline:  # pylint: disable=protected-access
+            time.sleep(0.01)
+        (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{pid}\n")
+        (tmp_path / "control").write_text("")
+        daemon = launch.MpsDaemon("/fake/ctl", str(tmp_path), None, owned=True)
+        assert not launch._mps_alive(daemon)  # pylint: disable=protected-access
+        (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
+        assert launch._mps_alive(daemon)  # pylint: disable=protected-access  # this process: alive
+    finally:
+        os.waitpid(pid, 0)
