@@ -375,9 +375,9 @@ def test_mps_stop_checks_the_daemon_is_gone(monkeypatch):
 
 def test_mps_alive_treats_a_zombie_daemon_as_stopped(tmp_path):
     """An exited daemon that nobody reaped (a zombie) must not count as running."""
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)  # the child exits at once and stays a zombie until waited for
+    # The child exits at once and stays a zombie until waited for (posix_spawn: no fork of this
+    # multithreaded process).
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", "pass"], dict(os.environ))
     try:
         deadline = time.monotonic() + 10
         while not launch._exited(pid) and time.monotonic() < deadline:  # pylint: disable=protected-access
