@@ -49,6 +49,27 @@ __device__ __forceinline__ int BlockExclusiveScan(int value, int* total) {
   return warp_prefix + inclusive - value;
 }
 
+// Exclusive scan of in[0, n) into out[0, n) (may alias: each element is read before it is
+// written), in index order; returns the total. Every thread of the block must call it (it contains
+// __syncthreads, the last one after the writes, so out is visible to the whole block on return).
+// Thread i owns a contiguous segment: serial sums inside, BlockExclusiveScan across.
+__device__ __forceinline__ int BlockScanArray(const int32_t* in, int32_t* out, int64_t n) {
+  const int64_t seg = CeilDiv(n, blockDim.x);
+  const int64_t begin = min(static_cast<int64_t>(threadIdx.x) * seg, n);
+  const int64_t end = min(begin + seg, n);
+  int local = 0;
+  for (int64_t i = begin; i < end; ++i) local += in[i];
+  int total = 0;
+  int running = BlockExclusiveScan(local, &total);
+  for (int64_t i = begin; i < end; ++i) {
+    const int c = in[i];
+    out[i] = running;
+    running += c;
+  }
+  __syncthreads();
+  return total;
+}
+
 // f32 <-> payload dtype. Casts to 16-bit types round to nearest even, like XLA's convert.
 template <typename T>
 struct Convert;

@@ -89,25 +89,13 @@ __global__ void __launch_bounds__(kScanThreads)
                const int32_t* __restrict__ chunk_invalid, int32_t capacity,
                int32_t* __restrict__ group_sizes, int32_t* __restrict__ stats,
                int32_t* __restrict__ kept_total) {
-  const int64_t m = static_cast<int64_t>(num_experts) * num_chunks;
-  // Thread i owns the contiguous segment [begin, end): serial sums inside, a block scan across.
-  const int64_t seg = CeilDiv(m, blockDim.x);
-  const int64_t begin = min(static_cast<int64_t>(threadIdx.x) * seg, m);
-  const int64_t end = min(begin + seg, m);
-  int local = 0;
-  for (int64_t i = begin; i < end; ++i) local += bases[i];
-  int total_valid = 0;
-  int running = BlockExclusiveScan(local, &total_valid);
-  for (int64_t i = begin; i < end; ++i) {
-    const int c = bases[i];
-    bases[i] = running;
-    running += c;
-  }
+  const int total_valid =
+      BlockScanArray(bases, bases, static_cast<int64_t>(num_experts) * num_chunks);
 
   int invalid = 0;
   for (int c = threadIdx.x; c < num_chunks; c += blockDim.x) invalid += chunk_invalid[c];
   int total_invalid = 0;
-  BlockExclusiveScan(invalid, &total_invalid);  // contains __syncthreads: bases are now visible
+  BlockExclusiveScan(invalid, &total_invalid);
 
   // Expert e owns order indices [start_e, end_e); rows are those below the capacity.
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {

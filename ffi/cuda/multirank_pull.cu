@@ -340,16 +340,19 @@ __global__ void GatherBackPullKernel(Team team, int32_t tokens, int32_t topk, in
   }
 }
 
-// The widest unit that divides the row size and the output base (stages are 256-byte aligned).
-int UnitBytes(const void* out, int64_t row_bytes) {
-  const uint64_t bits = reinterpret_cast<uintptr_t>(out) | static_cast<uint64_t>(row_bytes);
-  for (int b : {16, 8, 4, 2}) {
-    if (bits % b == 0) return b;
-  }
-  return 1;
+// Calls launch(Unit{}) with the widest copy unit (uint4, uint2, uint32_t, uint16_t or uint8_t)
+// that divides the row size and `address_bits` (the OR of the addresses or offsets the kernel
+// indexes in rows; stages are 256-byte aligned).
+template <typename Launch>
+void WithRowUnit(uintptr_t address_bits, int64_t row_bytes, Launch&& launch) {
+  const uint64_t bits = address_bits | static_cast<uint64_t>(row_bytes);
+  if (bits % 16 == 0) launch(uint4{});
+  else if (bits % 8 == 0) launch(uint2{});
+  else if (bits % 4 == 0) launch(uint32_t{});
+  else if (bits % 2 == 0) launch(uint16_t{});
+  else launch(uint8_t{});
 }
 
-template <typename Unit>
 int64_t RowBlocks(int64_t rows) {
   return std::clamp<int64_t>(CeilDiv(rows, kRowThreads / kWarpSize), 1, kMaxRowBlocks);
 }
@@ -363,26 +366,21 @@ cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, i
   if (capacity <= 0) return cudaSuccess;
   const bool by_token = kernel == DispatchKernel::kToken && topk <= kMaxTokenTopk;
   const unsigned grid = static_cast<unsigned>(
-      RowBlocks<char>(by_token ? std::max<int64_t>(static_cast<int64_t>(tokens) * team.size, 1)
-                               : capacity));
-#define JAXEP_DISPATCH_PULL(U)                                                                   \
-  if (by_token) {                                                                                \
-    DispatchPullTokenKernel<U><<<grid, kRowThreads, 0, stream>>>(                                \
-        team, tokens, topk, experts, capacity, row_bytes / static_cast<int64_t>(sizeof(U)),      \
-        meta_scratch, static_cast<U*>(x_rows), weights, recv_slot);                              \
-  } else {                                                                                       \
-    DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(                                     \
-        team, tokens, topk, experts, capacity, row_bytes / static_cast<int64_t>(sizeof(U)),      \
-        meta_scratch, static_cast<U*>(x_rows), weights, recv_slot);                              \
-  }
-  switch (UnitBytes(x_rows, row_bytes)) {
-    case 16: JAXEP_DISPATCH_PULL(uint4); break;
-    case 8: JAXEP_DISPATCH_PULL(uint2); break;
-    case 4: JAXEP_DISPATCH_PULL(uint32_t); break;
-    case 2: JAXEP_DISPATCH_PULL(uint16_t); break;
-    default: JAXEP_DISPATCH_PULL(uint8_t); break;
-  }
-#undef JAXEP_DISPATCH_PULL
+      RowBlocks(by_token ? std::max<int64_t>(static_cast<int64_t>(tokens) * team.size, 1)
+                         : capacity));
+  WithRowUnit(reinterpret_cast<uintptr_t>(x_rows), row_bytes, [&](auto unit) {
+    using U = decltype(unit);
+    const int64_t units = row_bytes / static_cast<int64_t>(sizeof(U));
+    if (by_token) {
+      DispatchPullTokenKernel<U><<<grid, kRowThreads, 0, stream>>>(
+          team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
+          weights, recv_slot);
+    } else {
+      DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
+          team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
+          weights, recv_slot);
+    }
+  });
   return cudaGetLastError();
 }
 
@@ -390,19 +388,13 @@ cudaError_t LaunchRowsPull(const Team& team, int32_t tokens, int32_t topk, int32
                            int64_t row_bytes, const int32_t* recv_slot, void* x_rows,
                            cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  const unsigned grid = static_cast<unsigned>(RowBlocks<char>(rows));
-#define JAXEP_ROWS_PULL(U)                                                                 \
-  RowsPullKernel<U><<<grid, kRowThreads, 0, stream>>>(                                     \
-      team, tokens, topk, rows, row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot,    \
-      static_cast<U*>(x_rows))
-  switch (UnitBytes(x_rows, row_bytes)) {
-    case 16: JAXEP_ROWS_PULL(uint4); break;
-    case 8: JAXEP_ROWS_PULL(uint2); break;
-    case 4: JAXEP_ROWS_PULL(uint32_t); break;
-    case 2: JAXEP_ROWS_PULL(uint16_t); break;
-    default: JAXEP_ROWS_PULL(uint8_t); break;
-  }
-#undef JAXEP_ROWS_PULL
+  const unsigned grid = static_cast<unsigned>(RowBlocks(rows));
+  WithRowUnit(reinterpret_cast<uintptr_t>(x_rows), row_bytes, [&](auto unit) {
+    using U = decltype(unit);
+    RowsPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
+        team, tokens, topk, rows, row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot,
+        static_cast<U*>(x_rows));
+  });
   return cudaGetLastError();
 }
 
@@ -410,21 +402,15 @@ cudaError_t LaunchStageRows(const Team& team, int32_t rows, int64_t row_bytes,
                             const int32_t* recv_slot, const void* src, size_t dst_off,
                             cudaStream_t stream) {
   if (rows <= 0 || row_bytes <= 0) return cudaSuccess;
-  const unsigned grid = static_cast<unsigned>(RowBlocks<char>(rows));
-  // The stage is 256-byte aligned: the unit depends on src, the row size and dst_off.
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(dst_off);
-#define JAXEP_STAGE_ROWS(U)                                                                \
-  StageRowsKernel<U><<<grid, kRowThreads, 0, stream>>>(                                    \
-      team, rows, row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot,                 \
-      static_cast<const U*>(src), dst_off)
-  switch (UnitBytes(reinterpret_cast<const void*>(bits), row_bytes)) {
-    case 16: JAXEP_STAGE_ROWS(uint4); break;
-    case 8: JAXEP_STAGE_ROWS(uint2); break;
-    case 4: JAXEP_STAGE_ROWS(uint32_t); break;
-    case 2: JAXEP_STAGE_ROWS(uint16_t); break;
-    default: JAXEP_STAGE_ROWS(uint8_t); break;
-  }
-#undef JAXEP_STAGE_ROWS
+  const unsigned grid = static_cast<unsigned>(RowBlocks(rows));
+  // The stage base is 256-byte aligned: the unit depends on src, the row size and dst_off.
+  WithRowUnit(reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(dst_off), row_bytes,
+              [&](auto unit) {
+                using U = decltype(unit);
+                StageRowsKernel<U><<<grid, kRowThreads, 0, stream>>>(
+                    team, rows, row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot,
+                    static_cast<const U*>(src), dst_off);
+              });
   return cudaGetLastError();
 }
 

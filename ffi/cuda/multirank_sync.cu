@@ -117,25 +117,6 @@ __global__ void __launch_bounds__(kStageThreads) StageKernel(Team team, StageCop
   for (int64_t i = done + tid; i < static_cast<int64_t>(c.bytes); i += stride) dst[i] = src[i];
 }
 
-// Exclusive scan of in[0, n) into out[0, n) (may alias), in index order; returns the total.
-// Every thread of the block must call it. Thread i owns a contiguous segment.
-__device__ int BlockScanArray(const int32_t* in, int32_t* out, int64_t n) {
-  const int64_t seg = CeilDiv(n, blockDim.x);
-  const int64_t begin = min(static_cast<int64_t>(threadIdx.x) * seg, n);
-  const int64_t end = min(begin + seg, n);
-  int local = 0;
-  for (int64_t i = begin; i < end; ++i) local += in[i];
-  int total = 0;
-  int running = BlockExclusiveScan(local, &total);
-  for (int64_t i = begin; i < end; ++i) {
-    const int c = in[i];
-    out[i] = running;
-    running += c;
-  }
-  __syncthreads();
-  return total;
-}
-
 }  // namespace
 
 namespace {
