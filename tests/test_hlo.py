@@ -79,3 +79,19 @@ def test_cuda_backend_grad_traces_under_shard_map(monkeypatch):
     hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
     for target in ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine"):
         assert f"custom_call @{target}(" in hlo, target
+
+
+@pytest.mark.skipif(not _ffi.is_available(), reason="CUDA extension not built: " + _ffi.unavailable_reason())
+def test_ffi_combine_checks_recv_slot_at_trace_time():
+    """recv_slot (which rows of y the multi-rank combine stages) must be [C] int32, like weights."""
+    y, w = jnp.zeros((16, 64), jnp.bfloat16), jnp.zeros((16,), jnp.float32)
+    idx = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"combine: recv_slot must be shape \(16,\), got shape \(15,\)"):
+        jax.eval_shape(lambda r: _ffi.combine(y, w, idx, r, idx, num_experts=8),
+                       jnp.zeros((15,), jnp.int32))
+    with pytest.raises((TypeError, ValueError), match="recv_slot"):
+        jax.eval_shape(lambda r: _ffi.combine(y, w, idx, r, idx, num_experts=8),
+                       jnp.zeros((16,), jnp.float32))
+    out = jax.eval_shape(lambda r: _ffi.combine(y, w, idx, r, idx, num_experts=8),
+                         jnp.zeros((16,), jnp.int32))
+    assert out[0].shape == (4, 64) and out[0].dtype == jnp.bfloat16
