@@ -82,6 +82,19 @@ mr::CombineKernel CombineKernelFromEnv() {
   return k;
 }
 
+// Zero-copy combine: the offset of y (bytes [ptr, ptr + bytes)) in this rank's registered XLA
+// pool when it lies entirely inside and is 16-byte aligned (peers may read it in 16-byte units),
+// else kStagedSrc (stage as without a pool). Each rank decides for itself, per call.
+uint64_t ZeroCopySrcOff(const mr::Team& team, const void* ptr, int64_t bytes) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+  if (team.pool_size == 0 || bytes <= 0 || p % 16 != 0 || p < team.pool_base ||
+      p - team.pool_base > team.pool_size ||
+      static_cast<uint64_t>(bytes) > team.pool_size - (p - team.pool_base)) {
+    return mr::kStagedSrc;
+  }
+  return p - team.pool_base;
+}
+
 // Carves 256-byte aligned regions out of one scratch allocation.
 class Carver {
  public:
@@ -236,9 +249,18 @@ ffi::Error MultiRankCombine(cudaStream_t stream, const ffi::AnyBuffer& y, const 
   // Only the kept rows of y (recv_slot >= 0) are staged: peers read no others.
   const mr::StageCopy stage_w{weights, static_cast<size_t>(rows) * 4, team->lay.stage_w};
   JAXEP_TRY(kT, "stage weights", mr::LaunchStage(*team, &stage_w, 1, stream));
-  JAXEP_TRY(kT, "stage rows", mr::LaunchStageRows(*team, static_cast<int32_t>(rows), row_bytes,
-                                                  recv_slot, y.untyped_data(), team->lay.stage,
-                                                  stream));
+  // Zero-copy (the team has a registered pool on every rank): y inside the pool stays where it is
+  // and its offset is published instead; the pull of every rank reads it from there.
+  const uint64_t src_off = ZeroCopySrcOff(*team, y.untyped_data(), rows * row_bytes);
+  if (src_off == mr::kStagedSrc) {
+    JAXEP_TRY(kT, "stage rows", mr::LaunchStageRows(*team, static_cast<int32_t>(rows), row_bytes,
+                                                    recv_slot, y.untyped_data(), team->lay.stage,
+                                                    stream));
+  }
+  if (team->pool_size != 0) {  // every rank publishes every call (readers always look)
+    JAXEP_TRY(kT, "publish src_off", mr::LaunchPublishSrcOff(*team, src_off, stream));
+    if (src_off != mr::kStagedSrc) rt::NoteZeroCopyCall();
+  }
   JAXEP_TRY(kT, "ready", mr::LaunchSync(*team, mr::kFlagReady, seq, mr::kFlagReady, seq,
                                         mr::kPhaseReady, mr::kOpCombine, seq, stream));
   const int32_t t32 = static_cast<int32_t>(tokens), k32 = static_cast<int32_t>(topk);
@@ -264,6 +286,13 @@ ffi::Error MultiRankCombine(cudaStream_t stream, const ffi::AnyBuffer& y, const 
   JAXEP_TRY(kT, "pull", err);
   JAXEP_TRY(kT, "signal free", mr::LaunchSync(*team, mr::kFlagFree, seq, mr::kFlagNone, 0,
                                               mr::kPhaseNone, mr::kOpCombine, seq, stream));
+  if (src_off != mr::kStagedSrc) {
+    // Lifetime: XLA may reuse y once this call's stream work ends, so the call ends only after
+    // every peer finished reading it (free[p] >= seq). Bounded like every wait.
+    JAXEP_TRY(kT, "wait zero-copy readers",
+              mr::LaunchSync(*team, mr::kFlagNone, 0, mr::kFlagFree, seq, mr::kPhaseZeroCopy,
+                             mr::kOpCombine, seq, stream));
+  }
   return ffi::Error::Success();
 }
 

@@ -71,6 +71,21 @@ void RegisterRuntime(nb::module_& m) {
     std::string err = rt::Finalize(collective);
     if (!err.empty()) throw std::runtime_error(err);
   }, nb::arg("collective") = true);
+  m.def("pool_registration_supported", &rt::PoolRegistrationSupported,
+        "True when the loaded NVSHMEM has nvshmemx_buffer_register_symmetric (>= 3.3.9).");
+  m.def("register_pool", [](uintptr_t base, size_t size) {
+    bool fatal = false;
+    double ms = 0.0;
+    std::string err = rt::RegisterPool(base, size, &fatal, &ms);
+    return nb::make_tuple(err, fatal, ms);
+  }, nb::arg("base"), nb::arg("size"),
+     "Collective: registers this PE's XLA pool into NVSHMEM's symmetric heap and computes every "
+     "peer's pool address (not used before enable_pool). Returns (error or '', fatal, ms); "
+     "fatal: NVSHMEM refused and tore its heap down.");
+  m.def("enable_pool", []() {
+    std::string err = rt::EnablePool();
+    if (!err.empty()) throw std::runtime_error(err);
+  }, "After every PE registered: combine may read peers' y in their pools (zero-copy).");
   m.def("runtime_info", []() -> nb::object {
     const mr::Team* t = rt::ActiveTeam();
     if (t == nullptr) return nb::none();
@@ -87,6 +102,9 @@ void RegisterRuntime(nb::module_& m) {
     d["experts"] = l.experts;
     d["capacity"] = l.capacity;
     d["row_bytes"] = l.row_bytes;
+    d["pool_base"] = t->pool_base;
+    d["pool_size"] = t->pool_size;
+    d["zero_copy_calls"] = rt::ZeroCopyCalls();
     return d;
   }, "The initialized runtime's rank, size, limits and call count, or None.");
   m.def("runtime_diag", []() -> nb::object {

@@ -29,14 +29,16 @@ import threading
 import jax
 import numpy as np
 
-from jaxep import _ffi
+from jaxep import _ffi, zero_copy
 from jaxep.config import Config
 
 log = logging.getLogger("jaxep")
 
 _BACKENDS = ("reference", "cuda")
 _PHASES = {0: "-", 1: "release (waiting for the peer to finish reading this rank's stage of the "
-                      "previous call)", 2: "exchange (waiting for the peer's stage of this call)"}
+                      "previous call)", 2: "exchange (waiting for the peer's stage of this call)",
+           3: "zero-copy release (waiting for the peer to finish reading this rank's y of this "
+              "call in its XLA pool)"}
 _OPS = {1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back"}
 _NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE default
 _HEAP_RESERVE = 128 << 20        # NVSHMEM's own allocations from the symmetric heap
@@ -57,6 +59,7 @@ class _State:
     config: Config | None = None
     axis_name: str | None = None
     multi_rank: bool = False        # NVSHMEM runtime up in this process
+    zero_copy: bool = False         # JAXEP_ZERO_COPY=1 and XLA's pool registered on every rank
     generation: int = 0             # initialize() calls that set up NVSHMEM (key-value store keys)
     watchdog: threading.Thread | None = None
     stop: threading.Event | None = None
@@ -170,6 +173,14 @@ def _init_multi_rank(config: Config) -> None:
         uid = client.blocking_key_value_get_bytes(key, wait_ms)
     ext.runtime_init(ordinal, pe, nproc, bytes(uid), config.max_tokens_per_rank, config.topk,
                      config.num_experts, cap, row_bytes, float(config.timeout_s))
+    if zero_copy.requested():  # opt-in prototype (docs/zero_copy.md, B1); unset: as before
+        wait_ms = int(max(60.0, config.timeout_s) * 1000)
+        try:
+            _state.zero_copy = zero_copy.setup(ext, client, pe, nproc, device, _state.generation,
+                                               wait_ms)
+        except RuntimeError:
+            ext.runtime_finalize(False)  # NVSHMEM's heap is gone: drop local state only
+            raise
     _state.generation += 1
     _state.multi_rank = True
     _state.reported = False
@@ -263,12 +274,17 @@ def finalize() -> None:
             _state.stop.set()
         collective = diagnostic() is None
         _ffi._module.runtime_finalize(collective)  # pylint: disable=protected-access
-        _state.multi_rank = False
+        _state.multi_rank = _state.zero_copy = False
     _state.config = _state.axis_name = None
 
 
 def initialized_config() -> Config | None:
     return _state.config
+
+
+def zero_copy_enabled() -> bool:
+    """True when combine may read peers' `y` in their XLA pools (JAXEP_ZERO_COPY=1 prototype)."""
+    return _state.multi_rank and _state.zero_copy
 
 
 def multi_rank_size() -> int:

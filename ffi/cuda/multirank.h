@@ -11,6 +11,9 @@
 //   4. SIGNAL ready[me] = seq on every peer, then WAIT ready[p] >= seq for every p;
 //   5. PULL   read peers' stages through peer pointers into XLA's outputs (layout order);
 //   6. SIGNAL free[me] = seq on every peer.
+// Zero-copy combine (Team::pool_size > 0, JAXEP_ZERO_COPY=1): step 3 may skip the y rows and
+// publish their offset in XLA's registered pool (src_off) instead; such a rank then also
+//   7. WAITs free[p] >= seq for every p (peers finished reading y, which XLA may reuse next).
 // `seq` is one counter per process, incremented by the host handler of every multi-rank call
 // (all ranks run the same program, so the n-th call is the same op everywhere). A rank never
 // overwrites its stage before every peer has read the previous one (step 2), and never reads a
@@ -37,6 +40,7 @@ enum Phase : int32_t {
   kPhaseNone = 0,
   kPhaseFree = 1,   // waiting for a peer to release my stage of the previous call
   kPhaseReady = 2,  // waiting for a peer's stage of this call
+  kPhaseZeroCopy = 3,  // combine, zero-copy: waiting for a peer to finish reading my y (this call)
 };
 
 // Host-mapped diagnostic record (cudaHostAllocMapped). `status` goes 0 -> 1 once (atomicCAS);
@@ -60,6 +64,8 @@ enum OpCode : int32_t { kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3, kO
 //   ready[kMaxRanks] u64   ready[p] = last seq whose stage peer p finished (written by p)
 //   free[kMaxRanks]  u64   free[p]  = last seq in which peer p finished reading my stage
 //   abort            u32   local only: sticky abort word
+//   src_off          u64   combine (zero-copy): byte offset of this rank's y in its XLA pool, or
+//                          kStagedSrc (y rows are in `stage`); same 256-byte region as abort
 //   counts[E]        i32   dispatch: this source's valid slots per expert
 //   sorted_slot[N]   i32   dispatch: this source's valid slot ids (t*K+k) ordered by (expert, slot)
 //   sorted_w[N]      f32   dispatch: topk_weights of those slots
@@ -69,7 +75,7 @@ enum OpCode : int32_t { kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3, kO
 //   stage[...]       bytes x rows (dispatch, dispatch_rows: T x row), y rows (combine: C x row),
 //                          v (gather_back: C x f32)
 struct SymLayout {
-  size_t ready = 0, free = 0, abort = 0, counts = 0, sorted_slot = 0, sorted_w = 0,
+  size_t ready = 0, free = 0, abort = 0, src_off = 0, counts = 0, sorted_slot = 0, sorted_w = 0,
          slot_order = 0, slot_expert = 0, stage_w = 0, stage = 0, stage_bytes = 0, total = 0;
   int64_t max_slots = 0;     // N = max_tokens * topk
   int64_t max_experts = 0;   // E
@@ -79,9 +85,19 @@ struct SymLayout {
 SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, int64_t capacity,
                         int64_t stage_row_bytes);
 
+// src_off value meaning "this call's y rows are in my stage" (docs/zero_copy.md, option B1).
+constexpr uint64_t kStagedSrc = ~uint64_t{0};
+
 // What every kernel needs to reach its peers. Passed by value.
+// Zero-copy combine (JAXEP_ZERO_COPY=1, docs/zero_copy.md B1): when XLA's device pool (one VMM
+// allocation) is registered into NVSHMEM's symmetric heap on every PE, pool_size > 0 on every PE
+// (the host decides identically everywhere) and a combine may leave y in place; a reader then takes
+// y rows of PE p from pool_peer[p] + p's published src_off. pool_size == 0: nothing changes.
 struct Team {
   char* peer[kMaxRanks];  // base of PE p's symmetric block in this process (peer[rank] is local)
+  char* pool_peer[kMaxRanks] = {};  // base of PE p's registered XLA pool in this process
+  uintptr_t pool_base = 0;          // this PE's pool, at XLA's (local) address
+  size_t pool_size = 0;             // 0: no pool registered (always stage)
   int32_t rank = 0;
   int32_t size = 0;
   Diag* diag = nullptr;   // device pointer of the host-mapped record
@@ -104,6 +120,10 @@ struct StageCopy {
 };
 cudaError_t LaunchStage(const Team& team, const StageCopy* copies, int num_copies,
                         cudaStream_t stream);
+
+// Combine (zero-copy mode only, pool_size > 0): writes this PE's src_off word (an offset into its
+// pool, or kStagedSrc). Launched before the ready signal, whose fence + release publishes it.
+cudaError_t LaunchPublishSrcOff(const Team& team, uint64_t src_off, cudaStream_t stream);
 
 // Dispatch, after the ready exchange. One block. Reads every source's `counts`, then writes
 //   send_row[T*K]   (source side) row on the destination or -1 (dropped / masked);
@@ -156,7 +176,8 @@ cudaError_t LaunchStageRows(const Team& team, int32_t rows, int64_t row_bytes,
 // serves topk > 32. Both give the same bits.
 enum class CombineKernel : int32_t { kWarp = 0, kThread = 1 };
 
-// Combine pull (source side), the fixed order of docs/design.md:
+// Combine pull (source side), the fixed order of docs/design.md (rows of PE r: its stage, or its
+// y in its pool when the team has a pool and r's src_off is not kStagedSrc):
 //   out[t] = 0; for r ascending: { p = 0; for k ascending with kept slot on r:
 //            p = p + (stage_w_r[row] * f32(stage_r[row]));  out = out + p }; cast once,
 // every product and sum a single rounded f32 operation (__fmul_rn / __fadd_rn, never an FMA).

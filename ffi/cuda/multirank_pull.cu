@@ -190,6 +190,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   using P = Pack<T, VEC>;
   const int R = team.size;
   const int L = experts / R;
+  __shared__ const char* s_rows[kMaxRanks];  // CombineRowsBase of every rank, read once per block
+  if (threadIdx.x < R) s_rows[threadIdx.x] = CombineRowsBase(team, threadIdx.x);
+  __syncthreads();
   P* out_packs = reinterpret_cast<P*>(out);
   const int64_t total = static_cast<int64_t>(tokens) * units_per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -204,7 +207,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       float partial[VEC];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) partial[v] = 0.0f;
-      const P* y = reinterpret_cast<const P*>(team.peer[r] + team.lay.stage);
+      const P* y = reinterpret_cast<const P*>(s_rows[r]);
       const float* w = reinterpret_cast<const float*>(team.peer[r] + team.lay.stage_w);
       for (int k = 0; k < topk; ++k) {
         const int32_t e = topk_idx[t * topk + k];
@@ -246,11 +249,14 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (Aborted(team)) return;
   using P = Pack<T, VEC>;
   constexpr int kWarps = kCombineThreads / kWarpSize;
-  __shared__ const P* s_src[kWarps][kMaxWarpTopk];  // row start in the destination's stage
+  __shared__ const P* s_src[kWarps][kMaxWarpTopk];  // row start (destination's stage or pool)
   __shared__ int s_dest[kWarps][kMaxWarpTopk];
   __shared__ float s_w[kWarps][kMaxWarpTopk];
+  __shared__ const char* s_rows[kMaxRanks];  // CombineRowsBase of every rank, read once per block
   const int R = team.size;
   const int L = experts / R;
+  if (threadIdx.x < R) s_rows[threadIdx.x] = CombineRowsBase(team, threadIdx.x);
+  __syncthreads();
   const int lane = threadIdx.x % kWarpSize;
   const int wib = threadIdx.x / kWarpSize;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -275,7 +281,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     const int n = before;  // kept slots of token t
     if (pos >= 0) {
       const char* base = team.peer[dest];
-      s_src[wib][pos] = reinterpret_cast<const P*>(base + team.lay.stage) +
+      s_src[wib][pos] = reinterpret_cast<const P*>(s_rows[dest]) +
                         static_cast<int64_t>(row) * units_per_row;
       s_dest[wib][pos] = dest;
       s_w[wib][pos] = reinterpret_cast<const float*>(base + team.lay.stage_w)[row];

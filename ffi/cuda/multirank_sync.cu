@@ -93,6 +93,11 @@ __global__ void SyncKernel(Team team, int32_t flag_signal, uint64_t value, int32
   }
 }
 
+__global__ void PublishSrcOffKernel(Team team, uint64_t src_off) {
+  if (Aborted(team)) return;
+  *reinterpret_cast<uint64_t*>(team.peer[team.rank] + team.lay.src_off) = src_off;
+}
+
 // grid (x: blocks, y: copy index). 16-byte units when both ends allow it, then the byte tail.
 constexpr int kMaxStageCopies = 8;
 struct StageCopies {
@@ -197,7 +202,8 @@ SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, i
   size_t o = 0;
   s.ready = o;        o += AlignUp(kMaxRanks * sizeof(uint64_t));
   s.free = o;         o += AlignUp(kMaxRanks * sizeof(uint64_t));
-  s.abort = o;        o += AlignUp(sizeof(uint32_t));
+  s.abort = o;        o += AlignUp(sizeof(uint32_t) + sizeof(uint64_t));
+  s.src_off = s.abort + sizeof(uint64_t);  // u64 after the u32 abort word, same 256-byte region
   s.counts = o;       o += AlignUp(static_cast<size_t>(num_experts) * sizeof(int32_t));
   s.sorted_slot = o;  o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(int32_t));
   s.sorted_w = o;     o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(float));
@@ -217,6 +223,11 @@ cudaError_t LaunchSync(const Team& team, int32_t flag_signal, uint64_t value, in
                        uint64_t want, int32_t phase, int32_t op, uint64_t seq,
                        cudaStream_t stream) {
   SyncKernel<<<1, 32, 0, stream>>>(team, flag_signal, value, flag_wait, want, phase, op, seq);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchPublishSrcOff(const Team& team, uint64_t src_off, cudaStream_t stream) {
+  PublishSrcOffKernel<<<1, 1, 0, stream>>>(team, src_off);
   return cudaGetLastError();
 }
 

@@ -4,6 +4,7 @@
 #include "runtime.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <sstream>
 
@@ -12,6 +13,16 @@
 #ifdef JAXEP_HAVE_NVSHMEM
 #include <nvshmem.h>
 #include <nvshmemx.h>
+#define JAXEP_NVSHMEM_VERSION \
+  (NVSHMEM_VENDOR_MAJOR_VERSION * 10000 + NVSHMEM_VENDOR_MINOR_VERSION * 100 + \
+   NVSHMEM_VENDOR_PATCH_VERSION)
+#if JAXEP_NVSHMEM_VERSION >= 30309
+// Weak: the extension still loads with an older libnvshmem_host at run time (the addresses are
+// then null and PoolRegistrationSupported() says false).
+#pragma weak nvshmemx_buffer_register_symmetric
+#pragma weak nvshmemx_buffer_unregister_symmetric
+#define JAXEP_HAVE_POOL_REGISTRATION 1
+#endif
 #endif
 
 namespace jaxep::cuda::rt {
@@ -23,7 +34,12 @@ struct State {
   Limits limits;
   void* sym = nullptr;           // nvshmem_malloc'ed block (this PE)
   mr::Diag* diag_host = nullptr; // cudaHostAllocMapped
+  void* pool_reg = nullptr;      // RegisterPool: this PE's pool in the symmetric heap
+  uintptr_t pool_base = 0;       // the same pool at XLA's address
+  size_t pool_size = 0;
+  char* pool_peer[mr::kMaxRanks] = {};
   std::atomic<uint64_t> seq{0};
+  std::atomic<uint64_t> zero_copy_calls{0};
 };
 
 State& S() {
@@ -56,6 +72,8 @@ const mr::Team* ActiveTeam() { return S().up ? &S().team : nullptr; }
 const Limits& ActiveLimits() { return S().limits; }
 uint64_t NextSeq() { return S().seq.fetch_add(1) + 1; }
 uint64_t CurrentSeq() { return S().seq.load(); }
+void NoteZeroCopyCall() { S().zero_copy_calls.fetch_add(1); }
+uint64_t ZeroCopyCalls() { return S().zero_copy_calls.load(); }
 
 bool ReadDiag(mr::Diag* out) {
   if (!S().up || S().diag_host == nullptr) return false;
@@ -179,7 +197,67 @@ std::string Init(const InitParams& p) {
   s.sym = sym;
   s.diag_host = diag;
   s.seq.store(0);
+  s.zero_copy_calls.store(0);
   s.up = true;
+  return "";
+}
+
+bool PoolRegistrationSupported() {
+#ifdef JAXEP_HAVE_POOL_REGISTRATION
+  return &nvshmemx_buffer_register_symmetric != nullptr &&
+         &nvshmemx_buffer_unregister_symmetric != nullptr;
+#else
+  return false;
+#endif
+}
+
+std::string RegisterPool(uintptr_t base, size_t size, bool* fatal, double* ms) {
+  State& s = S();
+  *fatal = false;
+  *ms = 0.0;
+  if (!s.up) return "the jaxep NVSHMEM runtime is not initialized";
+  if (s.pool_reg != nullptr) return "a pool is already registered";
+  if (!PoolRegistrationSupported()) {
+    return "the loaded NVSHMEM has no nvshmemx_buffer_register_symmetric (needs >= 3.3.9)";
+  }
+#ifdef JAXEP_HAVE_POOL_REGISTRATION
+  if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) return CudaErr("sync", e);
+  const auto t0 = std::chrono::steady_clock::now();
+  void* reg = nvshmemx_buffer_register_symmetric(reinterpret_cast<void*>(base), size, 0);
+  *ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (reg == nullptr) {
+    *fatal = true;  // NVSHMEM (3.4.5: mmap_mem -> cleanup_symmetric_heap) freed its heap
+    return "nvshmemx_buffer_register_symmetric(" + std::to_string(base) + ", " +
+           std::to_string(size) + ") returned NULL (NVSHMEM_DEBUG=INFO shows why)";
+  }
+  s.pool_reg = reg;  // unregistered by a collective Finalize, whatever happens below
+  s.pool_base = base;
+  s.pool_size = size;
+  for (int q = 0; q < s.team.size; ++q) {
+    s.pool_peer[q] = static_cast<char*>(nvshmem_ptr(reg, q));
+    if (s.pool_peer[q] == nullptr) {
+      return "nvshmem_ptr of the registered pool returned NULL for PE " + std::to_string(q);
+    }
+  }
+  return "";
+#else
+  (void)base;
+  (void)size;
+  return "built against NVSHMEM < 3.3.9";
+#endif
+}
+
+std::string EnablePool() {
+  State& s = S();
+  if (!s.up || s.pool_reg == nullptr) return "no registered pool";
+  if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) return CudaErr("sync", e);
+  for (int q = 0; q < s.team.size; ++q) {
+    if (s.pool_peer[q] == nullptr) return "no peer address of PE " + std::to_string(q) + "'s pool";
+    s.team.pool_peer[q] = s.pool_peer[q];
+  }
+  // Before any multi-rank call of this process is enqueued (jaxep.initialize has not returned).
+  s.team.pool_base = s.pool_base;
+  s.team.pool_size = s.pool_size;
   return "";
 }
 
@@ -190,12 +268,20 @@ std::string Finalize(bool collective) {
   cudaDeviceSynchronize();
   if (collective) {
     nvshmem_barrier_all();
+#ifdef JAXEP_HAVE_POOL_REGISTRATION
+    // Before nvshmem_free/finalize; collective (all PEs registered, or none: same decision).
+    if (s.pool_reg != nullptr) nvshmemx_buffer_unregister_symmetric(s.pool_reg, s.pool_size);
+#endif
     nvshmem_free(s.sym);
     nvshmem_finalize();
   }
   if (s.diag_host != nullptr) cudaFreeHost(s.diag_host);
   s.sym = nullptr;
   s.diag_host = nullptr;
+  s.pool_reg = nullptr;
+  s.pool_base = 0;
+  s.pool_size = 0;
+  for (char*& p : s.pool_peer) p = nullptr;
   s.team = mr::Team{};
   return "";
 }
@@ -214,6 +300,13 @@ std::string Init(const InitParams&) {
          "with the nvidia-nvshmem-cu13 (or -cu12) wheel installed (see docs/build.md)";
 }
 std::string Finalize(bool) { return ""; }
+bool PoolRegistrationSupported() { return false; }
+std::string RegisterPool(uintptr_t, size_t, bool* fatal, double* ms) {
+  *fatal = false;
+  *ms = 0.0;
+  return "jaxep was built without NVSHMEM";
+}
+std::string EnablePool() { return "jaxep was built without NVSHMEM"; }
 
 #endif  // JAXEP_HAVE_NVSHMEM
 

@@ -41,9 +41,26 @@ std::string DeviceMemInfo(int device, size_t* free_bytes, size_t* total_bytes);
 size_t SymmetricBytes(const InitParams& p);
 // Returns "" on success or the error text (nothing left allocated on failure where avoidable).
 std::string Init(const InitParams& p);
-// collective: barrier + nvshmem_free + nvshmem_finalize (all PEs must call); otherwise only the
+// collective: barrier + [unregister the pool] + nvshmem_free + nvshmem_finalize (all PEs must call); otherwise only the
 // local host record is dropped (after a timeout a collective finalize could hang on a dead peer).
 std::string Finalize(bool collective);
+
+// Zero-copy combine (JAXEP_ZERO_COPY=1; docs/zero_copy.md option B1). jaxep/zero_copy.py checks
+// every condition on every rank and decides identically on all ranks before these run.
+// True when the loaded NVSHMEM has nvshmemx_buffer_register_symmetric (>= 3.3.9; weak symbols).
+bool PoolRegistrationSupported();
+// Collective: nvshmemx_buffer_register_symmetric(base, size, 0) of this PE's XLA pool (one VMM
+// allocation, same size everywhere), then pool_peer[p] = nvshmem_ptr(registered, p) for every p,
+// kept aside (the Team does not use them before EnablePool). Returns "" or the error; *fatal is
+// set when NVSHMEM refused the registration (it tears its heap down then: the runtime is gone).
+// *ms: the registration's time (includes NVSHMEM's internal barriers).
+std::string RegisterPool(uintptr_t base, size_t size, bool* fatal, double* ms);
+// After every PE's RegisterPool succeeded (host decision, identical on all PEs): the Team gets
+// pool_base / pool_size / pool_peer, so combine calls may leave y in place from now on.
+std::string EnablePool();
+// Combine calls of this process that left y in place (runtime_info()["zero_copy_calls"]).
+void NoteZeroCopyCall();
+uint64_t ZeroCopyCalls();
 
 // nullptr when not initialized. The Team stays valid until Finalize.
 const mr::Team* ActiveTeam();

@@ -305,6 +305,8 @@ def run_all(args) -> int:
     jaxep.initialize(cfg)
     if ME == 0:
         print("runtime", jaxep._ffi.runtime_info(), flush=True)
+    # The zero-copy case of tests/gpu/test_multirank.py greps this (JAXEP_ZERO_COPY=1 prototype).
+    print(f"ZERO_COPY {ME} {'on' if jaxep.runtime.zero_copy_enabled() else 'off'}", flush=True)
     nodrop = R * T * K
     cases = [
         ("bf16_uniform_nodrop", dict(T=T, H=H, K=K, E=E, C=nodrop, dtype=jnp.bfloat16, routing="uniform")),
@@ -327,6 +329,8 @@ def run_all(args) -> int:
             report(fn.__name__[5:], False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
             traceback.print_exc()
     passed = sum(ok for _, ok, _ in RESULTS)
+    info = jaxep._ffi.runtime_info() or {}
+    print(f"ZERO_COPY_CALLS {ME} {info.get('zero_copy_calls', 0)}", flush=True)
     print(f"SUMMARY {ME} {passed}/{len(RESULTS)}", flush=True)
     jaxep.finalize()  # collective unless a wait timed out (then local only)
     sys.stdout.flush()

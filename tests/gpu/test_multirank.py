@@ -41,13 +41,29 @@ def _launch(nproc: int, *args: str, timeout: float, env_extra=None) -> tuple[int
 # alternatives (JAXEP_DISPATCH_KERNEL=row, JAXEP_COMBINE_KERNEL=thread; also the topk > 32 paths)
 # must all give the oracle's bits.
 _ALT_KERNELS = {"JAXEP_DISPATCH_KERNEL": "row", "JAXEP_COMBINE_KERNEL": "thread"}
+# Zero-copy combine prototype (docs/zero_copy.md B1): XLA's pool registered into NVSHMEM, combine
+# reads peers' y in place; same bits, and rank 0 must say it was enabled and used.
+_ZERO_COPY = {"JAXEP_ZERO_COPY": "1", "NVSHMEM_CUMEM_GRANULARITY": "2097152",
+              "JAXEP_LOG_LEVEL": "INFO"}  # INFO: "jaxep zero-copy: on|off: <why>" in the output
 
 
 @pytest.mark.parametrize("nproc,kernels", [(2, "default"), (4, "default"), (8, "default"),
-                                           (2, "alternative")])
+                                           (2, "alternative"), (2, "zero-copy"), (8, "zero-copy")])
 def test_multirank_bitwise(nproc, kernels):
-    env = _ALT_KERNELS if kernels == "alternative" else {k: "" for k in _ALT_KERNELS}
+    env = {k: "" for k in _ALT_KERNELS}
+    env["JAXEP_ZERO_COPY"] = ""
+    if kernels == "alternative":
+        env.update(_ALT_KERNELS)
+    if kernels == "zero-copy":
+        env.update(_ZERO_COPY)
     rc, out, secs = _launch(nproc, "--case", "all", timeout=300, env_extra=env)
+    if kernels == "zero-copy":
+        assert re.search(r"^(?:\[rank 0\] )?ZERO_COPY 0 on$", out, re.M), (
+            f"rank 0 did not enable zero-copy (see 'jaxep zero-copy: off: ...' with "
+            f"JAXEP_LOG_LEVEL=INFO)\n--- output tail ---\n{out[-6000:]}")
+        calls = re.findall(r"^(?:\[rank \d+\] )?ZERO_COPY_CALLS (\d+) (\d+)$", out, re.M)
+        assert calls and all(int(n) > 0 for _, n in calls), (
+            f"no combine call left y in place: {calls}\n{out[-3000:]}")
     # jaxep.launch prefixes every line of rank i with "[rank i] ".
     results = re.findall(r"^(?:\[rank \d+\] )?RESULT (\d+) (\S+) (ok|FAIL) ?(.*)$", out, re.M)
     fails = [r for r in results if r[2] == "FAIL"]

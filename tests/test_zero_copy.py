@@ -1,0 +1,210 @@
+"""Zero-copy combine prototype (JAXEP_ZERO_COPY=1, docs/zero_copy.md B1), CPU tier: the opt-in,
+the decision (identical on every rank, from every rank's facts) and the setup sequence with a fake
+extension and a fake key-value store. The registration and the kernels run only in tests/gpu."""
+from __future__ import annotations
+
+import json
+import re
+import types
+
+import pytest
+
+import test_runtime_checks as trc  # tests/ is on sys.path (pytest's rootdir-relative import)
+from jaxep import runtime, zero_copy
+
+GIB = 1 << 30
+POOL = 13 * GIB + 2 * (1 << 20)  # a 2 MiB multiple, like XLA's preallocated BFC pool
+
+
+def _facts(rank, **kw):
+    f = dict(rank=rank, requested=True, base=0x7f0000000000 + rank * POOL, size=POOL, vmm=1,
+             handle_types=zero_copy.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, gran_rec=2 << 20,
+             why="", gran_env="2097152", want_handle=zero_copy.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+             nvshmem="3.8.0", supported=True, asserts=False, error_checks=False, shared_gpu=True)
+    f.update(kw)
+    return f
+
+
+def _all(n=8, per_rank=None):
+    """n ranks' facts; per_rank maps a rank to overrides."""
+    return [_facts(r, **(per_rank or {}).get(r, {})) for r in range(n)]
+
+
+@pytest.mark.parametrize("value,on", [("1", True), (" 1 ", True), ("", False), ("0", False),
+                                      ("true", False), (None, False)])
+def test_requested_only_by_exactly_one(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(zero_copy.ENV, raising=False)
+    else:
+        monkeypatch.setenv(zero_copy.ENV, value)
+    assert zero_copy.requested() is on
+
+
+def test_all_ranks_equal_turns_it_on():
+    on, why = zero_copy.decide(_all())
+    assert on and "one VMM allocation" in why
+
+
+@pytest.mark.parametrize("facts,reason", [
+    (_all(2, {1: dict(size=POOL - (2 << 20))}), "pool sizes differ"),
+    (_all(4, {2: dict(vmm=0, why="not a VMM allocation (cuMemRetainAllocationHandle failed (1))")}),
+     r"not one VMM allocation on ranks \[2\]"),
+    (_all(2, {0: dict(gran_env=None), 1: dict(gran_env=None)}), "NVSHMEM_CUMEM_GRANULARITY must be"),
+    (_all(2, {1: dict(gran_env=None)}), "NVSHMEM_CUMEM_GRANULARITY must be"),
+    (_all(2, {0: dict(gran_env="512M"), 1: dict(gran_env="512M")}), "NVSHMEM_CUMEM_GRANULARITY"),
+    (_all(2, {1: dict(requested=False)}), r"JAXEP_ZERO_COPY=1 is not set on ranks \[1\]"),
+    (_all(2, {0: dict(nvshmem="3.3.8")}), "needs >= 3.3.9"),
+    (_all(2, {1: dict(supported=False)}), "needs >= 3.3.9"),
+    (_all(2, {1: dict(handle_types=zero_copy.CU_MEM_HANDLE_TYPE_FABRIC)}), "lack NVSHMEM's heap type"),
+    (_all(2, {1: dict(asserts=None)}), "assert"),
+    (_all(2, {0: dict(error_checks=True)}), "NVSHMEM_ENABLE_ERROR_CHECKS"),
+    ([_facts(r, size=POOL + 4096) for r in range(2)], "not a multiple of NVSHMEM's granularity"),
+])
+def test_any_condition_off_turns_it_off_with_a_reason(facts, reason):
+    on, why = zero_copy.decide(facts)
+    assert not on
+    assert re.search(reason, why), why
+
+
+def test_small_pool_does_not_need_the_assert_check():
+    facts = [_facts(r, size=2 * GIB, asserts=True) for r in range(2)]
+    assert zero_copy.decide(facts)[0]
+
+
+def test_granularity_in_nvshmem_syntax_is_accepted():
+    assert zero_copy.decide(_all(2, {r: dict(gran_env="2M") for r in range(2)}))[0]
+
+
+def test_decision_is_the_same_whatever_rank_evaluates_it():
+    facts = _all(4, {3: dict(size=POOL * 2)})
+    assert len({zero_copy.decide(json.loads(json.dumps(facts))) for _ in range(4)}) == 1
+
+
+class FakeExt:
+    def __init__(self, reg=("", False, 12.5)):
+        self.reg, self.registered, self.enabled = reg, [], 0
+
+    def nvshmem_version(self):
+        return "3.8.0"
+
+    def pool_registration_supported(self):
+        return True
+
+    def register_pool(self, base, size):
+        self.registered.append((base, size))
+        return self.reg
+
+    def enable_pool(self):
+        self.enabled += 1
+
+
+class FakeKV:
+    """JAX's key-value store as setup uses it; `peers` pre-publishes the other ranks' values."""
+
+    def __init__(self, peers):
+        self.kv = dict(peers)
+
+    def key_value_set(self, k, v):
+        self.kv[k] = v
+
+    def blocking_key_value_get(self, k, ms):
+        if k not in self.kv:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {k}")
+        return self.kv[k]
+
+
+def _setup(ext, peer_facts, mine, registered_err=""):
+    peers = {f"jaxep/zero_copy/0/facts/{f['rank']}": json.dumps(f) for f in peer_facts}
+    peers.update({f"jaxep/zero_copy/0/registered/{f['rank']}":
+                  json.dumps({"rank": f["rank"], "err": registered_err}) for f in peer_facts})
+    kv = FakeKV(peers)
+    on = zero_copy.setup(ext, kv, 0, 1 + len(peer_facts), device=None, generation=0, wait_ms=10,
+                         pointer=lambda d: (0x1234, None),
+                         facts_fn=lambda e, ptr, rank: dict(mine, rank=rank))
+    return on, kv
+
+
+def test_setup_registers_and_enables_when_every_rank_agrees():
+    ext = FakeExt()
+    on, kv = _setup(ext, [_facts(1)], _facts(0))
+    assert on and ext.registered == [(_facts(0)["base"], POOL)] and ext.enabled == 1
+    assert json.loads(kv.kv["jaxep/zero_copy/0/facts/0"])["size"] == POOL
+
+
+def test_setup_off_does_not_register(caplog):
+    ext = FakeExt()
+    with caplog.at_level("INFO", logger="jaxep"):
+        on, _ = _setup(ext, [_facts(1, size=POOL * 2)], _facts(0))
+    assert not on and ext.registered == [] and ext.enabled == 0
+    assert "jaxep zero-copy: off: XLA's pool sizes differ" in caplog.text
+
+
+def test_setup_a_rank_without_the_variable_times_out_and_all_stay_off(caplog):
+    ext = FakeExt()
+    with caplog.at_level("INFO", logger="jaxep"):
+        on = zero_copy.setup(ext, FakeKV({}), 0, 2, None, 0, 10, pointer=lambda d: (1, None),
+                             facts_fn=lambda e, p, r: _facts(r))
+    assert not on and ext.registered == [] and "exchange of pool facts failed" in caplog.text
+
+
+def test_setup_a_peer_without_peer_addresses_keeps_everyone_staging():
+    ext = FakeExt()
+    on, _ = _setup(ext, [_facts(1)], _facts(0), registered_err="nvshmem_ptr ... NULL for PE 0")
+    assert not on and len(ext.registered) == 1 and ext.enabled == 0
+
+
+def test_setup_refused_registration_is_fatal():
+    ext = FakeExt(reg=("returned NULL", True, 3.0))
+    with pytest.raises(RuntimeError, match="NVSHMEM freed its heap"):
+        _setup(ext, [_facts(1)], _facts(0))
+
+
+# --- the hook in jaxep.initialize: untouched without the variable -------------------------------
+
+def _fake_runtime(monkeypatch):
+    """The minimum of test_runtime_checks.py's fake for _init_multi_rank to reach runtime_init."""
+    from jax._src import distributed
+    ext = trc.FakeExt()
+    monkeypatch.setattr(runtime._ffi, "_module", ext)  # pylint: disable=protected-access
+    monkeypatch.setattr(runtime._ffi, "multi_rank_built", lambda: True)  # pylint: disable=protected-access
+    monkeypatch.setattr(runtime.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(runtime.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(runtime.jax, "local_devices", lambda: [trc._device(0)])  # pylint: disable=protected-access
+    monkeypatch.setattr(runtime.jax, "devices", lambda: [trc._device(0), trc._device(1)])  # pylint: disable=protected-access
+    monkeypatch.setattr(runtime, "_start_watchdog", lambda: None)
+    for k in ("NVSHMEM_SYMMETRIC_SIZE", "CUDA_MPS_PIPE_DIRECTORY"):
+        monkeypatch.delenv(k, raising=False)
+    kv = {}
+    client = types.SimpleNamespace(key_value_set_bytes=kv.__setitem__,
+                                   blocking_key_value_get_bytes=lambda k, ms: kv[k])
+    monkeypatch.setattr(distributed.global_state, "client", client)
+    return ext
+
+
+@pytest.mark.parametrize("value,called", [(None, False), ("0", False), ("1", True)])
+def test_initialize_calls_setup_only_with_the_variable(monkeypatch, value, called):
+    ext = _fake_runtime(monkeypatch)
+    calls = []
+    monkeypatch.setattr(zero_copy, "setup", lambda *a, **k: calls.append(a) or True)
+    if value is None:
+        monkeypatch.delenv(zero_copy.ENV, raising=False)
+    else:
+        monkeypatch.setenv(zero_copy.ENV, value)
+    try:
+        runtime._init_multi_rank(trc.CFG)  # pylint: disable=protected-access
+        assert len(ext.inits) == 1 and bool(calls) is called
+        assert runtime.zero_copy_enabled() is called
+    finally:
+        runtime._state.multi_rank = runtime._state.zero_copy = False  # pylint: disable=protected-access
+
+
+def test_fatal_registration_drops_the_runtime_locally(monkeypatch):
+    ext = _fake_runtime(monkeypatch)
+    monkeypatch.setenv(zero_copy.ENV, "1")
+
+    def refuse(*a, **k):
+        raise RuntimeError("jaxep.initialize: zero-copy registration failed")
+    monkeypatch.setattr(zero_copy, "setup", refuse)
+    with pytest.raises(RuntimeError, match="zero-copy registration failed"):
+        runtime._init_multi_rank(trc.CFG)  # pylint: disable=protected-access
+    assert ext.finalized == [False] and not runtime._state.multi_rank  # pylint: disable=protected-access
