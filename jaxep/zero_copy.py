@@ -157,16 +157,16 @@ def decide(facts: list[dict]) -> tuple[bool, str]:
     off = [f["rank"] for f in facts if not f["requested"]]
     if off:
         return False, f"{ENV}=1 is not set on ranks {off}"
-    old = {f["rank"]: f["nvshmem"] for f in facts
-           if not f["supported"] or _version(f["nvshmem"]) < MIN_NVSHMEM}
-    if old:
-        return False, (f"NVSHMEM without nvshmemx_buffer_register_symmetric (needs >= 3.3.9) on "
-                       f"ranks {old}")
     notvmm = {f["rank"]: f["why"] for f in facts if not f["vmm"]}
     if notvmm:
         return False, (f"XLA's pool is not one VMM allocation on ranks {sorted(notvmm)}: "
                        f"{next(iter(notvmm.values()))} (jax >= 0.10.2 with preallocation: "
                        "XLA_PYTHON_CLIENT_PREALLOCATE, XLA_PYTHON_CLIENT_ALLOCATOR?)")
+    old = {f["rank"]: f["nvshmem"] for f in facts
+           if not f["supported"] or _version(f["nvshmem"]) < MIN_NVSHMEM}
+    if old:
+        return False, (f"NVSHMEM without nvshmemx_buffer_register_symmetric (needs >= 3.3.9) on "
+                       f"ranks {old}")
     sizes = [f["size"] for f in facts]
     if len(set(sizes)) != 1:
         return False, f"XLA's pool sizes differ across ranks: {sizes}"
@@ -218,9 +218,16 @@ def setup(ext, client, rank: int, nproc: int, device, generation: int, wait_ms: 
     Only called where JAXEP_ZERO_COPY=1; a rank without it never gets here, so the others time
     out on its facts after wait_ms and all decide off."""
     key = f"jaxep/zero_copy/{generation}"
-    ptr, keep = pointer(device)
-    mine = facts_fn(ext, ptr, rank)
-    del keep
+    try:
+        ptr, keep = pointer(device)
+        mine = facts_fn(ext, ptr, rank)
+        del keep
+    except Exception as e:  # pylint: disable=broad-except
+        # Still publish (peers wait for these facts); vmm=0 turns it off on every rank.
+        mine = dict(rank=rank, requested=True, base=0, size=0, vmm=0, handle_types=0, gran_rec=0,
+                    why=f"pool query failed: {type(e).__name__}: {e}", gran_env=None,
+                    want_handle=CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, nvshmem="",
+                    supported=False, asserts=None, error_checks=False, shared_gpu=False)
     try:
         facts = _exchange(client, key + "/facts", rank, nproc, mine, wait_ms)
     except Exception as e:  # pylint: disable=broad-except

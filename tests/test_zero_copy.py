@@ -147,6 +147,17 @@ def test_setup_a_rank_without_the_variable_times_out_and_all_stay_off(caplog):
     assert not on and ext.registered == [] and "exchange of pool facts failed" in caplog.text
 
 
+def test_setup_a_failing_local_query_still_publishes_and_turns_it_off(caplog):
+    ext, kv = FakeExt(), FakeKV({"jaxep/zero_copy/0/facts/1": json.dumps(_facts(1))})
+
+    def broken(device):
+        raise AttributeError("no unsafe_buffer_pointer")
+    with caplog.at_level("INFO", logger="jaxep"):
+        on = zero_copy.setup(ext, kv, 0, 2, None, 0, 10, pointer=broken)
+    assert not on and ext.registered == [] and "jaxep/zero_copy/0/facts/0" in kv.kv
+    assert "pool query failed: AttributeError" in caplog.text
+
+
 def test_setup_a_peer_without_peer_addresses_keeps_everyone_staging():
     ext = FakeExt()
     on, _ = _setup(ext, [_facts(1)], _facts(0), registered_err="nvshmem_ptr ... NULL for PE 0")
