@@ -82,9 +82,10 @@ mr::CombineKernel CombineKernelFromEnv() {
   return k;
 }
 
-// Zero-copy combine: the offset of y (bytes [ptr, ptr + bytes)) in this rank's registered XLA
-// pool when it lies entirely inside and is 16-byte aligned (peers may read it in 16-byte units),
-// else kStagedSrc (stage as without a pool). Each rank decides for itself, per call.
+// Zero-copy: the offset of a call's source rows (dispatch / dispatch_rows: x, combine: y; bytes
+// [ptr, ptr + bytes)) in this rank's registered XLA pool when they lie entirely inside and are
+// 16-byte aligned (peers may read them in 16-byte units), else kStagedSrc (stage them as without a
+// pool). Each rank decides for itself, per call.
 uint64_t ZeroCopySrcOff(const mr::Team& team, const void* ptr, int64_t bytes) {
   const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
   if (team.pool_size == 0 || bytes <= 0 || p % 16 != 0 || p < team.pool_base ||
@@ -93,6 +94,26 @@ uint64_t ZeroCopySrcOff(const mr::Team& team, const void* ptr, int64_t bytes) {
     return mr::kStagedSrc;
   }
   return p - team.pool_base;
+}
+
+// Zero-copy, before the ready signal: with a pool, every rank publishes its src_off on every call
+// (readers always look), staged or not.
+ffi::Error PublishSrcOff(std::string_view target, const mr::Team& team, uint64_t src_off,
+                         cudaStream_t stream) {
+  if (team.pool_size == 0) return ffi::Error::Success();
+  if (src_off != mr::kStagedSrc) rt::NoteZeroCopyCall();
+  return Cuda(target, "publish src_off", mr::LaunchPublishSrcOff(team, src_off, stream));
+}
+
+// Zero-copy, last step of a call that left its input in place: XLA may reuse that buffer once
+// this call's stream work ends, so the call ends only after every peer finished reading it
+// (free[p] >= seq). Bounded like every wait.
+ffi::Error WaitZeroCopyReaders(std::string_view target, const mr::Team& team, uint64_t src_off,
+                               int32_t op, uint64_t seq, cudaStream_t stream) {
+  if (src_off == mr::kStagedSrc) return ffi::Error::Success();
+  return Cuda(target, "wait zero-copy readers",
+              mr::LaunchSync(team, mr::kFlagNone, 0, mr::kFlagFree, seq, mr::kPhaseZeroCopy, op,
+                             seq, stream));
 }
 
 // Carves 256-byte aligned regions out of one scratch allocation.
@@ -167,14 +188,18 @@ ffi::Error MultiRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
   JAXEP_TRY(kT, "wait free", mr::LaunchSync(*team, mr::kFlagNone, 0, mr::kFlagFree, seq - 1,
                                             mr::kPhaseFree, mr::kOpDispatch, seq, stream));
   const mr::SymLayout& lay = team->lay;
+  // Zero-copy: x inside the registered pool is read by peers where it is (not staged).
+  const uint64_t src_off = ZeroCopySrcOff(*team, x.untyped_data(), tokens * row_bytes);
   const mr::StageCopy copies[6] = {
-      {x.untyped_data(), static_cast<size_t>(tokens * row_bytes), lay.stage},
       {sorted_slot, ints, lay.sorted_slot},
       {sorted_w, ints, lay.sorted_w},
       {counts, static_cast<size_t>(num_experts) * 4, lay.counts},
       {order, ints, lay.slot_order},
-      {topk_idx_out, ints, lay.slot_expert}};
-  JAXEP_TRY(kT, "stage", mr::LaunchStage(*team, copies, 6, stream));
+      {topk_idx_out, ints, lay.slot_expert},
+      {x.untyped_data(), static_cast<size_t>(tokens * row_bytes), lay.stage}};  // x: last
+  const int num_copies = src_off == mr::kStagedSrc ? 6 : 5;
+  JAXEP_TRY(kT, "stage", mr::LaunchStage(*team, copies, num_copies, stream));
+  if (ffi::Error e = PublishSrcOff(kT, *team, src_off, stream); e.failure()) return e;
   JAXEP_TRY(kT, "ready", mr::LaunchSync(*team, mr::kFlagReady, seq, mr::kFlagReady, seq,
                                         mr::kPhaseReady, mr::kOpDispatch, seq, stream));
   // 5. Prefix sums over all sources' counts, then the pull into XLA's outputs.
@@ -200,7 +225,7 @@ ffi::Error MultiRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
   // 6. Peers may overwrite what I read.
   JAXEP_TRY(kT, "signal free", mr::LaunchSync(*team, mr::kFlagFree, seq, mr::kFlagNone, 0,
                                               mr::kPhaseNone, mr::kOpDispatch, seq, stream));
-  return ffi::Error::Success();
+  return WaitZeroCopyReaders(kT, *team, src_off, mr::kOpDispatch, seq, stream);
 }
 
 ffi::Error MultiRankDispatchRows(cudaStream_t stream, const ffi::AnyBuffer& x,
@@ -217,9 +242,13 @@ ffi::Error MultiRankDispatchRows(cudaStream_t stream, const ffi::AnyBuffer& x,
   const uint64_t seq = rt::NextSeq();
   JAXEP_TRY(kT, "wait free", mr::LaunchSync(*team, mr::kFlagNone, 0, mr::kFlagFree, seq - 1,
                                             mr::kPhaseFree, mr::kOpDispatchRows, seq, stream));
-  const mr::StageCopy copy{x.untyped_data(), static_cast<size_t>(tokens * row_bytes),
-                           team->lay.stage};
-  JAXEP_TRY(kT, "stage", mr::LaunchStage(*team, &copy, 1, stream));
+  const uint64_t src_off = ZeroCopySrcOff(*team, x.untyped_data(), tokens * row_bytes);
+  if (src_off == mr::kStagedSrc) {
+    const mr::StageCopy copy{x.untyped_data(), static_cast<size_t>(tokens * row_bytes),
+                             team->lay.stage};
+    JAXEP_TRY(kT, "stage", mr::LaunchStage(*team, &copy, 1, stream));
+  }
+  if (ffi::Error e = PublishSrcOff(kT, *team, src_off, stream); e.failure()) return e;
   JAXEP_TRY(kT, "ready", mr::LaunchSync(*team, mr::kFlagReady, seq, mr::kFlagReady, seq,
                                         mr::kPhaseReady, mr::kOpDispatchRows, seq, stream));
   JAXEP_TRY(kT, "pull", mr::LaunchRowsPull(*team, static_cast<int32_t>(tokens),
@@ -227,7 +256,7 @@ ffi::Error MultiRankDispatchRows(cudaStream_t stream, const ffi::AnyBuffer& x,
                                            row_bytes, recv_slot, x_rows.untyped_data(), stream));
   JAXEP_TRY(kT, "signal free", mr::LaunchSync(*team, mr::kFlagFree, seq, mr::kFlagNone, 0,
                                               mr::kPhaseNone, mr::kOpDispatchRows, seq, stream));
-  return ffi::Error::Success();
+  return WaitZeroCopyReaders(kT, *team, src_off, mr::kOpDispatchRows, seq, stream);
 }
 
 ffi::Error MultiRankCombine(cudaStream_t stream, const ffi::AnyBuffer& y, const float* weights,
@@ -257,10 +286,7 @@ ffi::Error MultiRankCombine(cudaStream_t stream, const ffi::AnyBuffer& y, const 
                                                     recv_slot, y.untyped_data(), team->lay.stage,
                                                     stream));
   }
-  if (team->pool_size != 0) {  // every rank publishes every call (readers always look)
-    JAXEP_TRY(kT, "publish src_off", mr::LaunchPublishSrcOff(*team, src_off, stream));
-    if (src_off != mr::kStagedSrc) rt::NoteZeroCopyCall();
-  }
+  if (ffi::Error e = PublishSrcOff(kT, *team, src_off, stream); e.failure()) return e;
   JAXEP_TRY(kT, "ready", mr::LaunchSync(*team, mr::kFlagReady, seq, mr::kFlagReady, seq,
                                         mr::kPhaseReady, mr::kOpCombine, seq, stream));
   const int32_t t32 = static_cast<int32_t>(tokens), k32 = static_cast<int32_t>(topk);
@@ -286,14 +312,7 @@ ffi::Error MultiRankCombine(cudaStream_t stream, const ffi::AnyBuffer& y, const 
   JAXEP_TRY(kT, "pull", err);
   JAXEP_TRY(kT, "signal free", mr::LaunchSync(*team, mr::kFlagFree, seq, mr::kFlagNone, 0,
                                               mr::kPhaseNone, mr::kOpCombine, seq, stream));
-  if (src_off != mr::kStagedSrc) {
-    // Lifetime: XLA may reuse y once this call's stream work ends, so the call ends only after
-    // every peer finished reading it (free[p] >= seq). Bounded like every wait.
-    JAXEP_TRY(kT, "wait zero-copy readers",
-              mr::LaunchSync(*team, mr::kFlagNone, 0, mr::kFlagFree, seq, mr::kPhaseZeroCopy,
-                             mr::kOpCombine, seq, stream));
-  }
-  return ffi::Error::Success();
+  return WaitZeroCopyReaders(kT, *team, src_off, mr::kOpCombine, seq, stream);
 }
 
 namespace {

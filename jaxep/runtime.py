@@ -37,8 +37,8 @@ log = logging.getLogger("jaxep")
 _BACKENDS = ("reference", "cuda")
 _PHASES = {0: "-", 1: "release (waiting for the peer to finish reading this rank's stage of the "
                       "previous call)", 2: "exchange (waiting for the peer's stage of this call)",
-           3: "zero-copy release (waiting for the peer to finish reading this rank's y of this "
-              "call in its XLA pool)"}
+           3: "zero-copy release (waiting for the peer to finish reading this rank's x or y of "
+              "this call in its XLA pool)"}
 _OPS = {1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back"}
 _NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE default
 _HEAP_RESERVE = 128 << 20        # NVSHMEM's own allocations from the symmetric heap
@@ -59,7 +59,7 @@ class _State:
     config: Config | None = None
     axis_name: str | None = None
     multi_rank: bool = False        # NVSHMEM runtime up in this process
-    zero_copy: bool = False         # JAXEP_ZERO_COPY=1 and XLA's pool registered on every rank
+    zero_copy: bool = False         # XLA's pool registered on every rank (JAXEP_ZERO_COPY != 0)
     generation: int = 0             # initialize() calls that set up NVSHMEM (key-value store keys)
     watchdog: threading.Thread | None = None
     stop: threading.Event | None = None
@@ -164,6 +164,7 @@ def _init_multi_rank(config: Config) -> None:
     if client is None:
         _fail("jax.distributed is not initialized (the unique id travels through its key-value "
               "store); call jax.distributed.initialize() or start with python -m jaxep.launch")
+    zero_copy.prepare_env()  # before NVSHMEM reads its environment (unique id, init)
     key = f"jaxep/nvshmem_uid/{_state.generation}"
     if pe == 0:
         uid = ext.unique_id()
@@ -173,14 +174,15 @@ def _init_multi_rank(config: Config) -> None:
         uid = client.blocking_key_value_get_bytes(key, wait_ms)
     ext.runtime_init(ordinal, pe, nproc, bytes(uid), config.max_tokens_per_rank, config.topk,
                      config.num_experts, cap, row_bytes, float(config.timeout_s))
-    if zero_copy.requested():  # opt-in prototype (docs/zero_copy.md, B1); unset: as before
-        wait_ms = int(max(60.0, config.timeout_s) * 1000)
-        try:
-            _state.zero_copy = zero_copy.setup(ext, client, pe, nproc, device, _state.generation,
-                                               wait_ms)
-        except RuntimeError:
-            ext.runtime_finalize(False)  # NVSHMEM's heap is gone: drop local state only
-            raise
+    # Zero-copy (docs/zero_copy.md, B1; JAXEP_ZERO_COPY=0 turns it off): every rank takes part
+    # in the decision, which is the same everywhere.
+    wait_ms = int(max(60.0, config.timeout_s) * 1000)
+    try:
+        _state.zero_copy = zero_copy.setup(ext, client, pe, nproc, device, _state.generation,
+                                           wait_ms)
+    except RuntimeError:
+        ext.runtime_finalize(False)  # NVSHMEM's heap is gone: drop local state only
+        raise
     _state.generation += 1
     _state.multi_rank = True
     _state.reported = False
@@ -283,7 +285,8 @@ def initialized_config() -> Config | None:
 
 
 def zero_copy_enabled() -> bool:
-    """True when combine may read peers' `y` in their XLA pools (JAXEP_ZERO_COPY=1 prototype)."""
+    """True when multi-rank calls may read peers' x / y in their XLA pools (docs/zero_copy.md;
+    on by default where possible, JAXEP_ZERO_COPY=0 turns it off)."""
     return _state.multi_rank and _state.zero_copy
 
 

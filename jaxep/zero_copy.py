@@ -1,17 +1,22 @@
-"""Zero-copy combine, prototype (docs/zero_copy.md, option B1; opt-in with JAXEP_ZERO_COPY=1).
+"""Zero-copy inputs (docs/zero_copy.md, option B1): on by default, JAXEP_ZERO_COPY=0 turns it off.
 
-At `jaxep.initialize` (multi-rank path, after the NVSHMEM runtime is up), when JAXEP_ZERO_COPY=1:
+Peers read a multi-rank call's source rows (dispatch / dispatch_rows: x, combine: y) where XLA put
+them instead of from a staged copy in NVSHMEM's heap. At `jaxep.initialize` (multi-rank path):
+  0. `prepare_env` (before NVSHMEM starts): NVSHMEM_CUMEM_GRANULARITY=2 MiB unless the user set it;
   1. `local_facts`: which allocation holds a small jax array on this rank's device (ctypes on the
      CUDA driver, as tools/probe_zero_copy.py): base, size, VMM or not, requested handle types,
      recommended granularity; plus NVSHMEM_CUMEM_GRANULARITY and the NVSHMEM library facts;
-  2. every rank publishes its facts in JAX's key-value store and reads all others';
+  2. every rank publishes its facts in JAX's key-value store and reads all others' (a rank with
+     JAXEP_ZERO_COPY=0 publishes that, so nobody waits for it);
   3. `decide(facts)`: a pure function of all ranks' facts, so every rank takes the same decision;
   4. if on: `ext.register_pool(base, size)` (collective nvshmemx_buffer_register_symmetric), a
      second exchange of "registered and every peer address known", then `ext.enable_pool()` on
-     all ranks or on none. From then on a combine whose `y` lies in the pool is not staged.
-Anything off: logged at INFO with the reason, and jaxep runs exactly as without the variable.
+     all ranks or on none. From then on a call whose source rows lie in the pool does not stage
+     them (it waits at its end until every peer has read them).
+Anything off: logged at INFO with the reason, and jaxep stages every input (the same results).
 NVSHMEM tears its heap down when a registration fails, so every condition it checks is checked
-here first, on every rank; a refusal after that is fatal (RuntimeError from initialize).
+here first, on every rank; a refusal after that is fatal (RuntimeError from initialize, which
+names JAXEP_ZERO_COPY=0 as the way out).
 """
 from __future__ import annotations
 
@@ -33,9 +38,20 @@ ASSERT_LIMIT = 1 << 32                # assert(size < 4 GiB) in register_heap_me
 MIN_NVSHMEM = (3, 3, 9)               # nvshmemx_buffer_register_symmetric
 
 
+_OFF_WORDS = ("0", "false", "off", "no")
+
+
 def requested() -> bool:
-    """JAXEP_ZERO_COPY=1 in this process's environment (anything else: off, today's path)."""
-    return os.environ.get(ENV, "").strip() == "1"
+    """Zero-copy is wanted by this process: JAXEP_ZERO_COPY unset or anything but 0/false/off/no."""
+    return os.environ.get(ENV, "").strip().lower() not in _OFF_WORDS
+
+
+def prepare_env() -> None:
+    """Before NVSHMEM reads its environment (the unique id, the init): the granularity zero-copy
+    needs, unless zero-copy is off or the user chose one (decide() then says why it is off)."""
+    if requested() and os.environ.get("NVSHMEM_CUMEM_GRANULARITY") is None:
+        os.environ["NVSHMEM_CUMEM_GRANULARITY"] = str(GRANULARITY)
+        log.debug("jaxep zero-copy: set NVSHMEM_CUMEM_GRANULARITY=%d (unset before)", GRANULARITY)
 
 
 def parse_size(text: str) -> int:
@@ -156,7 +172,7 @@ def decide(facts: list[dict]) -> tuple[bool, str]:
     NVSHMEM v3.4.5 mem_heap.cpp, see docs/zero_copy.md §2 and §5)."""
     off = [f["rank"] for f in facts if not f["requested"]]
     if off:
-        return False, f"{ENV}=1 is not set on ranks {off}"
+        return False, f"turned off ({ENV}=0) on ranks {off}"
     notvmm = {f["rank"]: f["why"] for f in facts if not f["vmm"]}
     if notvmm:
         return False, (f"XLA's pool is not one VMM allocation on ranks {sorted(notvmm)}: "
@@ -212,22 +228,28 @@ def _exchange(client, key: str, rank: int, nproc: int, value: dict, wait_ms: int
     return [json.loads(client.blocking_key_value_get(f"{key}/{r}", wait_ms)) for r in range(nproc)]
 
 
+# A rank's facts when it has none to give (zero-copy off there, or its pool query failed).
+_NO_FACTS = dict(rank=-1, requested=True, base=0, size=0, vmm=0, handle_types=0, gran_rec=0, why="",
+                 gran_env=None, want_handle=CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, nvshmem="",
+                 supported=False, asserts=None, error_checks=False, shared_gpu=False)
+
+
 def setup(ext, client, rank: int, nproc: int, device, generation: int, wait_ms: int,
           pointer=_pool_pointer, facts_fn=local_facts) -> bool:
-    """Steps 1-4 of the module docstring; True when zero-copy combine is enabled (on all ranks).
-    Only called where JAXEP_ZERO_COPY=1; a rank without it never gets here, so the others time
-    out on its facts after wait_ms and all decide off."""
+    """Steps 1-4 of the module docstring; True when zero-copy is enabled (on all ranks). Called
+    by every rank (also with JAXEP_ZERO_COPY=0: its facts say so and every rank decides off); a
+    rank that never publishes makes the others time out after wait_ms and decide off."""
     key = f"jaxep/zero_copy/{generation}"
     try:
-        ptr, keep = pointer(device)
-        mine = facts_fn(ext, ptr, rank)
-        del keep
+        if not requested():
+            mine = dict(_NO_FACTS, rank=rank, requested=False, why=f"{ENV}=0")
+        else:
+            ptr, keep = pointer(device)
+            mine = facts_fn(ext, ptr, rank)
+            del keep
     except Exception as e:  # pylint: disable=broad-except
         # Still publish (peers wait for these facts); vmm=0 turns it off on every rank.
-        mine = dict(rank=rank, requested=True, base=0, size=0, vmm=0, handle_types=0, gran_rec=0,
-                    why=f"pool query failed: {type(e).__name__}: {e}", gran_env=None,
-                    want_handle=CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, nvshmem="",
-                    supported=False, asserts=None, error_checks=False, shared_gpu=False)
+        mine = dict(_NO_FACTS, rank=rank, why=f"pool query failed: {type(e).__name__}: {e}")
     try:
         facts = _exchange(client, key + "/facts", rank, nproc, mine, wait_ms)
     except Exception as e:  # pylint: disable=broad-except
@@ -242,7 +264,7 @@ def setup(ext, client, rank: int, nproc: int, device, generation: int, wait_ms: 
     if fatal:
         raise RuntimeError(f"jaxep.initialize: zero-copy registration failed after every check "
                            f"passed ({err}); NVSHMEM freed its heap, so this process cannot run "
-                           f"the multi-rank path; unset {ENV}")
+                           f"the multi-rank path; set {ENV}=0")
     try:
         done = _exchange(client, key + "/registered", rank, nproc, {"rank": rank, "err": err},
                          wait_ms)
@@ -254,6 +276,6 @@ def setup(ext, client, rank: int, nproc: int, device, generation: int, wait_ms: 
         log.info("jaxep zero-copy: off: registration incomplete on ranks %s", bad)
         return False
     ext.enable_pool()
-    log.info("jaxep zero-copy: on (combine reads peers' y in their XLA pools): %s; pool "
+    log.info("jaxep zero-copy: on (dispatch and combine read peers' x and y in their XLA pools): %s; pool "
              "registered in %.1f ms (base %#x, NVSHMEM %s)", why, ms, mine["base"], mine["nvshmem"])
     return True

@@ -66,7 +66,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(runtime.jax, "local_devices", lambda: state.local)
     monkeypatch.setattr(runtime.jax, "devices", lambda: [_device(0), _device(1)])
     monkeypatch.setattr(runtime, "_start_watchdog", lambda: None)
-    for k in ("NVSHMEM_SYMMETRIC_SIZE", "CUDA_MPS_PIPE_DIRECTORY"):
+    # NVSHMEM_CUMEM_GRANULARITY: jaxep.initialize sets it (zero-copy); monkeypatch restores it.
+    for k in ("NVSHMEM_SYMMETRIC_SIZE", "CUDA_MPS_PIPE_DIRECTORY", "NVSHMEM_CUMEM_GRANULARITY"):
         monkeypatch.delenv(k, raising=False)
     from jax._src import distributed
     monkeypatch.setattr(distributed.global_state, "client", None)

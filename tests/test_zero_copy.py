@@ -1,9 +1,10 @@
-"""Zero-copy combine prototype (JAXEP_ZERO_COPY=1, docs/zero_copy.md B1), CPU tier: the opt-in,
-the decision (identical on every rank, from every rank's facts) and the setup sequence with a fake
-extension and a fake key-value store. The registration and the kernels run only in tests/gpu."""
+"""Zero-copy inputs (docs/zero_copy.md B1; on by default, JAXEP_ZERO_COPY=0 off), CPU tier: the
+switch, the decision (identical on every rank, from every rank's facts) and the setup sequence with
+a fake extension and a fake key-value store. The registration and the kernels run only in tests/gpu."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import types
 
@@ -30,9 +31,10 @@ def _all(n=8, per_rank=None):
     return [_facts(r, **(per_rank or {}).get(r, {})) for r in range(n)]
 
 
-@pytest.mark.parametrize("value,on", [("1", True), (" 1 ", True), ("", False), ("0", False),
-                                      ("true", False), (None, False)])
-def test_requested_only_by_exactly_one(monkeypatch, value, on):
+@pytest.mark.parametrize("value,on", [("1", True), (" 1 ", True), ("", True), (None, True),
+                                      ("0", False), (" 0 ", False), ("false", False), ("OFF", False),
+                                      ("no", False)])
+def test_on_unless_turned_off(monkeypatch, value, on):
     if value is None:
         monkeypatch.delenv(zero_copy.ENV, raising=False)
     else:
@@ -52,7 +54,7 @@ def test_all_ranks_equal_turns_it_on():
     (_all(2, {0: dict(gran_env=None), 1: dict(gran_env=None)}), "NVSHMEM_CUMEM_GRANULARITY must be"),
     (_all(2, {1: dict(gran_env=None)}), "NVSHMEM_CUMEM_GRANULARITY must be"),
     (_all(2, {0: dict(gran_env="512M"), 1: dict(gran_env="512M")}), "NVSHMEM_CUMEM_GRANULARITY"),
-    (_all(2, {1: dict(requested=False)}), r"JAXEP_ZERO_COPY=1 is not set on ranks \[1\]"),
+    (_all(2, {1: dict(requested=False)}), r"turned off \(JAXEP_ZERO_COPY=0\) on ranks \[1\]"),
     (_all(2, {0: dict(nvshmem="3.3.8")}), "needs >= 3.3.9"),
     (_all(2, {1: dict(supported=False)}), "needs >= 3.3.9"),
     (_all(2, {1: dict(handle_types=zero_copy.CU_MEM_HANDLE_TYPE_FABRIC)}), "lack NVSHMEM's heap type"),
@@ -139,7 +141,20 @@ def test_setup_off_does_not_register(caplog):
     assert "jaxep zero-copy: off: XLA's pool sizes differ" in caplog.text
 
 
-def test_setup_a_rank_without_the_variable_times_out_and_all_stay_off(caplog):
+def test_setup_a_rank_turned_off_publishes_that_and_all_stay_off(monkeypatch, caplog):
+    monkeypatch.setenv(zero_copy.ENV, "0")
+    ext, kv = FakeExt(), FakeKV({"jaxep/zero_copy/0/facts/1": json.dumps(_facts(1))})
+
+    def never(device):
+        raise AssertionError("a rank with zero-copy off must not query its pool")
+    with caplog.at_level("INFO", logger="jaxep"):
+        on = zero_copy.setup(ext, kv, 0, 2, None, 0, 10, pointer=never)
+    assert not on and ext.registered == [] and ext.enabled == 0
+    assert json.loads(kv.kv["jaxep/zero_copy/0/facts/0"])["requested"] is False
+    assert "off: turned off (JAXEP_ZERO_COPY=0) on ranks [0]" in caplog.text
+
+
+def test_setup_a_peer_that_never_publishes_times_out_and_all_stay_off(caplog):
     ext = FakeExt()
     with caplog.at_level("INFO", logger="jaxep"):
         on = zero_copy.setup(ext, FakeKV({}), 0, 2, None, 0, 10, pointer=lambda d: (1, None),
@@ -183,7 +198,8 @@ def _fake_runtime(monkeypatch):
     monkeypatch.setattr(runtime.jax, "local_devices", lambda: [trc._device(0)])  # pylint: disable=protected-access
     monkeypatch.setattr(runtime.jax, "devices", lambda: [trc._device(0), trc._device(1)])  # pylint: disable=protected-access
     monkeypatch.setattr(runtime, "_start_watchdog", lambda: None)
-    for k in ("NVSHMEM_SYMMETRIC_SIZE", "CUDA_MPS_PIPE_DIRECTORY"):
+    # NVSHMEM_CUMEM_GRANULARITY: jaxep.initialize sets it (zero-copy); monkeypatch restores it.
+    for k in ("NVSHMEM_SYMMETRIC_SIZE", "CUDA_MPS_PIPE_DIRECTORY", "NVSHMEM_CUMEM_GRANULARITY"):
         monkeypatch.delenv(k, raising=False)
     kv = {}
     client = types.SimpleNamespace(key_value_set_bytes=kv.__setitem__,
@@ -192,19 +208,40 @@ def _fake_runtime(monkeypatch):
     return ext
 
 
-@pytest.mark.parametrize("value,called", [(None, False), ("0", False), ("1", True)])
-def test_initialize_calls_setup_only_with_the_variable(monkeypatch, value, called):
+@pytest.mark.parametrize("setup_says", [True, False])
+def test_initialize_always_takes_part_in_the_decision(monkeypatch, setup_says):
     ext = _fake_runtime(monkeypatch)
     calls = []
-    monkeypatch.setattr(zero_copy, "setup", lambda *a, **k: calls.append(a) or True)
-    if value is None:
-        monkeypatch.delenv(zero_copy.ENV, raising=False)
-    else:
-        monkeypatch.setenv(zero_copy.ENV, value)
+    monkeypatch.setattr(zero_copy, "setup", lambda *a, **k: calls.append(a) or setup_says)
     try:
         runtime._init_multi_rank(trc.CFG)  # pylint: disable=protected-access
-        assert len(ext.inits) == 1 and bool(calls) is called
-        assert runtime.zero_copy_enabled() is called
+        assert len(ext.inits) == 1 and len(calls) == 1
+        assert runtime.zero_copy_enabled() is setup_says
+    finally:
+        runtime._state.multi_rank = runtime._state.zero_copy = False  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("value,preset,expect", [
+    (None, None, "2097152"),     # default: zero-copy wanted, NVSHMEM needs 2 MiB granularity
+    ("1", None, "2097152"),
+    ("0", None, None),           # off: NVSHMEM's environment untouched
+    (None, "536870912", "536870912"),  # the user's choice wins (decide() then says off, and why)
+])
+def test_initialize_sets_the_granularity_before_nvshmem_starts(monkeypatch, value, preset, expect):
+    ext = _fake_runtime(monkeypatch)
+    seen = []  # the variable when NVSHMEM first runs: rank 0's unique id, before its init
+    real_uid = ext.unique_id
+    monkeypatch.setattr(ext, "unique_id", lambda: seen.append(
+        os.environ.get("NVSHMEM_CUMEM_GRANULARITY")) or real_uid(), raising=False)
+    monkeypatch.setattr(zero_copy, "setup", lambda *a, **k: False)
+    for k, v in ((zero_copy.ENV, value), ("NVSHMEM_CUMEM_GRANULARITY", preset)):
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+    try:
+        runtime._init_multi_rank(trc.CFG)  # pylint: disable=protected-access
+        assert seen == [expect]
     finally:
         runtime._state.multi_rank = runtime._state.zero_copy = False  # pylint: disable=protected-access
 

@@ -2,7 +2,7 @@
 under `jaxep.launch` and prints one short table from the JSON files.
 
     python tools/bench_multirank.py --nproc 8 --experts 64,256 --outdir /tmp/bench
-    python tools/bench_multirank.py --nproc 8 --experts 64 --zero_copy   # prototype, files *_zc
+    python tools/bench_multirank.py --nproc 8 --experts 64 --staged  # JAXEP_ZERO_COPY=0, *_staged
     # runs, for each E (each a separate launch: jaxep.initialize fixes one Config per run):
     python -m jaxep.launch --nproc 8 --share-gpu --timeout 300 -m jaxep.bench --backend cuda \
         --tokens 4096 --hidden 7168 --topk 8 --experts E --dtype bfloat16 --iters 10 \
@@ -45,12 +45,10 @@ def bench_command(a, experts: int, base: str) -> list[str]:
 
 
 def rank_env(a) -> dict:
-    """The ranks' environment: kernel choices, and zero-copy on (--zero_copy) or off."""
+    """The ranks' environment: kernel choices, zero-copy on (default) or off (--staged)."""
     env = dict(os.environ, JAXEP_DISPATCH_KERNEL=a.dispatch_kernel,
-               JAXEP_COMBINE_KERNEL=a.combine_kernel, JAXEP_ZERO_COPY="")
-    if a.zero_copy:
-        env.update(JAXEP_ZERO_COPY="1", NVSHMEM_CUMEM_GRANULARITY="2097152")
-        env.setdefault("JAXEP_LOG_LEVEL", "INFO")
+               JAXEP_COMBINE_KERNEL=a.combine_kernel, JAXEP_ZERO_COPY="0" if a.staged else "")
+    env.setdefault("JAXEP_LOG_LEVEL", "INFO")  # "jaxep zero-copy: on|off: <why>" in the log
     return env
 
 
@@ -93,8 +91,8 @@ def table(rows) -> str:
                    f"{r.get('kernels', 'token/warp'):>11}")
     out.append("pcopy = every rank copies 1/N of the payload at once; pc/op = pcopy / op (> 1: faster "
                "than that copy); x/copy = op / copy of its least HBM bytes; h/op = multi-rank host "
-               "handler runs per op (expected 1); kernels d/c = JAXEP_DISPATCH_KERNEL/JAXEP_COMBINE_KERNEL of the run (+zc: "
-               "--zero_copy)")
+               "handler runs per op (expected 1); kernels d/c = JAXEP_DISPATCH_KERNEL/JAXEP_COMBINE_KERNEL of the run (+st: "
+               "--staged, zero-copy off)")
     return "\n".join(out)
 
 
@@ -126,10 +124,9 @@ def main(argv=None) -> int:
                    help="JAXEP_DISPATCH_KERNEL for the ranks (the multi-rank dispatch pull kernel)")
     p.add_argument("--combine_kernel", default="warp", choices=("warp", "thread"),
                    help="JAXEP_COMBINE_KERNEL for the ranks (the multi-rank combine pull kernel)")
-    p.add_argument("--zero_copy", action="store_true",
-                   help="zero-copy combine prototype (docs/zero_copy.md B1): JAXEP_ZERO_COPY=1 and "
-                        "NVSHMEM_CUMEM_GRANULARITY=2097152 for the ranks (JAXEP_LOG_LEVEL=INFO: the "
-                        "log says 'jaxep zero-copy: on|off: <why>'); files tagged _zc")
+    p.add_argument("--staged", action="store_true",
+                   help="JAXEP_ZERO_COPY=0 for the ranks: stage x and y in NVSHMEM's heap instead of "
+                        "reading them in XLA's pool (docs/zero_copy.md); files tagged _staged")
     p.add_argument("bench_args", nargs="*", help="more jaxep.bench flags (after --)")
     a = p.parse_args(argv)
     os.makedirs(a.outdir, exist_ok=True)
@@ -137,8 +134,8 @@ def main(argv=None) -> int:
     for e in (int(v) for v in a.experts.split(",")):
         kernels = f"{a.dispatch_kernel}/{a.combine_kernel}"
         tag = "" if kernels == "token/warp" else f"_{a.dispatch_kernel}_{a.combine_kernel}"
-        if a.zero_copy:
-            kernels, tag = kernels + "+zc", tag + "_zc"
+        if a.staged:
+            kernels, tag = kernels + "+st", tag + "_staged"
         base = os.path.join(a.outdir, f"bench_n{a.nproc}_e{e}{tag}")
         for stale in (base + ".json",):
             if os.path.exists(stale):

@@ -11,13 +11,14 @@
 #              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
 #   bench8_64a the same with the alternative kernels (JAXEP_DISPATCH_KERNEL=row,
 #              JAXEP_COMBINE_KERNEL=thread): same-run A/B, ~40 s
+#   bench8_64s the same with zero-copy off (--staged, JAXEP_ZERO_COPY=0): same-run A/B, ~40 s
 #   nn         pytest tests/gpu/test_nn_multirank.py: the jaxep.nn layer on 2 and 4 ranks vs the
 #              dense host reference, and examples/moe_flax.py --compare_backends (EP 1), ~125 s
 #   gputier    pytest of tests/gpu (multi-rank driver, EP=1 tier, bitwise, bench on 2 ranks), ~170 s
-#   bench4_64, bench8_256, bench4_64a   more bench setups, ~35 s each
+#   bench4_64, bench8_256, bench4_64a, bench4_64s   more bench setups, ~35 s each
 #   ep1small   jaxep-bench at EP=1 and the example's tiny sizes (cuda vs reference), ~10 s
 #   example    examples/moe_flax.py --compare_backends --dtype bfloat16 --steps 60, ~40 s
-#   probe      tools/probe_zero_copy.py on 8 ranks (docs/zero_copy.md experiment 1; never run yet)
+#   probe      tools/probe_zero_copy.py on 8 ranks (docs/zero_copy.md experiment 1; passed 2026-12-02)
 # All steps do not fit in one call: pick with STEPS (runs 5's list: "build mr bench8_64 bench8_64a
 # bench4_64 bench8_256 bench4_64a ep1small example", 372 s).
 # Output in $OUT: summary.txt (the table, printed last) and logs.tar.gz (every log, JSON, PNG).
@@ -66,16 +67,17 @@ fi
 python3 -c "import jaxep._ffi as f; print('extension', f.is_available(), f.unavailable_reason(), f.build_info())" \
   2>&1 | tail -1 | tee -a "$S" "$LOGS/build_info.txt"
 
-bench() {  # name nproc experts cap [dispatch kernel] [combine kernel]
+bench() {  # name nproc experts cap [dispatch kernel] [combine kernel] [more flags]
   local l; l=$(left); local to=$(( $4 < l ? $4 : l ))
   step "$1" "$4" 60 "$LOGS/$1.log" python3 tools/bench_multirank.py --nproc "$2" --experts "$3" \
     --iters 10 --timeout $(( to - 20 )) --outdir "$LOGS" --summary_json "$LOGS/$1.rows.json" \
-    --dispatch_kernel "${5:-token}" --combine_kernel "${6:-warp}" ${BENCH_EXTRA:-}
+    --dispatch_kernel "${5:-token}" --combine_kernel "${6:-warp}" ${7:-} ${BENCH_EXTRA:-}
 }
 # The multi-rank driver alone (STEPS=mr; gputier below runs it too).
 step mr 240 120 "$LOGS/mr.log" python3 -m pytest -v -rs -p no:cacheprovider tests/gpu/test_multirank.py
 bench bench8_64 8 64 150
 bench bench8_64a 8 64 120 row thread   # the alternative pull kernels: same inputs, same call
+bench bench8_64s 8 64 120 token warp --staged   # zero-copy off (JAXEP_ZERO_COPY=0): same-run A/B
 step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider tests/gpu/test_nn_multirank.py
 # The rest of tests/gpu, the multi-rank driver first (never run under pytest on a GPU before);
 # -v: a step cut by its timeout still shows which tests finished.
@@ -85,13 +87,14 @@ step gputier 300 120 "$LOGS/gputier.log" python3 -m pytest -v -rs -p no:cachepro
 bench bench4_64 4 64 120
 bench bench8_256 8 256 120
 bench bench4_64a 4 64 120 row thread
+bench bench4_64s 4 64 120 token warp --staged
 # EP=1 at the example's tiny sizes (cuda vs the reference in one run: per-call overheads) and the
 # example's own comparison at its default sizes.
 step ep1small 90 40 "$LOGS/ep1small.log" python3 -m jaxep.bench --backend cuda --tokens 2048 \
   --hidden 128 --topk 2 --experts 8 --dtype bfloat16 --iters 20 --json "$LOGS/ep1small.json"
 step example 180 60 "$LOGS/example.log" python3 examples/moe_flax.py --compare_backends \
   --dtype bfloat16 --steps 60
-# docs/zero_copy.md experiment 1 (never run yet): can peers read XLA's pool through NVSHMEM?
+# docs/zero_copy.md experiment 1 (passed on the H200, 2026-12-02): can peers read XLA's pool?
 step probe 240 60 "$LOGS/probe.log" env NVSHMEM_CUMEM_GRANULARITY=2097152 python3 -m jaxep.launch \
   --nproc 8 --share-gpu --timeout 200 tools/probe_zero_copy.py
 

@@ -11,9 +11,10 @@
 //   4. SIGNAL ready[me] = seq on every peer, then WAIT ready[p] >= seq for every p;
 //   5. PULL   read peers' stages through peer pointers into XLA's outputs (layout order);
 //   6. SIGNAL free[me] = seq on every peer.
-// Zero-copy combine (Team::pool_size > 0, JAXEP_ZERO_COPY=1): step 3 may skip the y rows and
-// publish their offset in XLA's registered pool (src_off) instead; such a rank then also
-//   7. WAITs free[p] >= seq for every p (peers finished reading y, which XLA may reuse next).
+// Zero-copy (Team::pool_size > 0: XLA's pool registered on every PE, docs/zero_copy.md): step 3
+// may skip the source rows (dispatch, dispatch_rows: x; combine: y) and publish their offset in
+// XLA's registered pool (src_off) instead; such a rank then also
+//   7. WAITs free[p] >= seq for every p (peers finished reading x / y, which XLA may reuse next).
 // `seq` is one counter per process, incremented by the host handler of every multi-rank call
 // (all ranks run the same program, so the n-th call is the same op everywhere). A rank never
 // overwrites its stage before every peer has read the previous one (step 2), and never reads a
@@ -40,7 +41,7 @@ enum Phase : int32_t {
   kPhaseNone = 0,
   kPhaseFree = 1,   // waiting for a peer to release my stage of the previous call
   kPhaseReady = 2,  // waiting for a peer's stage of this call
-  kPhaseZeroCopy = 3,  // combine, zero-copy: waiting for a peer to finish reading my y (this call)
+  kPhaseZeroCopy = 3,  // zero-copy: waiting for a peer to finish reading my x / y (this call)
 };
 
 // Host-mapped diagnostic record (cudaHostAllocMapped). `status` goes 0 -> 1 once (atomicCAS);
@@ -64,8 +65,9 @@ enum OpCode : int32_t { kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3, kO
 //   ready[kMaxRanks] u64   ready[p] = last seq whose stage peer p finished (written by p)
 //   free[kMaxRanks]  u64   free[p]  = last seq in which peer p finished reading my stage
 //   abort            u32   local only: sticky abort word
-//   src_off          u64   combine (zero-copy): byte offset of this rank's y in its XLA pool, or
-//                          kStagedSrc (y rows are in `stage`); same 256-byte region as abort
+//   src_off          u64   zero-copy: byte offset of this call's source rows (x or y) in this
+//                          rank's XLA pool, or kStagedSrc (they are in `stage`); same 256-byte
+//                          region as abort
 //   counts[E]        i32   dispatch: this source's valid slots per expert
 //   sorted_slot[N]   i32   dispatch: this source's valid slot ids (t*K+k) ordered by (expert, slot)
 //   sorted_w[N]      f32   dispatch: topk_weights of those slots
@@ -85,7 +87,7 @@ struct SymLayout {
 SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, int64_t capacity,
                         int64_t stage_row_bytes);
 
-// src_off value meaning "this call's y rows are in my stage" (docs/zero_copy.md, option B1).
+// src_off value meaning "this call's source rows are in my stage" (docs/zero_copy.md, option B1).
 constexpr uint64_t kStagedSrc = ~uint64_t{0};
 
 // What every kernel needs to reach its peers. Passed by value.

@@ -23,6 +23,8 @@ __global__ void __launch_bounds__(kRowThreads)
                        int64_t units_per_row, const void* meta_scratch, Unit* __restrict__ x_rows,
                        float* __restrict__ weights, int32_t* __restrict__ recv_slot) {
   if (Aborted(team)) return;
+  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank (stage or XLA pool)
+  LoadSrcRows(team, s_rows);
   const int R = team.size;
   const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
   const int nblk = experts;  // L * R blocks (l, s)
@@ -52,7 +54,7 @@ __global__ void __launch_bounds__(kRowThreads)
     const char* src_base = team.peer[s];
     const int32_t slot = reinterpret_cast<const int32_t*>(src_base + team.lay.sorted_slot)[idx];
     const int64_t t = slot / topk;
-    const Unit* src = reinterpret_cast<const Unit*>(src_base + team.lay.stage) + t * units_per_row;
+    const Unit* src = reinterpret_cast<const Unit*>(s_rows[s]) + t * units_per_row;
 #pragma unroll 4
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
     if (lane == 0) {
@@ -69,6 +71,7 @@ __global__ void __launch_bounds__(kRowThreads)
 // that chose several of this rank's experts is read once instead of once per expert. Rows
 // [kept, C) are zeroed by the same warps afterwards. Same output as DispatchPullKernel.
 constexpr int kMaxTokenTopk = 32;
+constexpr int kTokenBatch = 4;  // 16-byte units loaded per lane before storing them
 
 template <typename Unit>
 __global__ void __launch_bounds__(kRowThreads)
@@ -79,6 +82,8 @@ __global__ void __launch_bounds__(kRowThreads)
   if (Aborted(team)) return;
   constexpr int kWarps = kRowThreads / kWarpSize;
   __shared__ int s_dst[kWarps][kMaxTokenTopk];
+  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank (stage or XLA pool)
+  LoadSrcRows(team, s_rows);
   const int R = team.size, me = team.rank, L = experts / R;
   const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
   const int kept = *m.kept;
@@ -114,10 +119,24 @@ __global__ void __launch_bounds__(kRowThreads)
     const int n = __popc(mask);
     if (q >= 0) s_dst[wib][__popc(mask & ((1u << lane) - 1u))] = q;
     __syncwarp();
-    const Unit* src = reinterpret_cast<const Unit*>(src_base + team.lay.stage) + t * units_per_row;
-    for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
-      const Unit v = src[u];
-      for (int j = 0; j < n; ++j) x_rows[static_cast<int64_t>(s_dst[wib][j]) * units_per_row + u] = v;
+    const Unit* src = reinterpret_cast<const Unit*>(s_rows[s]) + t * units_per_row;
+    // kTokenBatch loads in flight per lane before the stores (the compiler cannot hoist a load
+    // above stores that might alias it).
+    for (int64_t u0 = lane; u0 < units_per_row; u0 += kWarpSize * kTokenBatch) {
+      Unit v[kTokenBatch];
+#pragma unroll
+      for (int i = 0; i < kTokenBatch; ++i) {
+        const int64_t u = u0 + i * kWarpSize;
+        if (u < units_per_row) v[i] = src[u];
+      }
+      for (int j = 0; j < n; ++j) {
+        Unit* dst = x_rows + static_cast<int64_t>(s_dst[wib][j]) * units_per_row;
+#pragma unroll
+        for (int i = 0; i < kTokenBatch; ++i) {
+          const int64_t u = u0 + i * kWarpSize;
+          if (u < units_per_row) dst[u] = v[i];
+        }
+      }
     }
     __syncwarp();  // s_dst is rewritten for the next item
   }
@@ -137,6 +156,8 @@ __global__ void __launch_bounds__(kRowThreads)
     RowsPullKernel(Team team, int32_t tokens, int32_t topk, int32_t rows, int64_t units_per_row,
                    const int32_t* __restrict__ recv_slot, Unit* __restrict__ x_rows) {
   if (Aborted(team)) return;
+  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank (stage or XLA pool)
+  LoadSrcRows(team, s_rows);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t wpb = blockDim.x / kWarpSize;
   const int64_t nwarps = gridDim.x * wpb;
@@ -148,7 +169,7 @@ __global__ void __launch_bounds__(kRowThreads)
     if (slot >= 0 && slot < all) {
       const int s = static_cast<int>(slot / per_rank);
       const int64_t t = (slot - s * per_rank) / topk;
-      const Unit* src = reinterpret_cast<const Unit*>(team.peer[s] + team.lay.stage) + t * units_per_row;
+      const Unit* src = reinterpret_cast<const Unit*>(s_rows[s]) + t * units_per_row;
 #pragma unroll 4
       for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
     } else {
@@ -190,9 +211,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   using P = Pack<T, VEC>;
   const int R = team.size;
   const int L = experts / R;
-  __shared__ const char* s_rows[kMaxRanks];  // CombineRowsBase of every rank, read once per block
-  if (threadIdx.x < R) s_rows[threadIdx.x] = CombineRowsBase(team, threadIdx.x);
-  __syncthreads();
+  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank, read once per block
+  LoadSrcRows(team, s_rows);
   P* out_packs = reinterpret_cast<P*>(out);
   const int64_t total = static_cast<int64_t>(tokens) * units_per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -252,11 +272,10 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ const P* s_src[kWarps][kMaxWarpTopk];  // row start (destination's stage or pool)
   __shared__ int s_dest[kWarps][kMaxWarpTopk];
   __shared__ float s_w[kWarps][kMaxWarpTopk];
-  __shared__ const char* s_rows[kMaxRanks];  // CombineRowsBase of every rank, read once per block
+  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank, read once per block
   const int R = team.size;
   const int L = experts / R;
-  if (threadIdx.x < R) s_rows[threadIdx.x] = CombineRowsBase(team, threadIdx.x);
-  __syncthreads();
+  LoadSrcRows(team, s_rows);
   const int lane = threadIdx.x % kWarpSize;
   const int wib = threadIdx.x / kWarpSize;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;

@@ -305,7 +305,7 @@ def run_all(args) -> int:
     jaxep.initialize(cfg)
     if ME == 0:
         print("runtime", jaxep._ffi.runtime_info(), flush=True)
-    # The zero-copy case of tests/gpu/test_multirank.py greps this (JAXEP_ZERO_COPY=1 prototype).
+    # The zero-copy and staged cases of tests/gpu/test_multirank.py grep this and ZERO_COPY_CALLS.
     print(f"ZERO_COPY {ME} {'on' if jaxep.runtime.zero_copy_enabled() else 'off'}", flush=True)
     nodrop = R * T * K
     cases = [
