@@ -241,6 +241,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_ATTEMPTS = 3
+_PORT_TAKEN = re.compile(r"Failed to add port to server|Address already in use")
+
+
+def coordinator_port_taken(failure) -> bool:
+    """The first failing rank (run_group's `failure`) was rank 0 and said it could not bind the
+    coordinator's port (jax.distributed's gRPC server)."""
+    return bool(failure) and failure[0][0] == 0 and any(
+        _PORT_TAKEN.search(line) for line in failure[0][1])
+
+
 def child_command(target: str, args, *, module: bool = False, init: bool = True) -> list[str]:
     """The bootstrap command line of one child."""
     return [sys.executable, "-m", "jaxep.launch", _CHILD_FLAG, "init" if init else "noinit",
@@ -338,8 +349,8 @@ def mps_stop(daemon: MpsDaemon, environ, wait_s: float = 15.0) -> str | None:
     if _mps_alive(daemon):
         # Its pipe directory is kept: without it nobody could send 'quit' any more.
         warning = warning or (
-            f"the MPS daemon still runs {wait_s:g} s after 'quit'; stop it with: echo quit | "
-            f"CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir} {daemon.control}")
+            f"the MPS daemon still runs {wait_s:g} s after 'quit' ({_mps_state(daemon)}); stop it "
+            f"with: echo quit | CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir} {daemon.control}")
     elif daemon.tmpdir:
         shutil.rmtree(daemon.tmpdir, ignore_errors=True)
     return warning
@@ -360,6 +371,25 @@ def _mps_alive(daemon: MpsDaemon) -> bool:
     except PermissionError:
         return True
     return not _exited(pid)
+
+
+def _mps_state(daemon: MpsDaemon) -> str:
+    """What made _mps_alive say alive, for the warning: the pid file's pid and its /proc state
+    and command, or the control pipe (the "still runs" warning's cause is not known yet)."""
+    try:
+        with open(os.path.join(daemon.pipe_dir, "nvidia-cuda-mps-control.pid")) as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        return "no pid file; control pipe present"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError as e:
+        return f"pid {pid}: {e.strerror}"
+    state = (stat[stat.rfind(")") + 1:].split() or ["?"])[0]
+    return f"pid {pid} state {state} cmd {cmd[:80]!r}"
 
 
 def _exited(pid: int) -> bool:
@@ -472,9 +502,11 @@ def _stop(ranks, grace, output):
         r.join(5.0)
 
 
-def run_group(commands, envs, *, timeout=None, grace=5.0, output=None, poll_s=0.05) -> int:
+def run_group(commands, envs, *, timeout=None, grace=5.0, output=None, poll_s=0.05,
+              failure=None) -> int:
     """Runs one child per command; returns 0 when all exit 0, else the first failure's code
-    (128 + signal for a signal), 124 on timeout, 130/143 when the launcher is interrupted."""
+    (128 + signal for a signal), 124 on timeout, 130/143 when the launcher is interrupted.
+    `failure` (a list): receives (rank, last output lines) of the first failing rank."""
     output = output or _Output()
     ranks = []
     start = time.monotonic()
@@ -491,6 +523,8 @@ def run_group(commands, envs, *, timeout=None, grace=5.0, output=None, poll_s=0.
                 failed.join(5.0)
                 output.log(f"rank {failed.rank} failed: {describe_status(code)}; "
                            "stopping the others")
+                if failure is not None:
+                    failure.append((failed.rank, list(failed.tail)))
                 _stop(ranks, grace, output)
                 _report(ranks, output, failed)
                 return code if code > 0 else 128 - code
@@ -645,16 +679,27 @@ def _launch(a, environ, output) -> int:
                 f"{k}={v}" for k, v in (("CUDA_MPS_PIPE_DIRECTORY", daemon.pipe_dir),
                                         ("CUDA_MPS_LOG_DIRECTORY", daemon.log_dir),
                                         ("CUDA_VISIBLE_DEVICES", daemon.gpu)) if v))
-        coordinator = f"127.0.0.1:{a.port or free_port()}"
-        plan = make_plan(a.nproc, coordinator, environ, share_gpu=a.share_gpu, gpus=gpus,
-                         mps_pipe_dir=daemon and daemon.pipe_dir,
-                         mps_log_dir=daemon and daemon.log_dir,
-                         mps_owned=bool(daemon and daemon.owned))
-        cmd = child_command(a.target, a.args, module=a.module, init=not a.no_init)
-        output.log(f"{a.nproc} ranks, coordinator {coordinator}, each running: {' '.join(cmd)}")
-        output.log("\n".join(plan.describe()))
-        code = run_group([cmd] * a.nproc, [plan.env(environ, r) for r in range(a.nproc)],
-                         timeout=a.timeout, grace=a.grace, output=output)
+        # A port picked free here may be taken before rank 0 binds it (seen once on the GPU
+        # machine): then the group is started again on a new port, up to PORT_ATTEMPTS times.
+        attempts = 1 if a.port else PORT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            coordinator = f"127.0.0.1:{a.port or free_port()}"
+            plan = make_plan(a.nproc, coordinator, environ, share_gpu=a.share_gpu, gpus=gpus,
+                             mps_pipe_dir=daemon and daemon.pipe_dir,
+                             mps_log_dir=daemon and daemon.log_dir,
+                             mps_owned=bool(daemon and daemon.owned))
+            cmd = child_command(a.target, a.args, module=a.module, init=not a.no_init)
+            output.log(f"{a.nproc} ranks, coordinator {coordinator}, each running: {' '.join(cmd)}")
+            output.log("\n".join(plan.describe()))
+            failure = []
+            code = run_group([cmd] * a.nproc, [plan.env(environ, r) for r in range(a.nproc)],
+                             timeout=a.timeout, grace=a.grace, output=output, failure=failure)
+            if code != 0 and attempt < attempts and coordinator_port_taken(failure):
+                output.log(f"rank 0 could not bind the coordinator port {coordinator} (taken "
+                           f"after the launcher picked it); starting all ranks again on a new "
+                           f"port (attempt {attempt + 1} of {attempts})")
+                continue
+            break
         output.log("all ranks exited 0" if code == 0 else f"exiting with {code}")
         return code
     except _Interrupted as e:  # a signal outside run_group (e.g. while MPS starts)

@@ -390,3 +390,55 @@ def test_mps_alive_treats_a_zombie_daemon_as_stopped(tmp_path):
         assert launch._mps_alive(daemon)  # pylint: disable=protected-access  # this process: alive
     finally:
         os.waitpid(pid, 0)
+
+
+def test_a_taken_coordinator_port_starts_the_group_again(monkeypatch, capsys):
+    """Rank 0 failing to bind the picked port (seen on the GPU machine): a new port, same group."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    seen = []
+
+    def fake_group(commands, envs, failure=None, **kw):
+        seen.append(envs[0]["JAXEP_COORDINATOR"])
+        if len(seen) == 1:
+            failure.append((0, ["E1202 add_port.cc:83] Failed to add port to server: ... "
+                                "Address already in use"]))
+            return 139
+        return 0
+
+    monkeypatch.setattr(launch, "run_group", fake_group)
+    ports = iter([41001, 41002])
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports))
+    assert launch.main(["--nproc", "2", "x.py"]) == 0
+    assert seen == ["127.0.0.1:41001", "127.0.0.1:41002"]
+    assert "could not bind the coordinator port 127.0.0.1:41001" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("failure", [
+    [(1, ["Address already in use"])],   # not the coordinator's rank
+    [(0, ["ValueError: bad flag"])],     # another failure: never hidden by a retry
+    []])
+def test_other_failures_are_not_retried(monkeypatch, failure):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    calls = []
+
+    def fake_group(commands, envs, failure=None, **kw):
+        calls.append(1)
+        failure.extend(failure_in)
+        return 1
+    failure_in = failure
+    monkeypatch.setattr(launch, "run_group", fake_group)
+    assert launch.main(["--nproc", "2", "x.py"]) == 1
+    assert len(calls) == 1 and not launch.coordinator_port_taken(failure)
+
+
+def test_an_explicit_port_is_never_changed(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    calls = []
+
+    def fake_group(commands, envs, failure=None, **kw):
+        calls.append(envs[0]["JAXEP_COORDINATOR"])
+        failure.append((0, ["Address already in use"]))
+        return 139
+    monkeypatch.setattr(launch, "run_group", fake_group)
+    assert launch.main(["--nproc", "2", "--port", "41005", "x.py"]) == 139
+    assert calls == ["127.0.0.1:41005"]
