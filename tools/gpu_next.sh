@@ -15,6 +15,7 @@
 #   nn         pytest tests/gpu/test_nn_multirank.py: the jaxep.nn layer on 2 and 4 ranks vs the
 #              dense host reference, and examples/moe_flax.py --compare_backends (EP 1), ~125 s
 #   gputier    pytest of tests/gpu (multi-rank driver, EP=1 tier, bitwise, bench on 2 ranks), ~170 s
+#   ep1        pytest of tests/gpu without test_multirank.py (EP=1 tier, bitwise, bench on 2 ranks)
 #   bench4_64, bench8_256, bench4_64a, bench4_64s   more bench setups, ~35 s each
 #   ep1small   jaxep-bench at EP=1 and the example's tiny sizes (cuda vs reference), ~10 s
 #   example    examples/moe_flax.py --compare_backends --dtype bfloat16 --steps 60, ~40 s
@@ -84,6 +85,10 @@ step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider test
 step gputier 300 120 "$LOGS/gputier.log" python3 -m pytest -v -rs -p no:cacheprovider \
   tests/gpu/test_multirank.py tests/gpu/test_cuda_ep1.py tests/gpu/test_backends_bitwise.py \
   tests/gpu/test_bench_multirank.py
+# The EP=1 tier, the backends' bitwise comparison and the bench's own test (gputier without the
+# multi-rank driver: STEPS="mr ep1" covers gputier in ~60 s less).
+step ep1 200 60 "$LOGS/ep1.log" python3 -m pytest -v -rs -p no:cacheprovider \
+  tests/gpu/test_cuda_ep1.py tests/gpu/test_backends_bitwise.py tests/gpu/test_bench_multirank.py
 bench bench4_64 4 64 120
 bench bench8_256 8 256 120
 bench bench4_64a 4 64 120 row thread
@@ -104,9 +109,9 @@ timeout 30 python3 -m jaxep.doctor > "$LOGS/doctor.log" 2>&1 || true
 {
   echo "--- layer test and example (from nn.log) ---"
   grep -hE "^rank [0-9]+ (hlo|step[0-9]) (ok|FAIL)|cuda [0-9]+ tokens/s, reference" "$LOGS/nn.log" 2>/dev/null | cut -c1-200 | head -16
-  grep -hE "^(FAILED|ERROR) |(PASSED|FAILED|SKIPPED|ERROR) +\[" "$LOGS/nn.log" "$LOGS/mr.log" "$LOGS/gputier.log" 2>/dev/null \
+  grep -hE "^(FAILED|ERROR) |(PASSED|FAILED|SKIPPED|ERROR) +\[" "$LOGS/nn.log" "$LOGS/mr.log" "$LOGS/gputier.log" "$LOGS/ep1.log" 2>/dev/null \
     | grep -vE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" | cut -c1-160 | head -14
-  grep -hcE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" "$LOGS/gputier.log" 2>/dev/null \
+  cat "$LOGS/gputier.log" "$LOGS/ep1.log" 2>/dev/null | grep -cE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" \
     | sed 's/^/EP=1 tier tests passed: /'
 
   grep -hE "cuda [0-9]+ tokens/s, reference|^throughput|dense check" "$LOGS/example.log" 2>/dev/null | cut -c1-200
