@@ -357,13 +357,18 @@ def mps_stop(daemon: MpsDaemon, environ, wait_s: float = 15.0) -> str | None:
 
 
 def _mps_alive(daemon: MpsDaemon) -> bool:
-    """The daemon's pid file (when it wrote one) names a live process; else its control pipe is
-    still there."""
+    """The daemon's pid file (when it wrote one) names a live process; else a live MPS process
+    (control daemon or server) has this daemon's pipe directory in its environment; else (no
+    /proc) its control pipe is still there. On the lent GPU machine the daemon writes no pid file
+    and leaves its `control` pipe behind after 'quit', so the pipe alone proves nothing."""
     try:
         with open(os.path.join(daemon.pipe_dir, "nvidia-cuda-mps-control.pid")) as f:
             pid = int(f.read().strip())
     except (OSError, ValueError):
-        return os.path.exists(os.path.join(daemon.pipe_dir, "control"))
+        pids = _mps_pids(daemon.pipe_dir)
+        if pids is None:
+            return os.path.exists(os.path.join(daemon.pipe_dir, "control"))
+        return bool(pids)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -373,6 +378,29 @@ def _mps_alive(daemon: MpsDaemon) -> bool:
     return not _exited(pid)
 
 
+def _mps_pids(pipe_dir: str, proc: str = "/proc") -> list[int] | None:
+    """Live (not zombie) processes with "nvidia-cuda-mps" in their command line and
+    CUDA_MPS_PIPE_DIRECTORY=pipe_dir in their environment; None where there is no /proc."""
+    if not os.path.isdir(proc):
+        return None
+    want = f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}".encode()
+    pids = []
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, name, "cmdline"), "rb") as f:
+                if b"nvidia-cuda-mps" not in f.read():
+                    continue
+            with open(os.path.join(proc, name, "environ"), "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if want in env and not _exited(int(name)):
+            pids.append(int(name))
+    return pids
+
+
 def _mps_state(daemon: MpsDaemon) -> str:
     """What made _mps_alive say alive, for the warning: the pid file's pid and its /proc state
     and command, or the control pipe (the "still runs" warning's cause is not known yet)."""
@@ -380,7 +408,7 @@ def _mps_state(daemon: MpsDaemon) -> str:
         with open(os.path.join(daemon.pipe_dir, "nvidia-cuda-mps-control.pid")) as f:
             pid = int(f.read().strip())
     except (OSError, ValueError):
-        return "no pid file; control pipe present"
+        return f"no pid file; MPS processes with its pipe directory: {_mps_pids(daemon.pipe_dir)}"
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()

@@ -361,9 +361,21 @@ def test_mps_stop_checks_the_daemon_is_gone(monkeypatch):
     control = os.path.join(d.pipe_dir, "control")
     monkeypatch.setattr(launch.subprocess, "run",
                         lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
-    # 'quit' sent, the control pipe stays and no pid file: still running, its directory is kept.
-    warning = launch.mps_stop(d, {}, wait_s=0.2)
+    # 'quit' sent, no pid file, and a process of this daemon still runs (a stand-in with its pipe
+    # directory in its environment): still running, its directory is kept.
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                                 "nvidia-cuda-mps-control"],
+                                env=dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=d.pipe_dir))
+    try:
+        deadline = time.monotonic() + 10
+        while not launch._mps_pids(d.pipe_dir) and time.monotonic() < deadline:  # pylint: disable=protected-access
+            time.sleep(0.05)
+        warning = launch.mps_stop(d, {}, wait_s=0.2)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
     assert "still runs" in warning and "echo quit" in warning and os.path.exists(control)
+    assert f"[{stand_in.pid}]" in warning  # the warning names what it found
     # The pid file names a process that is gone: stopped, the temp dir is removed.
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -442,3 +454,25 @@ def test_an_explicit_port_is_never_changed(monkeypatch):
     monkeypatch.setattr(launch, "run_group", fake_group)
     assert launch.main(["--nproc", "2", "--port", "41005", "x.py"]) == 139
     assert calls == ["127.0.0.1:41005"]
+
+
+def test_mps_alive_without_a_pid_file_looks_for_the_daemon_process(tmp_path):
+    """The lent GPU machine's daemon writes no pid file and leaves `control` behind after 'quit':
+    a live process with this pipe directory in its environment decides, not the pipe."""
+    (tmp_path / "control").write_text("")  # left behind, as on the GPU machine
+    daemon = launch.MpsDaemon("/fake/ctl", str(tmp_path), None, owned=True)
+    assert not launch._mps_alive(daemon)  # pylint: disable=protected-access
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(tmp_path))
+    # A stand-in daemon: "nvidia-cuda-mps" in its command line, the pipe directory in its env.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                             "nvidia-cuda-mps-control"], env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while not launch._mps_alive(daemon) and time.monotonic() < deadline:  # pylint: disable=protected-access
+            time.sleep(0.05)
+        assert launch._mps_pids(str(tmp_path)) == [proc.pid]  # pylint: disable=protected-access
+        assert launch._mps_alive(daemon)  # pylint: disable=protected-access
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not launch._mps_alive(daemon)  # pylint: disable=protected-access
