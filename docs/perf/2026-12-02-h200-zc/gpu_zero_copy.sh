@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Kept as the record of docs/performance.md §3's call 1, run from the tree of commit 4c4ba90 (it
+# applies wip/zero-copy-combine.patch, which is in main since 11bcfcc/b0ee7b5 and gone from wip/).
 # One device call (session 3, call 1): re-verify main's multi-rank tier after the 7849b56
 # refactor, run docs/zero_copy.md's probe, and if every rank passes it apply
 # wip/zero-copy-combine.patch, rebuild, run the whole multi-rank tier with it (incl. its zero-copy
