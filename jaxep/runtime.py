@@ -76,14 +76,8 @@ def _configure_logging() -> None:
         log.setLevel(level.upper())
 
 
-def _parse_size(text: str) -> int:
-    """NVSHMEM_SYMMETRIC_SIZE syntax: an integer with an optional K/M/G/T suffix (powers of 2)."""
-    t = text.strip().upper().rstrip("B")
-    mult = 1
-    for i, suffix in enumerate("KMGT"):
-        if t.endswith(suffix):
-            mult, t = 1024 ** (i + 1), t[:-1]
-    return int(float(t) * mult)
+# NVSHMEM's size syntax (K/M/G/T suffixes, powers of 2): one parser, in the module without deps.
+_parse_size = zero_copy.parse_size
 
 
 def recommended_env(sym_bytes: int, ranks_on_gpu: int = 1) -> dict:
