@@ -1,102 +1,96 @@
-// XLA FFI handler `jaxep_combine` (CUDA platform).
+// XLA FFI handler `jaxep_combine` (CUDA platform): both paths, single-rank (ep_size == 1) and
+// cross-rank (ep_size > 1, the sequence of ffi/exchange.h).
 //
-// out[t] = cast(sum over k ascending of the kept slots: p = fadd(p, fmul(w[row], f32(y[row]))),
-// starting at +0.0), each product and sum a single rounded f32 operation (never an FMA), the fixed
-// order of docs/design.md (kernel in ffi/cuda/combine.cu). Every element of `out` is written,
-// tokens with no kept slot get 0. ep_size > 1 runs the multi-rank protocol of ffi/multirank.cc
-// (sum over ranks ascending of the per-rank partial sums, in f32, cast once); recv_slot (the
-// handle's, [C]) tells it which rows of y are kept, the only ones it stages for its peers.
+// out[t] = the fixed-order f32 sum of ffi/cuda/fixed_order_sum.cuh over the kept slots of token t
+// (docs/design.md), cast once; every element of `out` is written, tokens with no kept slot get 0.
+// Cross-rank, the expert side stages its per-row weights and the kept rows of y (recv_slot >= 0,
+// the only rows a peer's send_row names), or leaves y in XLA's pool (zero-copy); each source then
+// pulls its tokens' rows. Shapes were checked at trace time (jaxep/ops/combine.py). Attributes
+// (Config fields, identical on every rank):
+//   num_sms          grid cap of the row kernels (ffi/cuda/grid.h; 0 = none)
+//   combine_kernel   "warp" | "thread": the cross-rank pull kernel (ffi/cuda/combine.h)
+//   zero_copy        peers may read y in XLA's pool instead of a staged copy
 #include <cstdint>
 #include <string_view>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include "common.h"
-#include "cuda/kernels.h"
-#include "multirank.h"
+#include "cuda/combine.h"
+#include "cuda/grid.h"
+#include "exchange.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxep {
 namespace {
 
-constexpr std::string_view kCombine = "jaxep_combine";
+namespace mr = cuda::mr;
 
-template <typename T>
-ffi::Error CombineTyped(cudaStream_t stream, const ffi::AnyBuffer& y, const float* weights,
-                        const int32_t* send_row, const int32_t* topk_idx, int64_t tokens,
-                        int64_t topk, int64_t rows, int64_t hidden, int64_t num_experts,
-                        int64_t rank, int64_t ep_size, ffi::AnyBuffer& out) {
-  return FromCuda(kCombine, "combine kernel",
-                  cuda::LaunchCombine<T>(
-                      static_cast<const T*>(y.untyped_data()), weights, send_row, topk_idx,
-                      static_cast<int32_t>(tokens), static_cast<int32_t>(topk),
-                      static_cast<int32_t>(rows), hidden, static_cast<int32_t>(num_experts),
-                      static_cast<int32_t>(rank), static_cast<int32_t>(ep_size),
-                      static_cast<T*>(out.untyped_data()), stream));
+// The one checked switch of the attribute's names (kCombineKernelNames).
+ffi::Error ParseCombineKernel(std::string_view name, mr::CombineKernel* out) {
+  if (name == mr::kCombineKernelNames[0]) *out = mr::CombineKernel::kWarp;
+  else if (name == mr::kCombineKernelNames[1]) *out = mr::CombineKernel::kThread;
+  else return ffi::Error::InvalidArgument(StrCat(kCombineTarget, ": combine_kernel must be "
+                                                 "\"warp\" or \"thread\", got \"", name, "\""));
+  return ffi::Error::Success();
 }
 
 ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32, 1> weights,
                        ffi::Buffer<ffi::S32, 2> send_row, ffi::Buffer<ffi::S32, 1> recv_slot,
-                       ffi::Buffer<ffi::S32, 2> topk_idx,
-                       int64_t num_experts, int64_t rank, int64_t ep_size,
+                       ffi::Buffer<ffi::S32, 2> topk_idx, int64_t num_experts, int64_t ep_size,
+                       int64_t num_sms, std::string_view combine_kernel, bool zero_copy,
                        ffi::Result<ffi::AnyBuffer> out) {
-  if (ffi::Error err = CheckRankAttrs(kCombine, rank, ep_size); err.failure()) return err;
-  if (y.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument(
-        StrCat(kCombine, ": y must be [C, H], got shape ", DimsToString(y.dimensions())));
-  }
-  const int64_t rows = y.dimensions()[0];
+  const int32_t rows = static_cast<int32_t>(y.dimensions()[0]);
   const int64_t hidden = y.dimensions()[1];
-  const int64_t tokens = send_row.dimensions()[0];
-  const int64_t topk = send_row.dimensions()[1];
-  ffi::Error err;
-  if ((err = CheckRange(kCombine, "num_experts", num_experts, 1, kInt32Max)).failure() ||
-      (err = CheckRange(kCombine, "C (rows of y)", rows, 0, kInt32Max)).failure() ||
-      (err = CheckRange(kCombine, "T*K (slots)", tokens * topk, 0, kInt32Max)).failure() ||
-      (err = CheckDims(kCombine, "weights", weights.dimensions(), {rows})).failure() ||
-      (err = CheckDims(kCombine, "recv_slot", recv_slot.dimensions(), {rows})).failure() ||
-      (err = CheckDims(kCombine, "topk_idx", topk_idx.dimensions(), {tokens, topk})).failure() ||
-      (err = CheckDims(kCombine, "out", out->dimensions(), {tokens, hidden})).failure()) {
-    return err;
+  const int32_t tokens = static_cast<int32_t>(send_row.dimensions()[0]);
+  const int32_t topk = static_cast<int32_t>(send_row.dimensions()[1]);
+  const int32_t experts = static_cast<int32_t>(num_experts);
+  const int64_t max_blocks = cuda::MaxBlocksForSms(num_sms);
+  mr::CombineKernel kernel = mr::CombineKernel::kWarp;
+  if (ffi::Error e = ParseCombineKernel(combine_kernel, &kernel); e.failure()) return e;
+  void* o = out->untyped_data();
+
+  if (ep_size == 1) {
+    return WithPayloadType(kCombineTarget, "y", y.element_type(), [&](auto v) {
+      using T = decltype(v);
+      return FromCuda(kCombineTarget, "combine kernel",
+                      cuda::LaunchCombine<T>(static_cast<const T*>(y.untyped_data()),
+                                             weights.typed_data(), send_row.typed_data(),
+                                             topk_idx.typed_data(), tokens, topk, rows, hidden,
+                                             experts, static_cast<T*>(o), max_blocks, stream));
+    });
   }
-  if (num_experts % ep_size != 0) {
-    return ffi::Error::InvalidArgument(StrCat(kCombine, ": num_experts (", num_experts,
-                                              ") must be divisible by ep_size (", ep_size, ")"));
+  int64_t row_bytes = 0;
+  if (ffi::Error e = PayloadRowBytes(kCombineTarget, "y", y.element_type(), hidden, &row_bytes);
+      e.failure()) {
+    return e;
   }
-  if (out->element_type() != y.element_type()) {
-    return ffi::Error::InvalidArgument(StrCat(kCombine, ": out must have the dtype of y (",
-                                              DataTypeName(y.element_type()), "), got ",
-                                              DataTypeName(out->element_type())));
+  Exchange ex;
+  if (ffi::Error e = Exchange::Begin(kCombineTarget, mr::kOpCombine, ep_size,
+                                     {int64_t{tokens} * topk, 0, rows, rows * row_bytes}, stream,
+                                     &ex);
+      e.failure()) {
+    return e;
   }
-  ffi::AnyBuffer& o = *out;
-  if (ep_size > 1) {
-    if (ElementBytesOf(y.element_type()) == 0) {
-      return ffi::Error::InvalidArgument(StrCat(kCombine, ": y must be bf16, f16 or f32, got ",
-                                                DataTypeName(y.element_type())));
-    }
-    return MultiRankCombine(stream, y, weights.typed_data(), send_row.typed_data(),
-                            recv_slot.typed_data(), topk_idx.typed_data(), tokens, topk,
-                            num_experts, ep_size, o);
-  }
-  switch (y.element_type()) {
-    case ffi::DataType::BF16:
-      return CombineTyped<__nv_bfloat16>(stream, y, weights.typed_data(), send_row.typed_data(),
-                                         topk_idx.typed_data(), tokens, topk, rows, hidden,
-                                         num_experts, rank, ep_size, o);
-    case ffi::DataType::F16:
-      return CombineTyped<__half>(stream, y, weights.typed_data(), send_row.typed_data(),
-                                  topk_idx.typed_data(), tokens, topk, rows, hidden, num_experts,
-                                  rank, ep_size, o);
-    case ffi::DataType::F32:
-      return CombineTyped<float>(stream, y, weights.typed_data(), send_row.typed_data(),
-                                 topk_idx.typed_data(), tokens, topk, rows, hidden, num_experts,
-                                 rank, ep_size, o);
-    default:
-      return ffi::Error::InvalidArgument(StrCat(kCombine, ": y must be bf16, f16 or f32, got ",
-                                                DataTypeName(y.element_type())));
-  }
+  auto stage = [&](bool stage_y) {
+    const mr::StageCopy stage_w{weights.typed_data(), static_cast<size_t>(rows) * 4,
+                                ex.team().lay.stage_w};
+    if (ffi::Error e = ex.Stage(&stage_w, 1, max_blocks); e.failure()) return e;
+    if (!stage_y) return ffi::Error::Success();
+    return ex.Check("stage rows",
+                    mr::LaunchStageRows(ex.team(), rows, row_bytes, recv_slot.typed_data(),
+                                        y.untyped_data(), ex.team().lay.stage, max_blocks, stream));
+  };
+  auto pull = [&]() {
+    return WithPayloadType(kCombineTarget, "y", y.element_type(), [&](auto v) {
+      using T = decltype(v);
+      return ex.Check("pull", mr::LaunchCombinePull<T>(ex.team(), tokens, topk, experts, rows,
+                                                       hidden, send_row.typed_data(),
+                                                       topk_idx.typed_data(), static_cast<T*>(o),
+                                                       kernel, max_blocks, stream));
+    });
+  };
+  return ex.Run(y.untyped_data(), rows * row_bytes, zero_copy, stage, pull);
 }
 
 }  // namespace
@@ -112,6 +106,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<jaxep::S32Vec>()                              // recv_slot [C] (handle)
         .Arg<jaxep::S32Mat>()                              // topk_idx [T, K] sanitized (handle)
         .Attr<int64_t>("num_experts")                      // E
-        .Attr<int64_t>("rank")                             // 0 (R == 1) or -1 (from the runtime)
         .Attr<int64_t>("ep_size")                          // R, EP axis size
+        .Attr<int64_t>("num_sms")                          // Config.num_sms (0: no grid cap)
+        .Attr<std::string_view>("combine_kernel")          // Config.combine_kernel
+        .Attr<bool>("zero_copy")                           // Config.zero_copy
         .Ret<xla::ffi::AnyBuffer>());                      // out [T, H], dtype of y

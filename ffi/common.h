@@ -1,6 +1,8 @@
-// Helpers shared by jaxep's XLA FFI handlers (ffi/*.cc): error formatting, shape and attribute
-// checks, CUDA error conversion. Handlers report every problem as an ffi::Error whose message
-// names the target, the argument, what was expected and what came; nothing here throws.
+// Helpers shared by jaxep's XLA FFI handlers (ffi/*.cc): target names, error formatting, the
+// payload-dtype switch, CUDA error conversion. Shapes, dtypes and attributes are checked once, in
+// Python at trace time (jaxep/ops/, jaxep/_ffi.py); a handler returns an ffi::Error only for what
+// cannot be known there (the runtime's state at run time, scratch, CUDA errors) and for the
+// default branch of a checked switch. Nothing here throws.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +11,8 @@
 #include <string>
 #include <string_view>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include "xla/ffi/api/ffi.h"
@@ -16,6 +20,13 @@
 namespace jaxep {
 
 namespace ffi = xla::ffi;
+
+// The FFI target names (registered by ffi/module.cc; jaxep/_ffi.py calls them by these names and
+// checks at load that the module's registrations are exactly these).
+constexpr std::string_view kDispatchTarget = "jaxep_dispatch";
+constexpr std::string_view kDispatchRowsTarget = "jaxep_dispatch_rows";
+constexpr std::string_view kCombineTarget = "jaxep_combine";
+constexpr std::string_view kGatherBackTarget = "jaxep_gather_back";
 
 // Typed buffer aliases (also keep template commas out of the XLA_FFI_DEFINE_HANDLER_SYMBOL macro).
 using F32Vec = ffi::Buffer<ffi::F32, 1>;
@@ -51,60 +62,6 @@ inline const char* DataTypeName(ffi::DataType t) {
   }
 }
 
-// Bytes of a payload element (bf16/f16/f32), 0 for any other dtype.
-inline size_t ElementBytesOf(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::BF16:
-    case ffi::DataType::F16: return 2;
-    case ffi::DataType::F32: return 4;
-    default: return 0;
-  }
-}
-
-// Error unless `dims` equals `expected` exactly; `what` names the argument ("x_rows").
-inline ffi::Error CheckDims(std::string_view target, std::string_view what,
-                            ffi::AnyBuffer::Dimensions dims,
-                            std::initializer_list<int64_t> expected) {
-  bool same = dims.size() == expected.size();
-  size_t i = 0;
-  for (int64_t e : expected) {
-    if (!same) break;
-    same = dims[i++] == e;
-  }
-  if (same) return ffi::Error::Success();
-  std::ostringstream want;
-  want << "[";
-  i = 0;
-  for (int64_t e : expected) want << (i++ ? ", " : "") << e;
-  want << "]";
-  return ffi::Error::InvalidArgument(StrCat(target, ": ", what, " must have shape ", want.str(),
-                                            ", got ", DimsToString(dims)));
-}
-
-// Error unless lo <= value <= hi.
-inline ffi::Error CheckRange(std::string_view target, std::string_view what, int64_t value,
-                             int64_t lo, int64_t hi) {
-  if (value >= lo && value <= hi) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(StrCat(target, ": ", what, " must be in [", lo, ", ", hi,
-                                            "], got ", value));
-}
-
-// Checks the (rank, ep_size) attributes. ep_size == 1: rank must be 0 (single-rank kernels).
-// ep_size > 1: the multi-rank path (ffi/multirank.cc) takes the rank from the runtime, so that the
-// HLO is identical on every rank; the attribute is -1 there (any value in [0, ep_size) is accepted
-// and ignored).
-inline ffi::Error CheckRankAttrs(std::string_view target, int64_t rank, int64_t ep_size) {
-  if (ep_size < 1) {
-    return ffi::Error::InvalidArgument(StrCat(target, ": ep_size must be >= 1, got ", ep_size));
-  }
-  if (ep_size == 1 ? rank != 0 : (rank < -1 || rank >= ep_size)) {
-    return ffi::Error::InvalidArgument(
-        StrCat(target, ": rank must be 0 for ep_size 1, or -1 (from the runtime) for ep_size > 1; "
-                       "got rank ", rank, " with ep_size ", ep_size));
-  }
-  return ffi::Error::Success();
-}
-
 // Converts the result of a kernel launcher into an ffi::Error.
 inline ffi::Error FromCuda(std::string_view target, std::string_view what, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
@@ -112,6 +69,28 @@ inline ffi::Error FromCuda(std::string_view target, std::string_view what, cudaE
                                      cudaGetErrorString(err), ")"));
 }
 
-constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+// Calls fn(T{}) with T the payload element type of `t` (__nv_bfloat16, __half or float); any
+// other dtype is an error naming the target and the argument (`what`).
+template <typename Fn>
+ffi::Error WithPayloadType(std::string_view target, std::string_view what, ffi::DataType t,
+                           Fn&& fn) {
+  switch (t) {
+    case ffi::DataType::BF16: return fn(__nv_bfloat16{});
+    case ffi::DataType::F16: return fn(__half{});
+    case ffi::DataType::F32: return fn(float{});
+    default:
+      return ffi::Error::InvalidArgument(
+          StrCat(target, ": ", what, " must be bf16, f16 or f32, got ", DataTypeName(t)));
+  }
+}
+
+// Bytes of a row of `hidden` payload elements of type `t`, or an error for another dtype.
+inline ffi::Error PayloadRowBytes(std::string_view target, std::string_view what, ffi::DataType t,
+                                  int64_t hidden, int64_t* row_bytes) {
+  return WithPayloadType(target, what, t, [&](auto v) {
+    *row_bytes = hidden * static_cast<int64_t>(sizeof(v));
+    return ffi::Error::Success();
+  });
+}
 
 }  // namespace jaxep

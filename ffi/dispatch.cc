@@ -1,79 +1,210 @@
-// XLA FFI handlers `jaxep_dispatch` and `jaxep_dispatch_rows` (CUDA platform).
+// XLA FFI handlers `jaxep_dispatch` and `jaxep_dispatch_rows` (CUDA platform): both paths of each,
+// single-rank (ep_size == 1) and cross-rank (ep_size > 1, the sequence of ffi/exchange.h).
 //
-// The handlers check shapes and attributes against docs/design.md, take device scratch from XLA,
-// and launch the kernels of ffi/cuda/dispatch.cu on XLA's stream. Every output element is written
-// by every call (XLA does not zero-initialize results). ep_size == 1 runs the single-rank kernels;
-// ep_size > 1 the multi-rank protocol of ffi/multirank.cc (not command-buffer compatible).
+// The handlers take device scratch from XLA and launch the kernels of ffi/cuda/dispatch.cu on
+// XLA's stream. Every output element is written by every call (XLA does not zero-initialize
+// results). Shapes and attributes were checked at trace time (jaxep/ops/dispatch.py); sizes come
+// from the buffers. Attributes (Config fields, identical on every rank):
+//   num_sms          grid cap of the row kernels (ffi/cuda/grid.h; 0 = none)
+//   dispatch_kernel  "token" | "row": the cross-rank pull kernel (ffi/cuda/dispatch.h)
+//   zero_copy        peers may read x in XLA's pool instead of a staged copy
+// Room for the next families: the internode (hierarchical) path and the low-latency mode get their
+// own branch in DispatchImpl and their kernels in ffi/cuda/; the layout and Exchange stay shared.
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include "common.h"
-#include "cuda/kernels.h"
-#include "multirank.h"
+#include "cuda/dispatch.h"
+#include "cuda/grid.h"
+#include "exchange.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxep {
 namespace {
 
-constexpr std::string_view kDispatch = "jaxep_dispatch";
-constexpr std::string_view kDispatchRows = "jaxep_dispatch_rows";
+namespace mr = cuda::mr;
 
-// Static sizes of one dispatch call.
-struct DispatchSizes {
-  int64_t tokens = 0;       // T
-  int64_t hidden = 0;       // H
-  int64_t topk = 0;         // K
-  int64_t experts = 0;      // E
-  int64_t capacity = 0;     // C
+// Carves 256-byte aligned regions out of one scratch allocation.
+class Carver {
+ public:
+  explicit Carver(void* base) : p_(reinterpret_cast<uintptr_t>(base)) {}
+  static size_t Round(size_t n) { return (n + 255) / 256 * 256; }
+  void* Take(size_t n) {
+    const uintptr_t at = (p_ + 255) / 256 * 256;
+    p_ = at + Round(n);
+    return reinterpret_cast<void*>(at);
+  }
+
+ private:
+  uintptr_t p_;
 };
 
-// The layout plus the row copy for payload element type T (T fixes the row size in bytes).
-template <typename T>
-ffi::Error DispatchTyped(cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                         const DispatchSizes& s, const void* x, const int32_t* topk_idx,
-                         const float* topk_weights, void* x_rows, float* weights,
-                         int32_t* group_sizes, int32_t* send_row, int32_t* recv_slot,
-                         int32_t* topk_idx_out, int32_t* stats) {
-  const size_t scratch_bytes = cuda::DispatchLayoutScratchBytes(s.tokens * s.topk, s.experts);
-  // XLA's FFI allocator accepts alignments up to 16 bytes; the layout's regions need 4.
-  std::optional<void*> buf = scratch.Allocate(scratch_bytes, /*alignment=*/16);
+ffi::Error AllocateScratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
+  // XLA's FFI allocator accepts alignments up to 16 bytes; Carver aligns regions to 256 itself.
+  std::optional<void*> buf = scratch.Allocate(bytes + 256, /*alignment=*/16);
   if (!buf.has_value() || *buf == nullptr) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      StrCat(kDispatch, ": could not allocate ", scratch_bytes,
-                             " bytes of device scratch (T*K = ", s.tokens * s.topk,
-                             ", E = ", s.experts, ")"));
+                      StrCat(kDispatchTarget, ": could not allocate ", bytes,
+                             " bytes of device scratch"));
   }
-  cuda::DispatchLayoutArgs args;
-  args.topk_idx = topk_idx;
-  args.topk_weights = topk_weights;
-  args.num_tokens = static_cast<int32_t>(s.tokens);
-  args.topk = static_cast<int32_t>(s.topk);
-  args.num_experts = static_cast<int32_t>(s.experts);
-  args.capacity = static_cast<int32_t>(s.capacity);
-  args.topk_idx_out = topk_idx_out;
-  args.send_row = send_row;
-  args.recv_slot = recv_slot;
-  args.row_weights = weights;
-  args.group_sizes = group_sizes;
-  args.stats = stats;
-  args.scratch = *buf;
-  if (ffi::Error err = FromCuda(kDispatch, "layout kernels", cuda::LaunchDispatchLayout(args, stream));
-      err.failure()) {
-    return err;
+  *out = *buf;
+  return ffi::Error::Success();
+}
+
+// The one checked switch of the attribute's names (kDispatchKernelNames).
+ffi::Error ParseDispatchKernel(std::string_view name, mr::DispatchKernel* out) {
+  if (name == mr::kDispatchKernelNames[0]) *out = mr::DispatchKernel::kToken;
+  else if (name == mr::kDispatchKernelNames[1]) *out = mr::DispatchKernel::kRow;
+  else return ffi::Error::InvalidArgument(StrCat(kDispatchTarget, ": dispatch_kernel must be "
+                                                 "\"token\" or \"row\", got \"", name, "\""));
+  return ffi::Error::Success();
+}
+
+// The outputs of jaxep_dispatch, as device pointers.
+struct DispatchOut {
+  void* x_rows;
+  float* weights;
+  int32_t* group_sizes;
+  int32_t* send_row;
+  int32_t* recv_slot;
+  int32_t* topk_idx_out;
+  int32_t* stats;
+};
+
+struct DispatchSizes {
+  int64_t tokens, hidden, topk, experts, capacity, row_bytes, ep_size, max_blocks;
+};
+
+ffi::Error SingleRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                              const DispatchSizes& s, const void* x, const int32_t* topk_idx,
+                              const float* topk_weights, const DispatchOut& o) {
+  void* buf = nullptr;
+  if (ffi::Error e = AllocateScratch(
+          scratch, cuda::DispatchLayoutScratchBytes(s.tokens * s.topk, s.experts), &buf);
+      e.failure()) {
+    return e;
   }
-  const int64_t row_bytes = s.hidden * static_cast<int64_t>(sizeof(T));
-  return FromCuda(kDispatch, "row copy kernel",
-                  cuda::LaunchGatherRows(x, s.tokens, row_bytes, recv_slot, s.capacity,
-                                         static_cast<int32_t>(s.topk), x_rows, stream));
+  cuda::DispatchLayoutArgs a;
+  a.topk_idx = topk_idx;
+  a.topk_weights = topk_weights;
+  a.num_tokens = static_cast<int32_t>(s.tokens);
+  a.topk = static_cast<int32_t>(s.topk);
+  a.num_experts = static_cast<int32_t>(s.experts);
+  a.capacity = static_cast<int32_t>(s.capacity);
+  a.topk_idx_out = o.topk_idx_out;
+  a.send_row = o.send_row;
+  a.recv_slot = o.recv_slot;
+  a.row_weights = o.weights;
+  a.group_sizes = o.group_sizes;
+  a.stats = o.stats;
+  a.scratch = Carver(buf).Take(0);
+  if (ffi::Error e = FromCuda(kDispatchTarget, "layout kernels", cuda::LaunchDispatchLayout(a, stream));
+      e.failure()) {
+    return e;
+  }
+  return FromCuda(kDispatchTarget, "row copy kernel",
+                  cuda::LaunchGatherRows(x, s.tokens, s.row_bytes, o.recv_slot, s.capacity,
+                                         static_cast<int32_t>(s.topk), o.x_rows, s.max_blocks,
+                                         stream));
+}
+
+// Cross-rank: this source's local layout (unbounded capacity) into scratch, then the exchange:
+// stage the layout (and x unless zero-copy), meta (prefix sums over every source's counts), pull.
+ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                             const DispatchSizes& s, const void* x, const int32_t* topk_idx,
+                             const float* topk_weights, mr::DispatchKernel kernel, bool zero_copy,
+                             const DispatchOut& o) {
+  const int64_t slots = s.tokens * s.topk;
+  Exchange ex;
+  if (ffi::Error e = Exchange::Begin(kDispatchTarget, mr::kOpDispatch, s.ep_size,
+                                     {slots, s.experts, s.capacity, s.tokens * s.row_bytes},
+                                     stream, &ex);
+      e.failure()) {
+    return e;
+  }
+  const size_t layout_bytes = cuda::DispatchLayoutScratchBytes(slots, s.experts);
+  const size_t ints = static_cast<size_t>(slots) * 4;
+  const size_t meta_bytes = mr::DispatchMetaScratchBytes(s.ep_size, s.experts);
+  void* buf = nullptr;
+  if (ffi::Error e = AllocateScratch(scratch, Carver::Round(layout_bytes) + 3 * Carver::Round(ints) +
+                                                  Carver::Round(s.experts * 4) + Carver::Round(8) +
+                                                  Carver::Round(meta_bytes),
+                                     &buf);
+      e.failure()) {
+    return e;
+  }
+  Carver c(buf);
+  void* layout_scratch = c.Take(layout_bytes);
+  auto* order = static_cast<int32_t*>(c.Take(ints));
+  auto* sorted_slot = static_cast<int32_t*>(c.Take(ints));
+  auto* sorted_w = static_cast<float*>(c.Take(ints));
+  auto* counts = static_cast<int32_t*>(c.Take(s.experts * 4));
+  auto* lstats = static_cast<int32_t*>(c.Take(8));
+  void* meta = c.Take(meta_bytes);
+
+  // 1. This source's layout over all E experts with unbounded capacity: order[slot] = index among
+  //    my valid slots in (expert, slot) order, sorted_slot/sorted_w in that order, counts[E].
+  cuda::DispatchLayoutArgs la;
+  la.topk_idx = topk_idx;
+  la.topk_weights = topk_weights;
+  la.num_tokens = static_cast<int32_t>(s.tokens);
+  la.topk = static_cast<int32_t>(s.topk);
+  la.num_experts = static_cast<int32_t>(s.experts);
+  la.capacity = static_cast<int32_t>(slots);
+  la.topk_idx_out = o.topk_idx_out;
+  la.send_row = order;
+  la.recv_slot = sorted_slot;
+  la.row_weights = sorted_w;
+  la.group_sizes = counts;
+  la.stats = lstats;
+  la.scratch = layout_scratch;
+  if (ffi::Error e = ex.Check("local layout", cuda::LaunchDispatchLayout(la, stream)); e.failure()) {
+    return e;
+  }
+  const mr::SymLayout& lay = ex.team().lay;
+  auto stage = [&](bool stage_x) {
+    const mr::StageCopy copies[6] = {
+        {sorted_slot, ints, lay.sorted_slot},
+        {sorted_w, ints, lay.sorted_w},
+        {counts, static_cast<size_t>(s.experts) * 4, lay.counts},
+        {order, ints, lay.slot_order},
+        {o.topk_idx_out, ints, lay.slot_expert},
+        {x, static_cast<size_t>(s.tokens * s.row_bytes), lay.stage}};  // x: last
+    return ex.Stage(copies, stage_x ? 6 : 5, s.max_blocks);
+  };
+  auto pull = [&]() {
+    mr::DispatchMetaArgs ma;
+    ma.tokens = static_cast<int32_t>(s.tokens);
+    ma.topk = static_cast<int32_t>(s.topk);
+    ma.experts = static_cast<int32_t>(s.experts);
+    ma.capacity = static_cast<int32_t>(s.capacity);
+    ma.topk_idx_out = o.topk_idx_out;
+    ma.local_order = order;
+    ma.layout_stats = lstats;
+    ma.send_row = o.send_row;
+    ma.group_sizes = o.group_sizes;
+    ma.stats = o.stats;
+    ma.scratch = meta;
+    if (ffi::Error e = ex.Check("meta", mr::LaunchDispatchMeta(ex.team(), ma, stream));
+        e.failure()) {
+      return e;
+    }
+    return ex.Check("pull", mr::LaunchDispatchPull(
+                                ex.team(), static_cast<int32_t>(s.tokens),
+                                static_cast<int32_t>(s.topk), static_cast<int32_t>(s.experts),
+                                static_cast<int32_t>(s.capacity), s.row_bytes, meta, o.x_rows,
+                                o.weights, o.recv_slot, kernel, s.max_blocks, stream));
+  };
+  return ex.Run(x, s.tokens * s.row_bytes, zero_copy, stage, pull);
 }
 
 ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32, 2> topk_idx, ffi::Buffer<ffi::F32, 2> topk_weights,
-                        int64_t num_experts, int64_t capacity, int64_t rank, int64_t ep_size,
+                        int64_t num_experts, int64_t capacity, int64_t ep_size, int64_t num_sms,
+                        std::string_view dispatch_kernel, bool zero_copy,
                         ffi::Result<ffi::AnyBuffer> x_rows,
                         ffi::ResultBuffer<ffi::F32, 1> weights,
                         ffi::ResultBuffer<ffi::S32, 1> group_sizes,
@@ -81,141 +212,71 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
                         ffi::ResultBuffer<ffi::S32, 1> recv_slot,
                         ffi::ResultBuffer<ffi::S32, 2> topk_idx_out,
                         ffi::ResultBuffer<ffi::S32, 1> stats) {
-  if (ffi::Error err = CheckRankAttrs(kDispatch, rank, ep_size); err.failure()) return err;
-  if (x.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument(
-        StrCat(kDispatch, ": x must be [T, H], got shape ", DimsToString(x.dimensions())));
-  }
-  DispatchSizes s;
+  DispatchSizes s{};
   s.tokens = x.dimensions()[0];
   s.hidden = x.dimensions()[1];
   s.topk = topk_idx.dimensions()[1];
   s.experts = num_experts;
   s.capacity = capacity;
-  const int64_t local_experts = num_experts / ep_size;
-
-  ffi::Error err;
-  if ((err = CheckRange(kDispatch, "num_experts", num_experts, 1, cuda::kMaxExperts)).failure() ||
-      (err = CheckRange(kDispatch, "capacity", capacity, 0, kInt32Max)).failure() ||
-      (err = CheckDims(kDispatch, "topk_idx", topk_idx.dimensions(), {s.tokens, s.topk})).failure() ||
-      (err = CheckDims(kDispatch, "topk_weights", topk_weights.dimensions(), {s.tokens, s.topk}))
-          .failure() ||
-      (err = CheckRange(kDispatch, "T*K (slots)", s.tokens * s.topk, 0, kInt32Max)).failure() ||
-      (err = CheckDims(kDispatch, "x_rows", x_rows->dimensions(), {s.capacity, s.hidden}))
-          .failure() ||
-      (err = CheckDims(kDispatch, "weights", weights->dimensions(), {s.capacity})).failure() ||
-      (err = CheckDims(kDispatch, "group_sizes", group_sizes->dimensions(), {local_experts}))
-          .failure() ||
-      (err = CheckDims(kDispatch, "send_row", send_row->dimensions(), {s.tokens, s.topk}))
-          .failure() ||
-      (err = CheckDims(kDispatch, "recv_slot", recv_slot->dimensions(), {s.capacity})).failure() ||
-      (err = CheckDims(kDispatch, "topk_idx_out", topk_idx_out->dimensions(), {s.tokens, s.topk}))
-          .failure() ||
-      (err = CheckDims(kDispatch, "stats", stats->dimensions(), {2})).failure()) {
-    return err;
+  s.ep_size = ep_size;
+  s.max_blocks = cuda::MaxBlocksForSms(num_sms);
+  if (ffi::Error e = PayloadRowBytes(kDispatchTarget, "x", x.element_type(), s.hidden, &s.row_bytes);
+      e.failure()) {
+    return e;
   }
-  if (x_rows->element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument(StrCat(kDispatch, ": x_rows must have the dtype of x (",
-                                              DataTypeName(x.element_type()), "), got ",
-                                              DataTypeName(x_rows->element_type())));
+  mr::DispatchKernel kernel = mr::DispatchKernel::kToken;
+  if (ffi::Error e = ParseDispatchKernel(dispatch_kernel, &kernel); e.failure()) return e;
+  const DispatchOut o{x_rows->untyped_data(),     weights->typed_data(),
+                      group_sizes->typed_data(),  send_row->typed_data(),
+                      recv_slot->typed_data(),    topk_idx_out->typed_data(),
+                      stats->typed_data()};
+  if (ep_size == 1) {
+    return SingleRankDispatch(stream, scratch, s, x.untyped_data(), topk_idx.typed_data(),
+                              topk_weights.typed_data(), o);
   }
-
-  if (ep_size > 1) {
-    if (ElementBytesOf(x.element_type()) == 0) {
-      return ffi::Error::InvalidArgument(StrCat(kDispatch, ": x must be bf16, f16 or f32, got ",
-                                                DataTypeName(x.element_type())));
-    }
-    ffi::AnyBuffer& xr_buf = *x_rows;
-    return MultiRankDispatch(stream, scratch, x, topk_idx.typed_data(), topk_weights.typed_data(),
-                             s.topk, num_experts, capacity, ep_size, xr_buf, weights->typed_data(),
-                             group_sizes->typed_data(), send_row->typed_data(),
-                             recv_slot->typed_data(), topk_idx_out->typed_data(),
-                             stats->typed_data());
-  }
-  const void* xp = x.untyped_data();
-  void* xr = x_rows->untyped_data();
-  switch (x.element_type()) {
-    case ffi::DataType::BF16:
-      return DispatchTyped<__nv_bfloat16>(stream, scratch, s, xp, topk_idx.typed_data(),
-                                          topk_weights.typed_data(), xr, weights->typed_data(),
-                                          group_sizes->typed_data(), send_row->typed_data(),
-                                          recv_slot->typed_data(), topk_idx_out->typed_data(),
-                                          stats->typed_data());
-    case ffi::DataType::F16:
-      return DispatchTyped<__half>(stream, scratch, s, xp, topk_idx.typed_data(),
-                                   topk_weights.typed_data(), xr, weights->typed_data(),
-                                   group_sizes->typed_data(), send_row->typed_data(),
-                                   recv_slot->typed_data(), topk_idx_out->typed_data(),
-                                   stats->typed_data());
-    case ffi::DataType::F32:
-      return DispatchTyped<float>(stream, scratch, s, xp, topk_idx.typed_data(),
-                                  topk_weights.typed_data(), xr, weights->typed_data(),
-                                  group_sizes->typed_data(), send_row->typed_data(),
-                                  recv_slot->typed_data(), topk_idx_out->typed_data(),
-                                  stats->typed_data());
-    default:
-      return ffi::Error::InvalidArgument(StrCat(kDispatch, ": x must be bf16, f16 or f32, got ",
-                                                DataTypeName(x.element_type())));
-  }
+  return CrossRankDispatch(stream, scratch, s, x.untyped_data(), topk_idx.typed_data(),
+                           topk_weights.typed_data(), kernel, zero_copy, o);
 }
 
-// Row copy only: x_rows[c] = x[recv_slot[c] / topk], zero rows where recv_slot[c] is -1 (or
-// outside [0, T*topk), which a well-formed handle never holds).
-template <typename T>
-ffi::Error DispatchRowsTyped(cudaStream_t stream, const void* x, int64_t tokens, int64_t hidden,
-                             const int32_t* recv_slot, int64_t rows, int64_t topk, void* x_rows) {
-  const int64_t row_bytes = hidden * static_cast<int64_t>(sizeof(T));
-  return FromCuda(kDispatchRows, "row copy kernel",
-                  cuda::LaunchGatherRows(x, tokens, row_bytes, recv_slot, rows,
-                                         static_cast<int32_t>(topk), x_rows, stream));
-}
-
+// Row copy only: x_rows[c] = x[token of recv_slot[c]] (on its source rank when ep_size > 1), zero
+// rows where recv_slot[c] is -1 (or outside the slots, which a well-formed handle never holds).
 ffi::Error DispatchRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
-                            ffi::Buffer<ffi::S32, 1> recv_slot, int64_t rank, int64_t ep_size,
-                            int64_t topk, ffi::Result<ffi::AnyBuffer> x_rows) {
-  if (ffi::Error err = CheckRankAttrs(kDispatchRows, rank, ep_size); err.failure()) return err;
-  if (x.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument(
-        StrCat(kDispatchRows, ": x must be [T, H], got shape ", DimsToString(x.dimensions())));
-  }
+                            ffi::Buffer<ffi::S32, 1> recv_slot, int64_t ep_size, int64_t topk,
+                            int64_t num_sms, bool zero_copy, ffi::Result<ffi::AnyBuffer> x_rows) {
   const int64_t tokens = x.dimensions()[0];
-  const int64_t hidden = x.dimensions()[1];
   const int64_t rows = recv_slot.dimensions()[0];
-  ffi::Error err;
-  if ((err = CheckRange(kDispatchRows, "topk", topk, 1, kInt32Max)).failure() ||
-      (err = CheckRange(kDispatchRows, "T*topk (slots)", tokens * topk, 0, kInt32Max)).failure() ||
-      (err = CheckDims(kDispatchRows, "x_rows", x_rows->dimensions(), {rows, hidden})).failure()) {
-    return err;
-  }
-  if (x_rows->element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument(StrCat(kDispatchRows, ": x_rows must have the dtype of x (",
-                                              DataTypeName(x.element_type()), "), got ",
-                                              DataTypeName(x_rows->element_type())));
-  }
-  if (ep_size > 1) {
-    if (ElementBytesOf(x.element_type()) == 0) {
-      return ffi::Error::InvalidArgument(StrCat(
-          kDispatchRows, ": x must be bf16, f16 or f32, got ", DataTypeName(x.element_type())));
-    }
-    ffi::AnyBuffer& xr_buf = *x_rows;
-    return MultiRankDispatchRows(stream, x, recv_slot.typed_data(), rows, topk, ep_size, xr_buf);
+  const int64_t max_blocks = cuda::MaxBlocksForSms(num_sms);
+  int64_t row_bytes = 0;
+  if (ffi::Error e = PayloadRowBytes(kDispatchRowsTarget, "x", x.element_type(),
+                                     x.dimensions()[1], &row_bytes);
+      e.failure()) {
+    return e;
   }
   const void* xp = x.untyped_data();
-  void* xr = x_rows->untyped_data();
-  switch (x.element_type()) {
-    case ffi::DataType::BF16:
-      return DispatchRowsTyped<__nv_bfloat16>(stream, xp, tokens, hidden, recv_slot.typed_data(),
-                                              rows, topk, xr);
-    case ffi::DataType::F16:
-      return DispatchRowsTyped<__half>(stream, xp, tokens, hidden, recv_slot.typed_data(), rows,
-                                       topk, xr);
-    case ffi::DataType::F32:
-      return DispatchRowsTyped<float>(stream, xp, tokens, hidden, recv_slot.typed_data(), rows,
-                                      topk, xr);
-    default:
-      return ffi::Error::InvalidArgument(StrCat(
-          kDispatchRows, ": x must be bf16, f16 or f32, got ", DataTypeName(x.element_type())));
+  void* out = x_rows->untyped_data();
+  if (ep_size == 1) {
+    return FromCuda(kDispatchRowsTarget, "row copy kernel",
+                    cuda::LaunchGatherRows(xp, tokens, row_bytes, recv_slot.typed_data(), rows,
+                                           static_cast<int32_t>(topk), out, max_blocks, stream));
   }
+  Exchange ex;
+  if (ffi::Error e = Exchange::Begin(kDispatchRowsTarget, mr::kOpDispatchRows, ep_size,
+                                     {tokens * topk, 0, rows, tokens * row_bytes}, stream, &ex);
+      e.failure()) {
+    return e;
+  }
+  auto stage = [&](bool stage_x) {
+    if (!stage_x) return ffi::Error::Success();
+    const mr::StageCopy copy{xp, static_cast<size_t>(tokens * row_bytes), ex.team().lay.stage};
+    return ex.Stage(&copy, 1, max_blocks);
+  };
+  auto pull = [&]() {
+    return ex.Check("pull", mr::LaunchRowsPull(ex.team(), static_cast<int32_t>(tokens),
+                                               static_cast<int32_t>(topk),
+                                               static_cast<int32_t>(rows), row_bytes,
+                                               recv_slot.typed_data(), out, max_blocks, stream));
+  };
+  return ex.Run(xp, tokens * row_bytes, zero_copy, stage, pull);
 }
 
 }  // namespace
@@ -231,8 +292,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<jaxep::F32Mat>()                              // topk_weights [T, K]
         .Attr<int64_t>("num_experts")                      // E
         .Attr<int64_t>("capacity")                         // C, receive rows per rank
-        .Attr<int64_t>("rank")                             // 0 (R == 1) or -1 (from the runtime)
         .Attr<int64_t>("ep_size")                          // R, EP axis size
+        .Attr<int64_t>("num_sms")                          // Config.num_sms (0: no grid cap)
+        .Attr<std::string_view>("dispatch_kernel")         // Config.dispatch_kernel
+        .Attr<bool>("zero_copy")                           // Config.zero_copy
         .Ret<xla::ffi::AnyBuffer>()                        // x_rows [C, H], dtype of x
         .Ret<jaxep::F32Vec>()                              // weights [C]
         .Ret<jaxep::S32Vec>()                              // group_sizes [L]
@@ -247,7 +310,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()     // XLA's compute stream
         .Arg<xla::ffi::AnyBuffer>()                        // x [T, H] bf16|f16|f32
         .Arg<jaxep::S32Vec>()                              // recv_slot [C]
-        .Attr<int64_t>("rank")                             // 0 (R == 1) or -1 (from the runtime)
         .Attr<int64_t>("ep_size")                          // R, EP axis size
         .Attr<int64_t>("topk")                             // K (slot id / K = token)
+        .Attr<int64_t>("num_sms")                          // Config.num_sms (0: no grid cap)
+        .Attr<bool>("zero_copy")                           // Config.zero_copy
         .Ret<xla::ffi::AnyBuffer>());                      // x_rows [C, H], dtype of x

@@ -1,20 +1,28 @@
 // The nanobind extension module `jaxep._jaxep_cuda`: hands jaxep's XLA FFI handlers to Python as
-// PyCapsules (jaxep/_ffi.py registers them with jax.ffi.register_ffi_target), reports how the
-// module was built, and binds the multi-rank runtime (ffi/runtime.cc). Importing it touches no GPU.
+// PyCapsules (jaxep/_ffi.py registers them with jax.ffi.register_ffi_target), exports the
+// constants Python and C++ share (one source: the C++ definitions), reports how the module was
+// built, and binds the multi-rank runtime (ffi/runtime.cc). Importing it touches no GPU.
 #include <cuda_runtime_api.h>  // CUDART_VERSION
+
+#include <iterator>
+#include <string>
 
 #include <nanobind/nanobind.h>
 
+#include "common.h"
+#include "cuda/combine.h"
+#include "cuda/dispatch.h"
+#include "cuda/sync.h"
 #include "xla/ffi/api/api.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
-// Defined in dispatch.cc and combine.cc.
+// Defined in dispatch.cc, combine.cc and gather_back.cc.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepDispatchRows);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepCombine);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepGatherBack);  // ffi/multirank.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepGatherBack);
 
 void RegisterRuntime(nb::module_& m);  // ffi/runtime.cc
 
@@ -37,6 +45,15 @@ nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+nb::str Str(std::string_view v) { return nb::str(v.data(), v.size()); }
+
+template <size_t N>
+nb::tuple Names(const char* const (&names)[N], size_t first = 0) {
+  nb::list l;
+  for (size_t i = first; i < N; ++i) l.append(nb::str(names[i]));
+  return nb::tuple(l);
+}
+
 }  // namespace
 
 NB_MODULE(_jaxep_cuda, m) {
@@ -47,13 +64,37 @@ NB_MODULE(_jaxep_cuda, m) {
       "registrations",
       []() {
         nb::dict d;
-        d["jaxep_dispatch"] = Capsule(JaxepDispatch);
-        d["jaxep_dispatch_rows"] = Capsule(JaxepDispatchRows);
-        d["jaxep_combine"] = Capsule(JaxepCombine);
-        d["jaxep_gather_back"] = Capsule(JaxepGatherBack);
+        d[Str(jaxep::kDispatchTarget)] = Capsule(JaxepDispatch);
+        d[Str(jaxep::kDispatchRowsTarget)] = Capsule(JaxepDispatchRows);
+        d[Str(jaxep::kCombineTarget)] = Capsule(JaxepCombine);
+        d[Str(jaxep::kGatherBackTarget)] = Capsule(JaxepGatherBack);
         return d;
       },
       "Target name -> PyCapsule of its XLA FFI handler (register with platform='CUDA').");
+
+  m.def(
+      "constants",
+      []() {
+        namespace mr = jaxep::cuda::mr;
+        nb::dict d;
+        d["max_experts"] = jaxep::cuda::kMaxExperts;  // the layout kernels' shared histogram
+        d["max_ranks"] = mr::kMaxRanks;                // peers of the team (one node)
+        nb::dict phases, ops;
+        for (int i = 0; i < static_cast<int>(std::size(mr::kPhaseNames)); ++i) {
+          phases[nb::int_(i)] = nb::str(mr::kPhaseNames[i]);
+        }
+        for (int i = 1; i < static_cast<int>(std::size(mr::kOpNames)); ++i) {
+          ops[nb::int_(i)] = nb::str(mr::kOpNames[i]);
+        }
+        d["phases"] = phases;  // Diag::phase code -> name
+        d["ops"] = ops;        // Diag::op code -> op name
+        d["targets"] = nb::make_tuple(Str(jaxep::kDispatchTarget), Str(jaxep::kDispatchRowsTarget),
+                                      Str(jaxep::kCombineTarget), Str(jaxep::kGatherBackTarget));
+        d["dispatch_kernels"] = Names(mr::kDispatchKernelNames);  // dispatch_kernel attribute
+        d["combine_kernels"] = Names(mr::kCombineKernelNames);    // combine_kernel attribute
+        return d;
+      },
+      "Constants shared with Python (limits, diagnostic codes, target and kernel names).");
 
   m.def(
       "build_info",

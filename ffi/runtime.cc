@@ -4,7 +4,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include "cuda/multirank.h"
+#include "cuda/sync.h"
 #include "cuda/runtime.h"
 
 namespace nb = nanobind;
@@ -37,7 +37,6 @@ void RegisterRuntime(nb::module_& m) {
   m.def("nvshmem_version", &rt::NvshmemVersion, "NVSHMEM library version ('' without NVSHMEM).");
   m.def("nvshmem_init_status", &rt::NvshmemInitStatus,
         "nvshmemx_init_status(): 0 not initialized, 1 bootstrapped, >= 2 initialized; -1 unbuilt.");
-  m.def("max_ranks", []() { return mr::kMaxRanks; });
   m.def("unique_id", []() {
     std::string err;
     std::string id = rt::GetUniqueId(&err);

@@ -1,5 +1,5 @@
-// Device helpers shared by jaxep's kernels (warp and block scans, dtype conversions, vector packs).
-// Included by .cu files only.
+// Device helpers shared by jaxep's kernels (warp and block scans, dtype conversions, vector packs,
+// the row-copy unit and grid of the row kernels). Included by .cu files only.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include "grid.h"
 
 namespace jaxep::cuda {
 
@@ -99,5 +101,27 @@ template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];
 };
+
+// Row kernels (a warp per row, 256 threads per block): calls launch(Unit{}) with the widest copy
+// unit (uint4, uint2, uint32_t, uint16_t or uint8_t) that divides the row size and `address_bits`
+// (the OR of the addresses or offsets the kernel indexes in rows), so every access is naturally
+// aligned and the copy is byte-exact whatever the dtype.
+template <typename Launch>
+void WithRowUnit(uintptr_t address_bits, int64_t row_bytes, Launch&& launch) {
+  const uint64_t bits = address_bits | static_cast<uint64_t>(row_bytes);
+  if (bits % 16 == 0) launch(uint4{});
+  else if (bits % 8 == 0) launch(uint2{});
+  else if (bits % 4 == 0) launch(uint32_t{});
+  else if (bits % 2 == 0) launch(uint16_t{});
+  else launch(uint8_t{});
+}
+
+constexpr int kRowThreads = 256;  // 8 warps, one row per warp at a time
+constexpr int64_t kMaxRowBlocks = 4096;
+
+// Blocks of a warp-per-item row kernel over `items` items, capped by max_blocks (grid.h).
+inline int64_t RowBlocks(int64_t items, int64_t max_blocks) {
+  return CapBlocks(std::min(CeilDiv(items, kRowThreads / kWarpSize), kMaxRowBlocks), max_blocks);
+}
 
 }  // namespace jaxep::cuda

@@ -1,9 +1,10 @@
-// Single-rank dispatch: layout (count -> scan -> place) and the row copy.
+// Dispatch's kernels (launchers in dispatch.h): the layout (count -> scan -> place) and the row
+// copy of a single rank, and the cross-rank bookkeeping (meta) and pulls.
 //
 // Determinism: every position is a prefix sum of counts; no value depends on the arrival order of
 // atomics (the only atomics are integer additions into histograms, whose totals are order free).
 //
-// Slots are cut into chunks of kChunk consecutive slot ids, one thread block per chunk.
+// Single rank. Slots are cut into chunks of kChunk consecutive slot ids, one thread block per chunk.
 //   count:  counts[e * num_chunks + c] = number of slots of chunk c routed to expert e.
 //   scan:   one exclusive scan over that array in (expert, chunk) order turns it into
 //           bases[e * num_chunks + c] = number of valid slots ordered before the first slot of
@@ -11,18 +12,18 @@
 //   place:  the slot's order index is p = bases[e, c] + (slots of chunk c with expert e and a
 //           smaller slot id), computed from a shared copy of the chunk's ids.
 //   gather: rows are copied from x by recv_slot (shared with jaxep_dispatch_rows).
+// Cross rank (after the ready exchange of ffi/exchange.h): the meta kernel turns every source's
+// counts into row positions, the pulls read the sources' staged rows (or XLA pools) in that order.
 #include <algorithm>
 
-#include "common.cuh"
-#include "kernels.h"
+#include "dispatch.h"
+#include "team.cuh"
 
 namespace jaxep::cuda {
 namespace {
 
 constexpr int kChunk = 256;          // slots per chunk == threads per block of count/place
 constexpr int kScanThreads = 1024;   // the single block of the scan kernel
-constexpr int kGatherThreads = 256;  // 8 warps, one row per warp at a time
-constexpr int64_t kMaxGatherBlocks = 2048;
 constexpr size_t kScratchAlign = 256;
 
 constexpr size_t AlignUp(size_t n) { return (n + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
@@ -156,10 +157,9 @@ __global__ void __launch_bounds__(kChunk)
   }
 }
 
-// One warp per row (grid-stride). Unit is the widest of uint4/uint2/uint32/uint16/uint8 that
-// divides the row size and both base addresses, so every access is naturally aligned.
+// One warp per row (grid-stride), Unit from WithRowUnit.
 template <typename Unit>
-__global__ void __launch_bounds__(kGatherThreads)
+__global__ void __launch_bounds__(kRowThreads)
     GatherRowsKernel(const Unit* __restrict__ x, int64_t num_slots, int64_t units_per_row,
                      const int32_t* __restrict__ recv_slot, int64_t num_rows, int32_t topk,
                      Unit* __restrict__ x_rows) {
@@ -179,18 +179,6 @@ __global__ void __launch_bounds__(kGatherThreads)
       for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
     }
   }
-}
-
-template <typename Unit>
-cudaError_t LaunchGatherRowsAs(const void* x, int64_t num_tokens, int64_t row_bytes,
-                               const int32_t* recv_slot, int64_t num_rows, int32_t topk,
-                               void* x_rows, cudaStream_t stream) {
-  const int64_t warps_per_block = kGatherThreads / kWarpSize;
-  const int64_t blocks = std::min(CeilDiv(num_rows, warps_per_block), kMaxGatherBlocks);
-  GatherRowsKernel<Unit><<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(
-      static_cast<const Unit*>(x), num_tokens * topk, row_bytes / static_cast<int64_t>(sizeof(Unit)),
-      recv_slot, num_rows, topk, static_cast<Unit*>(x_rows));
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -228,28 +216,329 @@ cudaError_t LaunchDispatchLayout(const DispatchLayoutArgs& a, cudaStream_t strea
 
 cudaError_t LaunchGatherRows(const void* x, int64_t num_tokens, int64_t row_bytes,
                              const int32_t* recv_slot, int64_t num_rows, int32_t topk,
-                             void* x_rows, cudaStream_t stream) {
+                             void* x_rows, int64_t max_blocks, cudaStream_t stream) {
   if (num_rows <= 0 || row_bytes <= 0) return cudaSuccess;
-  const uint64_t bits = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(x_rows) |
-                        static_cast<uint64_t>(row_bytes);
-  if (bits % 16 == 0) {
-    return LaunchGatherRowsAs<uint4>(x, num_tokens, row_bytes, recv_slot, num_rows, topk, x_rows,
-                                     stream);
-  }
-  if (bits % 8 == 0) {
-    return LaunchGatherRowsAs<uint2>(x, num_tokens, row_bytes, recv_slot, num_rows, topk, x_rows,
-                                     stream);
-  }
-  if (bits % 4 == 0) {
-    return LaunchGatherRowsAs<uint32_t>(x, num_tokens, row_bytes, recv_slot, num_rows, topk,
-                                        x_rows, stream);
-  }
-  if (bits % 2 == 0) {
-    return LaunchGatherRowsAs<uint16_t>(x, num_tokens, row_bytes, recv_slot, num_rows, topk,
-                                        x_rows, stream);
-  }
-  return LaunchGatherRowsAs<uint8_t>(x, num_tokens, row_bytes, recv_slot, num_rows, topk, x_rows,
-                                     stream);
+  // Single-rank gathers kept their own cap of 2048 blocks (8 warps each).
+  const unsigned grid =
+      static_cast<unsigned>(CapBlocks(std::min<int64_t>(RowBlocks(num_rows, 0), 2048), max_blocks));
+  WithRowUnit(reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(x_rows), row_bytes,
+              [&](auto unit) {
+                using U = decltype(unit);
+                GatherRowsKernel<U><<<grid, kRowThreads, 0, stream>>>(
+                    static_cast<const U*>(x), num_tokens * topk,
+                    row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot, num_rows, topk,
+                    static_cast<U*>(x_rows));
+              });
+  return cudaGetLastError();
 }
 
 }  // namespace jaxep::cuda
+
+// ==================================================================================== cross rank
+
+namespace jaxep::cuda::mr {
+namespace {
+
+constexpr int kMetaThreads = 1024;
+
+// Scratch written by the dispatch meta kernel and read by the dispatch pull, int32 elements
+// (R ranks, E experts; the blocks (l, s) of this destination number L*R == E):
+//   cnt[R*E]  every source's per-expert counts
+//   pre[R*E]  pre[s][e] = source s's valid slots with expert < e
+//   G[E+1]    exclusive prefix over experts of the all-source totals
+//   base[E]   first destination row of my (this source's) slots of expert e
+//   blk[E+1]  first row of block b = l*R + s on this destination; blk[E] = rows wanted here
+//   srcoff[E] index of block b's first slot in source s's sorted_slot
+//   kept[1]   min(rows wanted here, C)
+struct MetaScratch {
+  int32_t *cnt, *pre, *g, *base, *blk, *srcoff, *kept;
+  __host__ __device__ MetaScratch(void* p, int64_t r, int64_t e) {
+    int32_t* s = static_cast<int32_t*>(p);
+    cnt = s;
+    pre = cnt + r * e;
+    g = pre + r * e;
+    base = g + e + 1;
+    blk = base + e;
+    srcoff = blk + e + 1;
+    kept = srcoff + e;
+  }
+  static size_t Ints(int64_t r, int64_t e) { return static_cast<size_t>(2 * r * e + 4 * e + 3); }
+};
+
+__global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, DispatchMetaArgs a) {
+  if (Aborted(team)) return;
+  const int R = team.size, me = team.rank, E = a.experts, L = E / R;
+  MetaScratch m(a.scratch, R, E);
+  // 1. Snapshot every source's counts (remote reads; published before its ready flag).
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(R) * E; i += blockDim.x) {
+    const int s = static_cast<int>(i / E);
+    const int32_t* c = reinterpret_cast<const int32_t*>(team.peer[s] + team.lay.counts);
+    m.cnt[i] = c[i - static_cast<int64_t>(s) * E];
+  }
+  __syncthreads();
+  // 2. pre[s][e] = source s's valid slots with expert < e (start of e in its sorted_slot).
+  for (int s = 0; s < R; ++s) BlockScanArray(m.cnt + s * E, m.pre + s * E, E);
+  // 3. G[e] = rows of all sources for experts < e (exclusive prefix of the per-expert totals).
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int t = 0;
+    for (int s = 0; s < R; ++s) t += m.cnt[s * E + e];
+    m.g[e] = t;
+  }
+  __syncthreads();
+  const int grand = BlockScanArray(m.g, m.g, E);
+  if (threadIdx.x == 0) m.g[E] = grand;
+  __syncthreads();
+  // 4. Layout order on destination d = e / L is (local expert, source, t, k): the block of
+  //    (e, s) starts at G[e] - G[d*L] + sum_{s' < s} cnt[s'][e].
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int b = m.g[e] - m.g[(e / L) * L];
+    for (int s = 0; s < me; ++s) b += m.cnt[s * E + e];
+    m.base[e] = b;  // where my (source me) slots of expert e start on their destination
+  }
+  const int first = me * L;
+  const int total_me = m.g[first + L] - m.g[first];
+  for (int b = threadIdx.x; b < L * R; b += blockDim.x) {
+    const int l = b / R, s = b % R, e = first + l;
+    int start = m.g[e] - m.g[first];
+    for (int s2 = 0; s2 < s; ++s2) start += m.cnt[s2 * E + e];
+    m.blk[b] = start;
+    m.srcoff[b] = m.pre[s * E + e];
+  }
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    const int start = m.g[first + l] - m.g[first];
+    const int count = m.g[first + l + 1] - m.g[first + l];
+    a.group_sizes[l] = max(0, min(count, a.capacity - start));
+  }
+  if (threadIdx.x == 0) {
+    m.blk[L * R] = total_me;
+    const int kept = min(total_me, a.capacity);
+    *m.kept = kept;
+    a.stats[0] = total_me - kept;         // dropped rows, this rank as destination
+    a.stats[1] = a.layout_stats[1];       // invalid ids, this rank as source
+  }
+  __syncthreads();
+  // 5. send_row of my slots: base + position among my slots of that expert, if below capacity.
+  const int64_t n = static_cast<int64_t>(a.tokens) * a.topk;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int e = a.topk_idx_out[i];
+    int row = -1;
+    if (e >= 0 && e < E && a.local_order[i] >= 0) {
+      const int r = m.base[e] + (a.local_order[i] - m.pre[me * E + e]);
+      row = r < a.capacity ? r : -1;
+    }
+    a.send_row[i] = row;
+  }
+}
+
+// Destination side of dispatch: warp per row p of [0, C).
+template <typename Unit>
+__global__ void __launch_bounds__(kRowThreads)
+    DispatchPullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t capacity,
+                       int64_t units_per_row, const void* meta_scratch, Unit* __restrict__ x_rows,
+                       float* __restrict__ weights, int32_t* __restrict__ recv_slot) {
+  if (Aborted(team)) return;
+  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank (stage or XLA pool)
+  LoadSrcRows(team, s_rows);
+  const int R = team.size;
+  const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
+  const int nblk = experts;  // L * R blocks (l, s)
+  const int kept = *m.kept;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t wpb = blockDim.x / kWarpSize;
+  const int64_t nwarps = gridDim.x * wpb;
+  const int64_t slots_per_rank = static_cast<int64_t>(tokens) * topk;
+  for (int64_t p = blockIdx.x * wpb + threadIdx.x / kWarpSize; p < capacity; p += nwarps) {
+    Unit* dst = x_rows + p * units_per_row;
+    if (p >= kept) {
+      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+      if (lane == 0) {
+        weights[p] = 0.0f;
+        recv_slot[p] = -1;
+      }
+      continue;
+    }
+    // Last block b with blk[b] <= p: it is non-empty because blk[nblk] >= kept > p.
+    int lo = 0, hi = nblk - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (m.blk[mid] <= p) lo = mid; else hi = mid - 1;
+    }
+    const int b = lo, s = b % R;
+    const int64_t idx = m.srcoff[b] + (p - m.blk[b]);
+    const char* src_base = team.peer[s];
+    const int32_t slot = reinterpret_cast<const int32_t*>(src_base + team.lay.sorted_slot)[idx];
+    const int64_t t = slot / topk;
+    const Unit* src = reinterpret_cast<const Unit*>(s_rows[s]) + t * units_per_row;
+#pragma unroll 4
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
+    if (lane == 0) {
+      weights[p] = reinterpret_cast<const float*>(src_base + team.lay.sorted_w)[idx];
+      recv_slot[p] = static_cast<int32_t>(s * slots_per_rank + slot);
+    }
+  }
+}
+
+// Destination side of dispatch, token-major (topk <= 32): warp per (source s, token t) of [0, R*T).
+// Lane k finds slot (t, k)'s row on this destination from s's staged slot_expert/slot_order and the
+// meta scratch (the same formula as the source-side send_row: block start + index within the
+// block); the warp then reads s's staged row t once and stores it to each of those rows. A token
+// that chose several of this rank's experts is read once instead of once per expert. Rows
+// [kept, C) are zeroed by the same warps afterwards. Same output as DispatchPullKernel.
+constexpr int kMaxTokenTopk = 32;
+constexpr int kTokenBatch = 4;  // 16-byte units loaded per lane before storing them
+
+template <typename Unit>
+__global__ void __launch_bounds__(kRowThreads)
+    DispatchPullTokenKernel(Team team, int32_t tokens, int32_t topk, int32_t experts,
+                            int32_t capacity, int64_t units_per_row, const void* meta_scratch,
+                            Unit* __restrict__ x_rows, float* __restrict__ weights,
+                            int32_t* __restrict__ recv_slot) {
+  if (Aborted(team)) return;
+  constexpr int kWarps = kRowThreads / kWarpSize;
+  __shared__ int s_dst[kWarps][kMaxTokenTopk];
+  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank (stage or XLA pool)
+  LoadSrcRows(team, s_rows);
+  const int R = team.size, me = team.rank, L = experts / R;
+  const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
+  const int kept = *m.kept;
+  const int lane = threadIdx.x % kWarpSize;
+  const int wib = threadIdx.x / kWarpSize;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + wib;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t slots_per_rank = static_cast<int64_t>(tokens) * topk;
+  const int64_t items = static_cast<int64_t>(tokens) * R;
+  for (int64_t it = gw; it < items; it += nwarps) {
+    const int s = static_cast<int>(it / tokens);
+    const int64_t t = it - static_cast<int64_t>(s) * tokens;
+    const char* src_base = team.peer[s];
+    int q = -1;  // this lane's row on this destination, or -1
+    if (lane < topk) {
+      const int64_t slot = t * topk + lane;
+      const int32_t e = reinterpret_cast<const int32_t*>(src_base + team.lay.slot_expert)[slot];
+      if (e >= 0 && e < experts && e / L == me) {
+        const int32_t idx = reinterpret_cast<const int32_t*>(src_base + team.lay.slot_order)[slot];
+        if (idx >= 0) {
+          const int b = (e - me * L) * R + s;
+          const int row = m.blk[b] + (idx - m.srcoff[b]);
+          if (row < kept) {  // kept <= C: rows past it were dropped for capacity
+            q = row;
+            weights[row] = reinterpret_cast<const float*>(src_base + team.lay.sorted_w)[idx];
+            recv_slot[row] = static_cast<int32_t>(s * slots_per_rank + slot);
+          }
+        }
+      }
+    }
+    const unsigned mask = __ballot_sync(kFullMask, q >= 0);
+    if (mask == 0u) continue;  // uniform across the warp
+    const int n = __popc(mask);
+    if (q >= 0) s_dst[wib][__popc(mask & ((1u << lane) - 1u))] = q;
+    __syncwarp();
+    const Unit* src = reinterpret_cast<const Unit*>(s_rows[s]) + t * units_per_row;
+    // kTokenBatch loads in flight per lane before the stores (the compiler cannot hoist a load
+    // above stores that might alias it).
+    for (int64_t u0 = lane; u0 < units_per_row; u0 += kWarpSize * kTokenBatch) {
+      Unit v[kTokenBatch];
+#pragma unroll
+      for (int i = 0; i < kTokenBatch; ++i) {
+        const int64_t u = u0 + i * kWarpSize;
+        if (u < units_per_row) v[i] = src[u];
+      }
+      for (int j = 0; j < n; ++j) {
+        Unit* dst = x_rows + static_cast<int64_t>(s_dst[wib][j]) * units_per_row;
+#pragma unroll
+        for (int i = 0; i < kTokenBatch; ++i) {
+          const int64_t u = u0 + i * kWarpSize;
+          if (u < units_per_row) dst[u] = v[i];
+        }
+      }
+    }
+    __syncwarp();  // s_dst is rewritten for the next item
+  }
+  for (int64_t p = kept + gw; p < capacity; p += nwarps) {
+    Unit* dst = x_rows + p * units_per_row;
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+    if (lane == 0) {
+      weights[p] = 0.0f;
+      recv_slot[p] = -1;
+    }
+  }
+}
+
+// dispatch_rows: warp per row c; the slot names the source rank and token.
+template <typename Unit>
+__global__ void __launch_bounds__(kRowThreads)
+    RowsPullKernel(Team team, int32_t tokens, int32_t topk, int32_t rows, int64_t units_per_row,
+                   const int32_t* __restrict__ recv_slot, Unit* __restrict__ x_rows) {
+  if (Aborted(team)) return;
+  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank (stage or XLA pool)
+  LoadSrcRows(team, s_rows);
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t wpb = blockDim.x / kWarpSize;
+  const int64_t nwarps = gridDim.x * wpb;
+  const int64_t per_rank = static_cast<int64_t>(tokens) * topk;
+  const int64_t all = per_rank * team.size;
+  for (int64_t c = blockIdx.x * wpb + threadIdx.x / kWarpSize; c < rows; c += nwarps) {
+    const int64_t slot = recv_slot[c];
+    Unit* dst = x_rows + c * units_per_row;
+    if (slot >= 0 && slot < all) {
+      const int s = static_cast<int>(slot / per_rank);
+      const int64_t t = (slot - s * per_rank) / topk;
+      const Unit* src = reinterpret_cast<const Unit*>(s_rows[s]) + t * units_per_row;
+#pragma unroll 4
+      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
+    } else {
+      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+    }
+  }
+}
+
+}  // namespace
+
+size_t DispatchMetaScratchBytes(int64_t ranks, int64_t experts) {
+  return MetaScratch::Ints(ranks, experts) * sizeof(int32_t);
+}
+
+cudaError_t LaunchDispatchMeta(const Team& team, const DispatchMetaArgs& a, cudaStream_t stream) {
+  DispatchMetaKernel<<<1, kMetaThreads, 0, stream>>>(team, a);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
+                               int32_t capacity, int64_t row_bytes, const void* meta_scratch,
+                               void* x_rows, float* weights, int32_t* recv_slot,
+                               DispatchKernel kernel, int64_t max_blocks, cudaStream_t stream) {
+  if (capacity <= 0) return cudaSuccess;
+  const bool by_token = kernel == DispatchKernel::kToken && topk <= kMaxTokenTopk;
+  const unsigned grid = static_cast<unsigned>(
+      RowBlocks(by_token ? static_cast<int64_t>(tokens) * team.size : capacity, max_blocks));
+  WithRowUnit(reinterpret_cast<uintptr_t>(x_rows), row_bytes, [&](auto unit) {
+    using U = decltype(unit);
+    const int64_t units = row_bytes / static_cast<int64_t>(sizeof(U));
+    if (by_token) {
+      DispatchPullTokenKernel<U><<<grid, kRowThreads, 0, stream>>>(
+          team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
+          weights, recv_slot);
+    } else {
+      DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
+          team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
+          weights, recv_slot);
+    }
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRowsPull(const Team& team, int32_t tokens, int32_t topk, int32_t rows,
+                           int64_t row_bytes, const int32_t* recv_slot, void* x_rows,
+                           int64_t max_blocks, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(RowBlocks(rows, max_blocks));
+  WithRowUnit(reinterpret_cast<uintptr_t>(x_rows), row_bytes, [&](auto unit) {
+    using U = decltype(unit);
+    RowsPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
+        team, tokens, topk, rows, row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot,
+        static_cast<U*>(x_rows));
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace jaxep::cuda::mr

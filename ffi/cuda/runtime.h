@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "multirank.h"
+#include "sync.h"
 
 namespace jaxep::cuda::rt {
 
@@ -45,8 +45,9 @@ std::string Init(const InitParams& p);
 // local host record is dropped (after a timeout a collective finalize could hang on a dead peer).
 std::string Finalize(bool collective);
 
-// Zero-copy combine (JAXEP_ZERO_COPY=1; docs/zero_copy.md option B1). jaxep/zero_copy.py checks
-// every condition on every rank and decides identically on all ranks before these run.
+// Zero-copy (Config.zero_copy, on by default; docs/zero_copy.md option B1): peers read dispatch's
+// x and combine's y in XLA's pool. jaxep/zero_copy.py checks every condition on every rank and
+// decides identically on all ranks before these run.
 // True when the loaded NVSHMEM has nvshmemx_buffer_register_symmetric (>= 3.3.9; weak symbols).
 bool PoolRegistrationSupported();
 // Collective: nvshmemx_buffer_register_symmetric(base, size, 0) of this PE's XLA pool (one VMM
@@ -56,9 +57,10 @@ bool PoolRegistrationSupported();
 // *ms: the registration's time (includes NVSHMEM's internal barriers).
 std::string RegisterPool(uintptr_t base, size_t size, bool* fatal, double* ms);
 // After every PE's RegisterPool succeeded (host decision, identical on all PEs): the Team gets
-// pool_base / pool_size / pool_peer, so combine calls may leave y in place from now on.
+// pool_base / pool_size / pool_peer, so calls with the zero_copy attribute may leave their source
+// rows (x / y) in place from now on.
 std::string EnablePool();
-// Combine calls of this process that left y in place (runtime_info()["zero_copy_calls"]).
+// Calls of this process that left their source rows in place (runtime_info()["zero_copy_calls"]).
 void NoteZeroCopyCall();
 uint64_t ZeroCopyCalls();
 

@@ -1,5 +1,5 @@
-// Multi-rank protocol pieces: symmetric layout, flag signal/wait with bounded spins, staging copies
-// and the dispatch bookkeeping (counts exchange -> prefix sums). See multirank.h for the protocol.
+// The synchronisation every cross-rank op shares (sync.h): symmetric layout, flag signal/wait with
+// bounded spins, staging copies, the zero-copy src_off word.
 //
 // Memory ordering: a rank publishes its stage with `fence.sc.sys` (__threadfence_system) followed by
 // `st.release.sys` of the flag on each peer; a reader spins with `ld.acquire.sys` on its own copy of
@@ -7,14 +7,13 @@
 // mapped by NVSHMEM (same GPU under MPS, or NVLink P2P), so plain loads/stores reach it.
 #include <algorithm>
 
-#include "multirank.cuh"
+#include "team.cuh"
 
 namespace jaxep::cuda::mr {
 namespace {
 
 constexpr size_t kAlign = 256;
 constexpr size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-constexpr int kMetaThreads = 1024;
 constexpr int kStageThreads = 256;
 constexpr int64_t kMaxStageBlocks = 1024;
 
@@ -99,7 +98,6 @@ __global__ void PublishSrcOffKernel(Team team, uint64_t src_off) {
 }
 
 // grid (x: blocks, y: copy index). 16-byte units when both ends allow it, then the byte tail.
-constexpr int kMaxStageCopies = 8;
 struct StageCopies {
   StageCopy c[kMaxStageCopies];
 };
@@ -120,75 +118,6 @@ __global__ void __launch_bounds__(kStageThreads) StageKernel(Team team, StageCop
     done = n16 * 16;
   }
   for (int64_t i = done + tid; i < static_cast<int64_t>(c.bytes); i += stride) dst[i] = src[i];
-}
-
-}  // namespace
-
-namespace {
-
-__global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, DispatchMetaArgs a) {
-  if (Aborted(team)) return;
-  const int R = team.size, me = team.rank, E = a.experts, L = E / R;
-  MetaScratch m(a.scratch, R, E);
-  // 1. Snapshot every source's counts (remote reads; published before its ready flag).
-  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(R) * E; i += blockDim.x) {
-    const int s = static_cast<int>(i / E);
-    const int32_t* c = reinterpret_cast<const int32_t*>(team.peer[s] + team.lay.counts);
-    m.cnt[i] = c[i - static_cast<int64_t>(s) * E];
-  }
-  __syncthreads();
-  // 2. pre[s][e] = source s's valid slots with expert < e (start of e in its sorted_slot).
-  for (int s = 0; s < R; ++s) BlockScanArray(m.cnt + s * E, m.pre + s * E, E);
-  // 3. G[e] = rows of all sources for experts < e (exclusive prefix of the per-expert totals).
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int t = 0;
-    for (int s = 0; s < R; ++s) t += m.cnt[s * E + e];
-    m.g[e] = t;
-  }
-  __syncthreads();
-  const int grand = BlockScanArray(m.g, m.g, E);
-  if (threadIdx.x == 0) m.g[E] = grand;
-  __syncthreads();
-  // 4. Layout order on destination d = e / L is (local expert, source, t, k): the block of
-  //    (e, s) starts at G[e] - G[d*L] + sum_{s' < s} cnt[s'][e].
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int b = m.g[e] - m.g[(e / L) * L];
-    for (int s = 0; s < me; ++s) b += m.cnt[s * E + e];
-    m.base[e] = b;  // where my (source me) slots of expert e start on their destination
-  }
-  const int first = me * L;
-  const int total_me = m.g[first + L] - m.g[first];
-  for (int b = threadIdx.x; b < L * R; b += blockDim.x) {
-    const int l = b / R, s = b % R, e = first + l;
-    int start = m.g[e] - m.g[first];
-    for (int s2 = 0; s2 < s; ++s2) start += m.cnt[s2 * E + e];
-    m.blk[b] = start;
-    m.srcoff[b] = m.pre[s * E + e];
-  }
-  for (int l = threadIdx.x; l < L; l += blockDim.x) {
-    const int start = m.g[first + l] - m.g[first];
-    const int count = m.g[first + l + 1] - m.g[first + l];
-    a.group_sizes[l] = max(0, min(count, a.capacity - start));
-  }
-  if (threadIdx.x == 0) {
-    m.blk[L * R] = total_me;
-    const int kept = min(total_me, a.capacity);
-    *m.kept = kept;
-    a.stats[0] = total_me - kept;         // dropped rows, this rank as destination
-    a.stats[1] = a.layout_stats[1];       // invalid ids, this rank as source
-  }
-  __syncthreads();
-  // 5. send_row of my slots: base + position among my slots of that expert, if below capacity.
-  const int64_t n = static_cast<int64_t>(a.tokens) * a.topk;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const int e = a.topk_idx_out[i];
-    int row = -1;
-    if (e >= 0 && e < E && a.local_order[i] >= 0) {
-      const int r = m.base[e] + (a.local_order[i] - m.pre[me * E + e]);
-      row = r < a.capacity ? r : -1;
-    }
-    a.send_row[i] = row;
-  }
 }
 
 }  // namespace
@@ -232,7 +161,7 @@ cudaError_t LaunchPublishSrcOff(const Team& team, uint64_t src_off, cudaStream_t
 }
 
 cudaError_t LaunchStage(const Team& team, const StageCopy* copies, int num_copies,
-                        cudaStream_t stream) {
+                        int64_t max_blocks, cudaStream_t stream) {
   if (num_copies <= 0) return cudaSuccess;
   StageCopies c;
   size_t most = 0;
@@ -240,21 +169,12 @@ cudaError_t LaunchStage(const Team& team, const StageCopy* copies, int num_copie
     c.c[i] = copies[i];
     most = std::max(most, copies[i].bytes);
   }
-  const int64_t blocks =
-      std::clamp<int64_t>(CeilDiv(static_cast<int64_t>(most) / 16 + 1, kStageThreads), 1,
-                          kMaxStageBlocks);
+  const int64_t blocks = CapBlocks(
+      std::min(CeilDiv(static_cast<int64_t>(most) / 16 + 1, kStageThreads), kMaxStageBlocks),
+      max_blocks);
   StageKernel<<<dim3(static_cast<unsigned>(blocks),
                      static_cast<unsigned>(std::min(num_copies, kMaxStageCopies))),
                 kStageThreads, 0, stream>>>(team, c);
-  return cudaGetLastError();
-}
-
-size_t DispatchMetaScratchBytes(int64_t ranks, int64_t experts) {
-  return MetaScratch::Ints(ranks, experts) * sizeof(int32_t);
-}
-
-cudaError_t LaunchDispatchMeta(const Team& team, const DispatchMetaArgs& a, cudaStream_t stream) {
-  DispatchMetaKernel<<<1, kMetaThreads, 0, stream>>>(team, a);
   return cudaGetLastError();
 }
 

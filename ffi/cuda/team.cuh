@@ -1,10 +1,10 @@
-// Device-side helpers shared by the multi-rank kernels (multirank_sync.cu, multirank_pull.cu).
+// Device-side helpers of the cross-rank kernels (dispatch.cu, combine.cu, gather_back.cu, sync.cu).
 #pragma once
 
 #include <cstdint>
 
 #include "common.cuh"
-#include "multirank.h"
+#include "sync.h"
 
 namespace jaxep::cuda::mr {
 
@@ -32,29 +32,5 @@ __device__ __forceinline__ void LoadSrcRows(const Team& team, const char** s_row
   if (threadIdx.x < team.size) s_rows[threadIdx.x] = SrcRowsBase(team, threadIdx.x);
   __syncthreads();
 }
-
-// Scratch written by the dispatch meta kernel and read by the dispatch pull, int32 elements
-// (R ranks, E experts; the blocks (l, s) of this destination number L*R == E):
-//   cnt[R*E]  every source's per-expert counts
-//   pre[R*E]  pre[s][e] = source s's valid slots with expert < e
-//   G[E+1]    exclusive prefix over experts of the all-source totals
-//   base[E]   first destination row of my (this source's) slots of expert e
-//   blk[E+1]  first row of block b = l*R + s on this destination; blk[E] = rows wanted here
-//   srcoff[E] index of block b's first slot in source s's sorted_slot
-//   kept[1]   min(rows wanted here, C)
-struct MetaScratch {
-  int32_t *cnt, *pre, *g, *base, *blk, *srcoff, *kept;
-  __host__ __device__ MetaScratch(void* p, int64_t r, int64_t e) {
-    int32_t* s = static_cast<int32_t*>(p);
-    cnt = s;
-    pre = cnt + r * e;
-    g = pre + r * e;
-    base = g + e + 1;
-    blk = base + e;
-    srcoff = blk + e + 1;
-    kept = srcoff + e;
-  }
-  static size_t Ints(int64_t r, int64_t e) { return static_cast<size_t>(2 * r * e + 4 * e + 3); }
-};
 
 }  // namespace jaxep::cuda::mr

@@ -1,0 +1,54 @@
+// Launchers of combine's kernels (ffi/cuda/combine.cu): `jaxep_combine`, single-rank and
+// cross-rank. Plain C++: raw device pointers, sizes and a stream; no XLA or JAX types.
+//
+// Every combine kernel computes the fixed-order sum of fixed_order_sum.cuh (docs/design.md):
+//   out[t] = sum over ranks r ascending of (sum over k ascending with expert on r and a kept row
+//            of w[row] * f32(y[row])), in f32, every product and sum rounded once, cast once;
+// so every launcher here gives the same bits for the same inputs. Launchers return the
+// cudaError_t of their launches and never synchronize; `max_blocks` caps the grid (grid.h).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "sync.h"
+
+namespace jaxep::cuda {
+
+// Single rank: the sum over k ascending of the kept slots (0 <= topk_idx[t,k] < E and
+// 0 <= send_row[t,k] < C) of weights[row] * f32(y[row]); tokens with none get 0.
+// T is __nv_bfloat16, __half or float (explicit instantiations in combine.cu).
+template <typename T>
+cudaError_t LaunchCombine(const T* y, const float* weights, const int32_t* send_row,
+                          const int32_t* topk_idx, int32_t num_tokens, int32_t topk,
+                          int32_t num_rows, int64_t hidden, int32_t num_experts, T* out,
+                          int64_t max_blocks, cudaStream_t stream);
+
+}  // namespace jaxep::cuda
+
+namespace jaxep::cuda::mr {
+
+// Combine staging (expert side): y row p into this rank's stage at dst_off + p * row_bytes, for
+// the rows with recv_slot[p] >= 0 only (the kept rows: the only ones a peer's send_row names).
+cudaError_t LaunchStageRows(const Team& team, int32_t rows, int64_t row_bytes,
+                            const int32_t* recv_slot, const void* src, size_t dst_off,
+                            int64_t max_blocks, cudaStream_t stream);
+
+// Which combine pull kernel runs (Config.combine_kernel, the `combine_kernel` attribute):
+// kWarp ("warp", the default) is a warp per token with the token's kept slots listed once in
+// shared memory, kThread ("thread") a thread per 16 bytes of output that walks all (rank, k)
+// pairs itself; kThread also serves topk > 32. Both give the same bits.
+enum class CombineKernel : int32_t { kWarp = 0, kThread = 1 };
+constexpr const char* kCombineKernelNames[] = {"warp", "thread"};  // by enum value
+
+// Combine pull (source side): the fixed order above, where the rows of rank r are its stage, or
+// its y in its pool when the team has a pool and r's src_off is not kStagedSrc, and the weights
+// its stage_w. T is __nv_bfloat16, __half or float.
+template <typename T>
+cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
+                              int32_t rows, int64_t hidden, const int32_t* send_row,
+                              const int32_t* topk_idx, T* out, CombineKernel kernel,
+                              int64_t max_blocks, cudaStream_t stream);
+
+}  // namespace jaxep::cuda::mr

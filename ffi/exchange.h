@@ -1,0 +1,93 @@
+// The cross-rank call sequence of ffi/cuda/sync.h (steps 2-7), written once: every cross-rank
+// handler (dispatch.cc, combine.cc, gather_back.cc) runs its own staging and pull inside
+// Exchange::Run, on XLA's stream, on the runtime of ffi/cuda/runtime.h.
+//
+// NOT command-buffer compatible, on purpose: Begin takes a fresh sequence number on the host
+// (rt::NextSeq) that the call's kernels compare flags against, so the host handler must run for
+// every execution. The cross-rank handlers are registered without the kCmdBufferCompatible trait,
+// so XLA never captures them into a CUDA graph (tests/gpu/test_multirank.py runs a jitted loop).
+// (The low-latency family, which must be graph compatible, will keep its sequence on the device.)
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include <cuda_runtime_api.h>
+
+#include "common.h"
+#include "cuda/sync.h"
+
+namespace jaxep {
+
+// What a cross-rank call needs of the buffers jaxep.initialize sized (jaxep/_ffi.py checks the
+// same at trace time; here it guards an executable that outlived a finalize/initialize).
+struct ExchangeFit {
+  int64_t slots = 0;        // T*K
+  int64_t experts = 0;      // E (0: the op stages no counts)
+  int64_t rows = 0;         // C
+  int64_t stage_bytes = 0;  // bytes the op may stage
+};
+
+class Exchange {
+ public:
+  // The active team with `ep_size` ranks, checked against `fit`, and this call's sequence number.
+  static ffi::Error Begin(std::string_view target, cuda::mr::OpCode op, int64_t ep_size,
+                          const ExchangeFit& fit, cudaStream_t stream, Exchange* out);
+
+  const cuda::mr::Team& team() const { return *team_; }
+  uint64_t seq() const { return seq_; }
+  cudaStream_t stream() const { return stream_; }
+
+  // Steps 2-7 around the op's work. `src` [src_bytes] are the source rows peers read (dispatch,
+  // dispatch_rows: x; combine: y). With `zero_copy` (the call's attribute) they stay in XLA's pool
+  // when the team has one and they lie inside it, 16-byte aligned; otherwise they are staged.
+  //   stage(bool stage_src) -> ffi::Error: step 3, this rank's copies into its own block (the
+  //                                        source rows only when stage_src);
+  //   pull() -> ffi::Error:                step 5, the reads of the peers.
+  template <typename Stage, typename Pull>
+  ffi::Error Run(const void* src, int64_t src_bytes, bool zero_copy, Stage&& stage, Pull&& pull) {
+    using namespace cuda::mr;  // NOLINT: flag and phase names
+    if (ffi::Error e = Sync("wait free", kFlagNone, 0, kFlagFree, seq_ - 1, kPhaseFree);
+        e.failure()) {
+      return e;
+    }
+    const uint64_t src_off = zero_copy ? PoolOffset(src, src_bytes) : kStagedSrc;
+    if (ffi::Error e = stage(src_off == kStagedSrc); e.failure()) return e;
+    if (ffi::Error e = PublishSrcOff(src_off); e.failure()) return e;
+    if (ffi::Error e = Sync("ready", kFlagReady, seq_, kFlagReady, seq_, kPhaseReady);
+        e.failure()) {
+      return e;
+    }
+    if (ffi::Error e = pull(); e.failure()) return e;
+    if (ffi::Error e = Sync("signal free", kFlagFree, seq_, kFlagNone, 0, kPhaseNone);
+        e.failure()) {
+      return e;
+    }
+    // Zero-copy: XLA may reuse src once this call's stream work ends, so the call ends only after
+    // every peer finished reading it (free[p] >= seq). Bounded like every wait.
+    if (src_off == kStagedSrc) return ffi::Error::Success();
+    return Sync("wait zero-copy readers", kFlagNone, 0, kFlagFree, seq_, kPhaseZeroCopy);
+  }
+
+  // Step 3 helper: copies into this rank's block (LaunchStage), as an ffi::Error.
+  ffi::Error Stage(const cuda::mr::StageCopy* copies, int num_copies, int64_t max_blocks) const;
+  // A launcher's result as an ffi::Error naming the target and the step.
+  ffi::Error Check(std::string_view what, cudaError_t err) const {
+    return FromCuda(target_, what, err);
+  }
+
+ private:
+  ffi::Error Sync(std::string_view what, int32_t flag_signal, uint64_t value, int32_t flag_wait,
+                  uint64_t want, int32_t phase) const;
+  // The offset of [ptr, ptr + bytes) in this rank's registered pool, or kStagedSrc.
+  uint64_t PoolOffset(const void* ptr, int64_t bytes) const;
+  ffi::Error PublishSrcOff(uint64_t src_off) const;
+
+  std::string_view target_;
+  cuda::mr::OpCode op_ = cuda::mr::kOpDispatch;
+  const cuda::mr::Team* team_ = nullptr;
+  uint64_t seq_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace jaxep
