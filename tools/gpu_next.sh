@@ -19,7 +19,6 @@
 #   bench4_64, bench8_256, bench4_64a, bench4_64s   more bench setups, ~35 s each
 #   ep1small   jaxep-bench at EP=1 and the example's tiny sizes (cuda vs reference), ~10 s
 #   example    examples/moe_flax.py --compare_backends --dtype bfloat16 --steps 60, ~40 s
-#   probe      tools/probe_zero_copy.py on 8 ranks (docs/zero_copy.md experiment 1; passed 2026-12-02)
 # All steps do not fit in one call: pick with STEPS (runs 5's list: "build mr bench8_64 bench8_64a
 # bench4_64 bench8_256 bench4_64a ep1small example", 372 s).
 # Output in $OUT: summary.txt (the table, printed last) and logs.tar.gz (every log, JSON, PNG).
@@ -99,9 +98,6 @@ step ep1small 90 40 "$LOGS/ep1small.log" python3 -m jaxep.bench --backend cuda -
   --hidden 128 --topk 2 --experts 8 --dtype bfloat16 --iters 20 --json "$LOGS/ep1small.json"
 step example 180 60 "$LOGS/example.log" python3 examples/moe_flax.py --compare_backends \
   --dtype bfloat16 --steps 60
-# docs/zero_copy.md experiment 1 (passed on the H200, 2026-12-02): can peers read XLA's pool?
-step probe 240 60 "$LOGS/probe.log" env NVSHMEM_CUMEM_GRANULARITY=2097152 python3 -m jaxep.launch \
-  --nproc 8 --share-gpu --timeout 200 tools/probe_zero_copy.py
 
 timeout 30 python3 -m jaxep.doctor > "$LOGS/doctor.log" 2>&1 || true
 
@@ -116,7 +112,6 @@ timeout 30 python3 -m jaxep.doctor > "$LOGS/doctor.log" 2>&1 || true
 
   grep -hE "cuda [0-9]+ tokens/s, reference|^throughput|dense check" "$LOGS/example.log" 2>/dev/null | cut -c1-200
   grep -hiE "^ *(dispatch|combine|both) .*(ms|x)" "$LOGS/ep1small.log" 2>/dev/null | head -8 | cut -c1-200
-  grep -hE "RESULT B1 .*(SKIP|FAIL|rank=[0-9]+ ok)|^(\[rank 0\] )?(POOL|NVSHMEM|OFFSETS)" "$LOGS/probe.log" 2>/dev/null | cut -c1-200 | head -14
   echo "--- bench (tools/bench_multirank.py table over every run) ---"
   python3 - "$LOGS" <<'EOF' 2>&1
 import glob, json, os, sys
