@@ -12,6 +12,9 @@ import time
 import pytest
 
 from jaxep import launch
+# The modules where the patched names are looked up: cli (main's visible_gpus, run_group,
+# free_port), env (visible_gpus' shutil/subprocess), mps (the daemon's, and its private helpers).
+from jaxep.launch import cli as launch_cli, env as launch_env, mps as launch_mps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = re.compile(r"^\[rank (\d+)\] RESULT (.*)$", re.M)
@@ -245,8 +248,8 @@ def test_visible_gpus(monkeypatch):
     assert launch.visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
     assert launch.visible_gpus({"CUDA_VISIBLE_DEVICES": "0,-1,1"}) == ["0"]
     assert launch.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
-    monkeypatch.setattr(launch.shutil, "which", lambda name, path=None: "/x/nvidia-smi")
-    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+    monkeypatch.setattr(launch_env.shutil, "which", lambda name, path=None: "/x/nvidia-smi")
+    monkeypatch.setattr(launch_env.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
         cmd, 0, "GPU 0: NVIDIA H200 (UUID: GPU-a)\nGPU 1: NVIDIA H200 (UUID: GPU-b)\n", ""))
     assert launch.visible_gpus({}) == ["0", "1"]
 
@@ -275,8 +278,8 @@ class FakeMps:
 @pytest.fixture
 def fake_mps(monkeypatch):
     fake = FakeMps()
-    monkeypatch.setattr(launch.subprocess, "run", fake)
-    monkeypatch.setattr(launch.shutil, "which",
+    monkeypatch.setattr(launch_mps.subprocess, "run", fake)
+    monkeypatch.setattr(launch_mps.shutil, "which",
                         lambda name, path=None: f"/fake/{name}" if name == launch.MPS_CONTROL
                         else None)
     return fake
@@ -308,8 +311,8 @@ def test_mps_reuses_the_users_running_daemon(fake_mps, tmp_path):
 
 def test_mps_start_failure_is_clear(monkeypatch):
     fake = FakeMps(fail_start=True)
-    monkeypatch.setattr(launch.subprocess, "run", fake)
-    monkeypatch.setattr(launch.shutil, "which", lambda name, path=None: "/fake/" + name)
+    monkeypatch.setattr(launch_mps.subprocess, "run", fake)
+    monkeypatch.setattr(launch_mps.shutil, "which", lambda name, path=None: "/fake/" + name)
     with pytest.raises(launch.LaunchError, match="exited with 1: no GPU"):
         launch.mps_start({})
 
@@ -320,7 +323,7 @@ def test_share_gpu_main_stops_mps_on_failure(fake_mps, monkeypatch, capsys, outc
                 "XLA_PYTHON_CLIENT_MEM_FRACTION", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
                 "CUDA_VISIBLE_DEVICES", "NVSHMEM_REMOTE_TRANSPORT"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(launch, "visible_gpus", lambda environ: ["0"])
+    monkeypatch.setattr(launch_cli, "visible_gpus", lambda environ: ["0"])
     seen = {}
 
     def fake_group(commands, envs, **kw):
@@ -329,7 +332,7 @@ def test_share_gpu_main_stops_mps_on_failure(fake_mps, monkeypatch, capsys, outc
             raise KeyboardInterrupt
         return outcome
 
-    monkeypatch.setattr(launch, "run_group", fake_group)
+    monkeypatch.setattr(launch_cli, "run_group", fake_group)
     before = dict(os.environ)
     assert launch.main(["--nproc", "2", "--share-gpu", "train.py", "--x"]) == code
     assert dict(os.environ) == before  # children-only settings
@@ -355,11 +358,11 @@ def test_share_gpu_without_mps_fails_clearly(monkeypatch, tmp_path, capsys):
 
 def test_mps_stop_checks_the_daemon_is_gone(monkeypatch):
     fake = FakeMps()
-    monkeypatch.setattr(launch.subprocess, "run", fake)
-    monkeypatch.setattr(launch.shutil, "which", lambda name, path=None: "/fake/" + name)
+    monkeypatch.setattr(launch_mps.subprocess, "run", fake)
+    monkeypatch.setattr(launch_mps.shutil, "which", lambda name, path=None: "/fake/" + name)
     d = launch.mps_start({})
     control = os.path.join(d.pipe_dir, "control")
-    monkeypatch.setattr(launch.subprocess, "run",
+    monkeypatch.setattr(launch_mps.subprocess, "run",
                         lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
     # 'quit' sent, no pid file, and a process of this daemon still runs (a stand-in with its pipe
     # directory in its environment): still running, its directory is kept.
@@ -368,7 +371,7 @@ def test_mps_stop_checks_the_daemon_is_gone(monkeypatch):
                                 env=dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=d.pipe_dir))
     try:
         deadline = time.monotonic() + 10
-        while not launch._mps_pids(d.pipe_dir) and time.monotonic() < deadline:  # pylint: disable=protected-access
+        while not launch_mps._mps_pids(d.pipe_dir) and time.monotonic() < deadline:  # pylint: disable=protected-access
             time.sleep(0.05)
         warning = launch.mps_stop(d, {}, wait_s=0.2)
     finally:
@@ -392,14 +395,14 @@ def test_mps_alive_treats_a_zombie_daemon_as_stopped(tmp_path):
     pid = os.posix_spawn(sys.executable, [sys.executable, "-c", "pass"], dict(os.environ))
     try:
         deadline = time.monotonic() + 10
-        while not launch._exited(pid) and time.monotonic() < deadline:  # pylint: disable=protected-access
+        while not launch_mps._exited(pid) and time.monotonic() < deadline:  # pylint: disable=protected-access
             time.sleep(0.01)
         (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{pid}\n")
         (tmp_path / "control").write_text("")
         daemon = launch.MpsDaemon("/fake/ctl", str(tmp_path), None, owned=True)
-        assert not launch._mps_alive(daemon)  # pylint: disable=protected-access
+        assert not launch_mps._mps_alive(daemon)  # pylint: disable=protected-access
         (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
-        assert launch._mps_alive(daemon)  # pylint: disable=protected-access  # this process: alive
+        assert launch_mps._mps_alive(daemon)  # pylint: disable=protected-access  # this process: alive
     finally:
         os.waitpid(pid, 0)
 
@@ -417,9 +420,9 @@ def test_a_taken_coordinator_port_starts_the_group_again(monkeypatch, capsys):
             return 139
         return 0
 
-    monkeypatch.setattr(launch, "run_group", fake_group)
+    monkeypatch.setattr(launch_cli, "run_group", fake_group)
     ports = iter([41001, 41002])
-    monkeypatch.setattr(launch, "free_port", lambda: next(ports))
+    monkeypatch.setattr(launch_cli, "free_port", lambda: next(ports))
     assert launch.main(["--nproc", "2", "x.py"]) == 0
     assert seen == ["127.0.0.1:41001", "127.0.0.1:41002"]
     assert "could not bind the coordinator port 127.0.0.1:41001" in capsys.readouterr().err
@@ -438,7 +441,7 @@ def test_other_failures_are_not_retried(monkeypatch, failure):
         failure.extend(failure_in)
         return 1
     failure_in = failure
-    monkeypatch.setattr(launch, "run_group", fake_group)
+    monkeypatch.setattr(launch_cli, "run_group", fake_group)
     assert launch.main(["--nproc", "2", "x.py"]) == 1
     assert len(calls) == 1 and not launch.coordinator_port_taken(failure)
 
@@ -451,7 +454,7 @@ def test_an_explicit_port_is_never_changed(monkeypatch):
         calls.append(envs[0]["JAXEP_COORDINATOR"])
         failure.append((0, ["Address already in use"]))
         return 139
-    monkeypatch.setattr(launch, "run_group", fake_group)
+    monkeypatch.setattr(launch_cli, "run_group", fake_group)
     assert launch.main(["--nproc", "2", "--port", "41005", "x.py"]) == 139
     assert calls == ["127.0.0.1:41005"]
 
@@ -461,18 +464,18 @@ def test_mps_alive_without_a_pid_file_looks_for_the_daemon_process(tmp_path):
     a live process with this pipe directory in its environment decides, not the pipe."""
     (tmp_path / "control").write_text("")  # left behind, as on the GPU machine
     daemon = launch.MpsDaemon("/fake/ctl", str(tmp_path), None, owned=True)
-    assert not launch._mps_alive(daemon)  # pylint: disable=protected-access
+    assert not launch_mps._mps_alive(daemon)  # pylint: disable=protected-access
     env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(tmp_path))
     # A stand-in daemon: "nvidia-cuda-mps" in its command line, the pipe directory in its env.
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
                              "nvidia-cuda-mps-control"], env=env)
     try:
         deadline = time.monotonic() + 10
-        while not launch._mps_alive(daemon) and time.monotonic() < deadline:  # pylint: disable=protected-access
+        while not launch_mps._mps_alive(daemon) and time.monotonic() < deadline:  # pylint: disable=protected-access
             time.sleep(0.05)
-        assert launch._mps_pids(str(tmp_path)) == [proc.pid]  # pylint: disable=protected-access
-        assert launch._mps_alive(daemon)  # pylint: disable=protected-access
+        assert launch_mps._mps_pids(str(tmp_path)) == [proc.pid]  # pylint: disable=protected-access
+        assert launch_mps._mps_alive(daemon)  # pylint: disable=protected-access
     finally:
         proc.kill()
         proc.wait()
-    assert not launch._mps_alive(daemon)  # pylint: disable=protected-access
+    assert not launch_mps._mps_alive(daemon)  # pylint: disable=protected-access

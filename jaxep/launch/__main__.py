@@ -1,0 +1,8 @@
+"""`python -m jaxep.launch ...`: the launcher, and (with the hidden `--_child` first argument, see
+group.child_command) each child's bootstrap."""
+import sys
+
+from jaxep.launch.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

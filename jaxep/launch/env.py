@@ -1,0 +1,210 @@
+"""The children's environment: what the launcher gives every rank (the JAXEP_* variables, its
+GPU, the `--share-gpu` settings) and `initialize_distributed`, which sets up jax.distributed
+from those variables in a child (the bootstrap, or a `--no-init` script).
+
+Children's environment (the launcher prints every variable it sets; its own stays untouched):
+  JAXEP_COORDINATOR=127.0.0.1:<port>  JAXEP_NUM_PROCESSES=N  JAXEP_PROCESS_ID=i  JAXEP_LOCAL_RANK=i
+  JAXEP_LOCAL_DEVICE_IDS=0            only where the launcher chose the child's GPU
+  CUDA_VISIBLE_DEVICES=<gpu i>        with >= N visible GPUs and no --share-gpu
+  PYTHONUNBUFFERED=1                  so output streams live (unless set)
+  JAX_ENABLE_PREEMPTION_SERVICE=false jax's preemption notifier swallows SIGTERM otherwise, and the
+                                      launcher could only stop a rank with SIGKILL (unless set)
+`--share-gpu` adds the CUDA MPS settings of `share_gpu_env` (see there and docs/launch.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+ENV_COORDINATOR = "JAXEP_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXEP_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXEP_PROCESS_ID"
+ENV_LOCAL_RANK = "JAXEP_LOCAL_RANK"
+ENV_LOCAL_DEVICE_IDS = "JAXEP_LOCAL_DEVICE_IDS"
+
+# XLA's pools of all ranks sharing a GPU together take this share of its memory; the rest is for
+# what allocates outside XLA's pool: NVSHMEM symmetric heaps (jaxep sizes them from the config,
+# about 1-2 GB per rank for T=4096 x H=7168 bf16 on 8 ranks), CUDA/MPS contexts, cuBLAS workspaces.
+XLA_SHARED_GPU_FRACTION = 0.75
+
+
+class LaunchError(RuntimeError):
+    """A launch that cannot start: bad arguments, no GPU or MPS where one is needed."""
+
+
+# ----------------------------------------------------------------------------- script-side helper
+
+def initialize_distributed(environ=None, **kwargs) -> bool:
+    """`jax.distributed.initialize` from the JAXEP_* variables the launcher sets.
+
+    A no-op returning False outside the launcher (no JAXEP_COORDINATOR); returns True when
+    jax.distributed is set up, including when it already was (the bootstrap did it). `kwargs` go to
+    `jax.distributed.initialize` (e.g. `initialization_timeout=60`).
+    """
+    env = os.environ if environ is None else environ
+    if ENV_COORDINATOR not in env:
+        return False
+    import jax
+    from jax._src import distributed
+
+    if distributed.global_state.client is not None:
+        return True
+    ids = env.get(ENV_LOCAL_DEVICE_IDS)
+    jax.distributed.initialize(
+        coordinator_address=env[ENV_COORDINATOR],
+        num_processes=int(env[ENV_NUM_PROCESSES]),
+        process_id=int(env[ENV_PROCESS_ID]),
+        local_device_ids=[int(i) for i in ids.split(",")] if ids else None,
+        **kwargs)
+    return True
+
+
+# ----------------------------------------------------------------------------- environment plans
+
+@dataclasses.dataclass(frozen=True)
+class EnvSetting:
+    """One variable of the children's environment: `kept` means the user's value stays as it is."""
+    name: str
+    value: str
+    why: str
+    kept: bool = False
+
+    def line(self) -> str:
+        note = f"kept, already set; {self.why}" if self.kept else self.why
+        return f"{self.name}={self.value}  # {note}"
+
+
+def _setting(environ, name, value, why) -> EnvSetting:
+    if name in environ:
+        return EnvSetting(name, environ[name], why, kept=True)
+    return EnvSetting(name, str(value), why)
+
+
+def xla_mem_fraction(nproc: int) -> str:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION for each of `nproc` ranks on one GPU: 0.75 / nproc, floored
+    to 3 decimals (1: 0.75, 2: 0.375, 4: 0.187, 8: 0.093), leaving a quarter of the GPU for NVSHMEM
+    heaps and contexts, which live outside XLA's pool."""
+    if nproc < 1:
+        raise LaunchError(f"nproc must be >= 1, got {nproc}")
+    return f"{int(1000 * XLA_SHARED_GPU_FRACTION) // nproc / 1000:.3f}"
+
+
+def share_gpu_env(nproc: int, environ, mps_pipe_dir: str,
+                  mps_log_dir: str | None) -> list[EnvSetting]:
+    """The variables `--share-gpu` gives every child; a variable the user set is kept as is."""
+    s = [
+        EnvSetting("CUDA_MPS_PIPE_DIRECTORY", mps_pipe_dir, "the MPS control daemon to join"),
+    ]
+    if mps_log_dir:
+        s.append(EnvSetting("CUDA_MPS_LOG_DIRECTORY", mps_log_dir, "the MPS daemon's logs"))
+    s += [
+        _setting(environ, "XLA_PYTHON_CLIENT_MEM_FRACTION", xla_mem_fraction(nproc),
+                 f"{XLA_SHARED_GPU_FRACTION} of the GPU split over {nproc} ranks; the rest is for "
+                 "NVSHMEM heaps and contexts outside XLA's pool"),
+        _setting(environ, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", 100 // nproc,
+                 "the ranks' SM shares add up to <= 100 (NVSHMEM warns otherwise)"),
+        _setting(environ, "NVSHMEM_DISABLE_NVLS", 1, "no NVLink multicast"),
+        _setting(environ, "NCCL_NVLS_ENABLE", 0, "no NVLink multicast"),
+    ]
+    if nproc > 1:
+        s += [
+            _setting(environ, "NVSHMEM_REMOTE_TRANSPORT", "none",
+                     "all PEs on one GPU: no network transport"),
+            _setting(environ, "NVSHMEM_DISABLE_NCCL", 1, "NCCL refuses several PEs per GPU"),
+        ]
+    return s
+
+
+def _wants_gpu(environ) -> bool:
+    plats = environ.get("JAX_PLATFORMS", "")
+    return not plats or any(p in plats.lower() for p in ("cuda", "gpu"))
+
+
+def visible_gpus(environ) -> list[str]:
+    """The GPUs a child could be given: CUDA_VISIBLE_DEVICES entries (up to the first invalid one,
+    as CUDA reads it) when set, else nvidia-smi's indices, else /dev/nvidiaN; [] when none."""
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        out = []
+        for entry in (e.strip() for e in cvd.split(",")):
+            if not entry or entry.startswith("-"):
+                break
+            out.append(entry)
+        return out
+    smi = shutil.which("nvidia-smi", path=environ.get("PATH"))
+    if smi:
+        try:
+            r = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            r = None
+        if r is not None and r.returncode == 0:
+            return [str(i) for i, _ in enumerate(
+                l for l in r.stdout.splitlines() if l.startswith("GPU "))]
+    nodes = [m.group(1) for m in (re.fullmatch(r"/dev/nvidia(\d+)", p)
+                                  for p in glob.glob("/dev/nvidia*")) if m]
+    return sorted(nodes, key=int)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What every child gets: `common` and `per_rank[i]` settings, variables removed (`unset`)."""
+    common: list
+    per_rank: list
+    unset: tuple = ()
+
+    def env(self, environ, rank: int) -> dict:
+        env = {k: v for k, v in environ.items() if k not in self.unset}
+        for s in self.common + self.per_rank[rank]:
+            if not s.kept:
+                env[s.name] = s.value
+        return env
+
+    def describe(self) -> list[str]:
+        lines = ["environment of every rank:"]
+        lines += [f"  {s.line()}" for s in self.common]
+        lines += [f"  unset {name}  # MPS clients reach the GPU through the daemon"
+                  for name in self.unset]
+        lines.append("environment per rank:")
+        for r, settings in enumerate(self.per_rank):
+            lines.append(f"  rank {r}: " + " ".join(
+                f"{s.name}={s.value}" + (" (kept)" if s.kept else "") for s in settings))
+        return lines
+
+
+def make_plan(nproc: int, coordinator: str, environ, *, share_gpu: bool = False,
+              gpus: list | None = None, mps_pipe_dir: str | None = None,
+              mps_log_dir: str | None = None, mps_owned: bool = True) -> Plan:
+    """The children's environment. `gpus` are the visible GPUs (visible_gpus()); ignored when
+    JAX_PLATFORMS names no GPU platform."""
+    common = [
+        EnvSetting(ENV_COORDINATOR, coordinator, "jax.distributed coordinator, served by rank 0"),
+        EnvSetting(ENV_NUM_PROCESSES, str(nproc), "jax.distributed num_processes"),
+        _setting(environ, "PYTHONUNBUFFERED", 1, "stream the ranks' output live"),
+        _setting(environ, "JAX_ENABLE_PREEMPTION_SERVICE", "false",
+                 "jax's preemption notifier would swallow the launcher's SIGTERM"),
+    ]
+    per_rank = [[EnvSetting(ENV_PROCESS_ID, str(r), ""), EnvSetting(ENV_LOCAL_RANK, str(r), "")]
+                for r in range(nproc)]
+    unset = ()
+    gpus = list(gpus or []) if _wants_gpu(environ) else []
+    if share_gpu:
+        if mps_pipe_dir is None:
+            raise LaunchError("--share-gpu needs the MPS pipe directory")
+        common += share_gpu_env(nproc, environ, mps_pipe_dir, mps_log_dir)
+        common.append(EnvSetting(ENV_LOCAL_DEVICE_IDS, "0", "every rank uses the one shared GPU"))
+        if mps_owned and "CUDA_VISIBLE_DEVICES" in environ:
+            # Our daemon was started on one GPU; its clients must not select devices themselves.
+            unset = ("CUDA_VISIBLE_DEVICES",)
+    elif gpus:
+        if len(gpus) < nproc:
+            raise LaunchError(
+                f"--nproc {nproc} needs one GPU per rank but {len(gpus)} are visible "
+                f"({','.join(gpus)}); pass --share-gpu to run all ranks on one GPU under CUDA MPS")
+        for r in range(nproc):
+            per_rank[r] += [EnvSetting("CUDA_VISIBLE_DEVICES", gpus[r], ""),
+                            EnvSetting(ENV_LOCAL_DEVICE_IDS, "0", "")]
+    return Plan(common, per_rank, unset)
