@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Same-run A/B of the benchmark between an older tree (BEFORE, a `git archive` tarball) and this
+# working tree (AFTER), in one device call, so both binaries meet the same GPU state:
+#   git archive -o .ab/before.tar <commit> ffi jaxep tools tests CMakeLists.txt pyproject.toml
+#   (device) OUT=... [SETUPS="8:64 4:64"] [ROUNDS=2] bash tools/gpu_ab.sh      (carry: .ab)
+# Each tree is built with CMake into its own build/ and its module copied next to its jaxep/ (no
+# pip install: an editable install of one tree would shadow the other); every run imports its own
+# tree through PYTHONPATH. For each round and setup N:E, the BEFORE and AFTER benches run back to
+# back (tools/bench_multirank.py of each tree: correctness checked bitwise first, then timed).
+# Output: $OUT/ab_summary.txt (the rows of every run, printed last) and $OUT/ab_logs.tar.gz.
+set -uo pipefail
+OUT=${OUT:-/tmp/jaxep_ab}; mkdir -p "$OUT/logs"
+L="$OUT/logs"
+export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 JAXEP_LOG_LEVEL=INFO
+SETUPS=${SETUPS:-"8:64 4:64"}
+ROUNDS=${ROUNDS:-2}
+AFTER=$(pwd)
+BEFORE=/tmp/jaxep_before
+rm -rf "$BEFORE" && mkdir -p "$BEFORE" && tar xf .ab/before.tar -C "$BEFORE" || exit 3
+T0=$(date +%s)
+
+build() {  # tree tag
+  local py; py=$(command -v python3)
+  cmake -S "$1" -B "$1/build" -G Ninja -DPython_EXECUTABLE="$py" -DJAXEP_REQUIRE_CUDA=ON \
+    > "$L/build_$2.log" 2>&1 && cmake --build "$1/build" -j 8 >> "$L/build_$2.log" 2>&1 \
+    && cp "$1"/build/_jaxep_cuda*.so "$1/jaxep/" \
+    && (cd "$1" && PYTHONPATH="$1" python3 -c "import jaxep._ffi as f; print('$2 extension', f.is_available(), f.unavailable_reason(), f.build_info().get('multi_rank'))")
+}
+build "$BEFORE" before > "$L/import_before.txt" 2>&1 &
+build "$AFTER" after > "$L/import_after.txt" 2>&1
+wait
+cat "$L/import_before.txt" "$L/import_after.txt" | tail -4
+echo "builds done in $(( $(date +%s) - T0 ))s"
+
+run() {  # tree tag nproc experts round
+  local d="$L/$2_n$3_e$4_r$5"; mkdir -p "$d"
+  ( cd "$1" && PYTHONPATH="$1" timeout -k 10 170 python3 tools/bench_multirank.py --nproc "$3" \
+      --experts "$4" --iters 10 --timeout 150 --outdir "$d" --summary_json "$d/rows.json" --no-plot \
+      > "$d/stdout.txt" 2>&1 )
+  echo "$2 N=$3 E=$4 round $5: rc=$? ($(( $(date +%s) - T0 ))s)"
+}
+for r in $(seq 1 "$ROUNDS"); do
+  for s in $SETUPS; do
+    n=${s%%:*}; e=${s##*:}
+    run "$BEFORE" before "$n" "$e" "$r"
+    run "$AFTER" after "$n" "$e" "$r"
+  done
+done
+{
+  echo "--- A/B rows (tree, N, E, round): dispatch/combine ms, payload copy ms, pc/op = copy / op ---"
+  python3 - "$L" <<'PY'
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_n*_e*_r*", "rows.json"))):
+    tag = os.path.basename(os.path.dirname(path))
+    for r in json.load(open(path)):
+        if "ok" not in r:
+            print(f"{tag:<22} no JSON rc={r['rc']}")
+            continue
+        print(f"{tag:<22} ok={r['ok']} disp {r['dispatch_ms']:.3f} comb {r['combine_ms']:.3f} "
+              f"pcopy {r['payload_copy_ms']:.3f} d pc/op {r['dispatch_payload_copy_over_op']:.2f} "
+              f"c pc/op {r['combine_payload_copy_over_op']:.2f} h/op {r['dispatch_handler_runs']},{r['combine_handler_runs']}")
+PY
+  echo "total $(( $(date +%s) - T0 ))s"
+} > "$OUT/ab_summary.txt" 2>&1
+tar czf "$OUT/ab_logs.tar.gz" -C "$OUT" logs && rm -rf "$L"
+cat "$OUT/ab_summary.txt"
