@@ -78,6 +78,30 @@ struct DispatchSizes {
   int64_t tokens, hidden, topk, experts, capacity, row_bytes, ep_size, max_blocks;
 };
 
+// The layout kernels' arguments: over all E experts with `capacity` rows (C on one rank; T*K,
+// unbounded, for a source's local layout of a cross-rank dispatch).
+cuda::DispatchLayoutArgs LayoutArgs(const DispatchSizes& s, const int32_t* topk_idx,
+                                    const float* topk_weights, int64_t capacity,
+                                    int32_t* topk_idx_out, int32_t* send_row, int32_t* recv_slot,
+                                    float* row_weights, int32_t* group_sizes, int32_t* stats,
+                                    void* scratch) {
+  cuda::DispatchLayoutArgs a;
+  a.topk_idx = topk_idx;
+  a.topk_weights = topk_weights;
+  a.num_tokens = static_cast<int32_t>(s.tokens);
+  a.topk = static_cast<int32_t>(s.topk);
+  a.num_experts = static_cast<int32_t>(s.experts);
+  a.capacity = static_cast<int32_t>(capacity);
+  a.topk_idx_out = topk_idx_out;
+  a.send_row = send_row;
+  a.recv_slot = recv_slot;
+  a.row_weights = row_weights;
+  a.group_sizes = group_sizes;
+  a.stats = stats;
+  a.scratch = scratch;
+  return a;
+}
+
 ffi::Error SingleRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch,
                               const DispatchSizes& s, const void* x, const int32_t* topk_idx,
                               const float* topk_weights, const DispatchOut& o) {
@@ -87,20 +111,9 @@ ffi::Error SingleRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratc
       e.failure()) {
     return e;
   }
-  cuda::DispatchLayoutArgs a;
-  a.topk_idx = topk_idx;
-  a.topk_weights = topk_weights;
-  a.num_tokens = static_cast<int32_t>(s.tokens);
-  a.topk = static_cast<int32_t>(s.topk);
-  a.num_experts = static_cast<int32_t>(s.experts);
-  a.capacity = static_cast<int32_t>(s.capacity);
-  a.topk_idx_out = o.topk_idx_out;
-  a.send_row = o.send_row;
-  a.recv_slot = o.recv_slot;
-  a.row_weights = o.weights;
-  a.group_sizes = o.group_sizes;
-  a.stats = o.stats;
-  a.scratch = Carver(buf).Take(0);
+  const cuda::DispatchLayoutArgs a =
+      LayoutArgs(s, topk_idx, topk_weights, s.capacity, o.topk_idx_out, o.send_row, o.recv_slot,
+                 o.weights, o.group_sizes, o.stats, Carver(buf).Take(0));
   if (ffi::Error e = FromCuda(kDispatchTarget, "layout kernels", cuda::LaunchDispatchLayout(a, stream));
       e.failure()) {
     return e;
@@ -147,20 +160,9 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
 
   // 1. This source's layout over all E experts with unbounded capacity: order[slot] = index among
   //    my valid slots in (expert, slot) order, sorted_slot/sorted_w in that order, counts[E].
-  cuda::DispatchLayoutArgs la;
-  la.topk_idx = topk_idx;
-  la.topk_weights = topk_weights;
-  la.num_tokens = static_cast<int32_t>(s.tokens);
-  la.topk = static_cast<int32_t>(s.topk);
-  la.num_experts = static_cast<int32_t>(s.experts);
-  la.capacity = static_cast<int32_t>(slots);
-  la.topk_idx_out = o.topk_idx_out;
-  la.send_row = order;
-  la.recv_slot = sorted_slot;
-  la.row_weights = sorted_w;
-  la.group_sizes = counts;
-  la.stats = lstats;
-  la.scratch = layout_scratch;
+  const cuda::DispatchLayoutArgs la =
+      LayoutArgs(s, topk_idx, topk_weights, slots, o.topk_idx_out, order, sorted_slot, sorted_w,
+                 counts, lstats, layout_scratch);
   if (ffi::Error e = ex.Check("local layout", cuda::LaunchDispatchLayout(la, stream)); e.failure()) {
     return e;
   }
