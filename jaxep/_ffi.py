@@ -1,26 +1,31 @@
 """Thin binding of jaxep's CUDA custom calls (``jaxep._jaxep_cuda``) for the rest of jaxep.
 
-Importing this module never fails. It tries to import the compiled extension and registers its
-XLA FFI handlers with ``jax.ffi.register_ffi_target(..., platform="CUDA")`` exactly once. When the
-extension is missing (pure-Python install, no nvcc at build time) or cannot be loaded,
-``is_available()`` is False and ``unavailable_reason()`` says why; the wrappers then raise
-``RuntimeError`` with that reason.
+Importing this module never fails. It tries to import the compiled extension, checks that the
+extension is the one this Python side speaks to (its ``constants()``: the target names, the kernel
+variant names of `jaxep.config`), and registers its XLA FFI handlers with
+``jax.ffi.register_ffi_target(..., platform="CUDA")`` exactly once. When the extension is missing
+(pure-Python install, no nvcc at build time), cannot be loaded, or is stale, ``is_available()`` is
+False and ``unavailable_reason()`` says why; the wrappers then raise ``RuntimeError`` with that
+reason.
 
-The wrappers are the backend operations of docs/design.md, one call each, returning tuples in the
-contract's order. They raise ValueError at trace time for anything the FFI handlers would reject
-(see the note on errors below); the handlers re-check anyway.
+Constants shared with C++ have one source, the extension: ``constants()`` gives MAX_EXPERTS, the
+rank limit, the diagnostic phase and op codes and the kernel names (None without the extension).
+
+The wrappers are the backend operations of docs/design.md, one custom call each, returning tuples
+in the contract's order. Every tuning knob of the `jaxep.Config` they take becomes an FFI attribute
+(``_knob_attrs``), so it is in the HLO and the jit cache. Shapes, dtypes and the config were
+checked once at trace time by `jaxep.dispatch` / `jaxep.combine`; a wrapper checks only what the
+CUDA backend alone knows: that the extension is loaded and, for ``ep_size > 1``, that the
+multi-rank runtime of that EP size exists and that the call fits the symmetric buffers
+`jaxep.initialize` sized. The handlers return ``ffi::Error`` for what cannot be known earlier.
 
 ``vmap_method="sequential"``: these ops are per-rank (one call per EP rank, with its own layout);
 a batch of independent calls under ``jax.vmap`` is run as a loop of single calls, which is
 correct for every op here. A fused batched kernel is not worth it for a communication op.
 
-``ep_size == 1`` runs the single-rank kernels (rank attribute 0). ``ep_size > 1`` runs the
-multi-rank NVSHMEM kernels (rank attribute -1: the rank comes from the runtime, so the HLO is the
-same on every rank); it needs `jaxep.initialize` in a multi-process run first. The wrappers check
-every limit the handlers check (dtypes, shapes, int32 sizes, num_experts <= MAX_EXPERTS, the sizes
-the symmetric buffers were allocated for) so that a handler never has to return an error: on
-jax 0.11.2 with the CUDA 13 plugin, an FFI handler returning an error was seen to crash the
-process (SIGSEGV).
+``ep_size == 1`` runs the single-rank kernels. ``ep_size > 1`` runs the multi-rank NVSHMEM kernels
+(each handler takes its rank from the runtime, so the HLO is the same on every rank); it needs
+`jaxep.initialize` in a multi-process run first.
 
 Loading: the extension links ``libnvshmem_host.so.3`` when it was built with NVSHMEM. Before
 importing it, `_preload_nvshmem` loads that library from the ``nvidia.nvshmem`` wheel with
@@ -34,9 +39,13 @@ from typing import Any
 
 import numpy as np
 
+from jaxep import config as _config
+
+# The custom-call targets this module emits; the extension's constants()["targets"] must match.
 TARGETS = ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine", "jaxep_gather_back")
 
 _module: Any = None
+_constants: dict | None = None  # the extension's constants(), normalized; None until loaded
 _reason = "not loaded yet"
 _registered = False
 
@@ -63,9 +72,39 @@ def _preload_nvshmem() -> str | None:
   return path
 
 
+def parse_constants(raw) -> dict:
+  """The extension's constants() as plain Python: ints, {int: str} tables, tuples of str."""
+  c = dict(raw)
+  return dict(
+      max_experts=int(c["max_experts"]), max_ranks=int(c["max_ranks"]),
+      phases={int(k): str(v) for k, v in dict(c["phases"]).items()},
+      ops={int(k): str(v) for k, v in dict(c["ops"]).items()},
+      targets=tuple(str(t) for t in c["targets"]),
+      dispatch_kernels=tuple(str(t) for t in c["dispatch_kernels"]),
+      combine_kernels=tuple(str(t) for t in c["combine_kernels"]))
+
+
+def mismatches(consts: dict) -> list[str]:
+  """How the extension's names differ from what this Python side sends ([] when they agree)."""
+  out = []
+  if set(consts["targets"]) != set(TARGETS):
+    out.append(f"FFI targets: extension has {sorted(consts['targets'])}, jaxep calls "
+               f"{sorted(TARGETS)}")
+  for key, mine in (("dispatch_kernels", _config.DISPATCH_KERNELS),
+                    ("combine_kernels", _config.COMBINE_KERNELS)):
+    if tuple(consts[key]) != tuple(mine):
+      out.append(f"{key}: extension has {consts[key]}, jaxep.config has {mine}")
+  return out
+
+
+def _stale(what: str) -> str:
+  return (f"jaxep CUDA extension jaxep._jaxep_cuda is stale ({what}); rebuild it "
+          "(pip install -e ., docs/build.md)")
+
+
 def _load() -> None:
-  """Imports the extension and registers its targets once; records why not otherwise."""
-  global _module, _reason, _registered
+  """Imports the extension, checks it matches, registers its targets once; records why not."""
+  global _module, _constants, _reason, _registered
   _preload_nvshmem()
   try:
     # import_module rather than `from jaxep import ...`: this runs while jaxep/__init__ is still
@@ -84,13 +123,26 @@ def _load() -> None:
   except Exception as e:  # pylint: disable=broad-except
     _reason = f"jaxep CUDA extension failed to load: {type(e).__name__}: {e}"
     return
+  if not hasattr(_jaxep_cuda, "constants"):
+    _reason = _stale("it has no constants(): built before the FFI attributes of issue 11")
+    return
+  try:
+    consts = parse_constants(_jaxep_cuda.constants())
+  except Exception as e:  # pylint: disable=broad-except
+    _reason = _stale(f"constants() is not what jaxep reads: {type(e).__name__}: {e}")
+    return
+  _constants = consts
+  bad = mismatches(consts)
+  if bad:
+    _reason = _stale("; ".join(bad))
+    return
   try:
     import jax  # pylint: disable=g-import-not-at-top
 
     regs = _jaxep_cuda.registrations()
     missing = [t for t in TARGETS if t not in regs]
     if missing:
-      _reason = f"jaxep CUDA extension lacks FFI targets {missing} (stale build?)"
+      _reason = _stale(f"registrations() lacks FFI targets {missing}")
       return
     for name in TARGETS:
       jax.ffi.register_ffi_target(name, regs[name], platform="CUDA")
@@ -106,7 +158,7 @@ _load()
 
 
 def is_available() -> bool:
-  """True when the CUDA extension is loaded and its FFI targets are registered.
+  """True when the CUDA extension is loaded, matches, and its FFI targets are registered.
 
   It does not check for a GPU (that would initialize JAX backends at import); a caller that
   needs one also checks ``jax.devices("gpu")``.
@@ -119,6 +171,19 @@ def unavailable_reason() -> str:
   return _reason
 
 
+def constants() -> dict | None:
+  """The extension's shared constants (max_experts, max_ranks, phases, ops, targets, kernel
+  names), or None when no extension with constants() was imported."""
+  return _constants
+
+
+def constant(name: str):
+  """One of ``constants()``; raises RuntimeError naming why when the extension is not loaded."""
+  if _constants is None:
+    raise RuntimeError(f"jaxep._ffi: the CUDA extension's constant {name!r} is unknown: {_reason}")
+  return _constants[name]
+
+
 def build_info() -> dict:
   """The extension's build facts (CUDA version, archs, ...), or {} when it is not loaded."""
   return dict(_module.build_info()) if _module is not None else {}
@@ -129,29 +194,8 @@ def _require(op: str) -> None:
     raise RuntimeError(f"jaxep._ffi.{op}: the CUDA backend is unavailable: {_reason}")
 
 
-# Limits the FFI handlers enforce (ffi/common.h, ffi/cuda/kernels.h). They are checked here, at
-# trace time, as well: on jax 0.11.2 (CUDA 13 plugin) a handler that returns an ffi::Error was
-# seen to crash the process (SIGSEGV) instead of raising, so the handlers' own checks must stay a
-# last line of defence that well-formed calls never reach.
-MAX_EXPERTS = 8192
-_INT32_MAX = 2**31 - 1
-_PAYLOAD_DTYPES = ("bfloat16", "float16", "float32")
-
-
 def _fail(op: str, what: str, expected: str, got) -> None:
   raise ValueError(f"jaxep._ffi.{op}: {what} must be {expected}, got {got}")
-
-
-def _check_rank_attrs(op: str, num_experts: int | None, rank: int, ep_size: int) -> None:
-  if ep_size < 1 or not (rank == 0 if ep_size == 1 else -1 <= rank < ep_size):
-    _fail(op, "(rank, ep_size)", "(0, 1), or rank -1 (from the runtime) with ep_size > 1",
-          (rank, ep_size))
-  if num_experts is not None and not (1 <= num_experts <= MAX_EXPERTS
-                                      and num_experts % ep_size == 0):
-    _fail(op, "num_experts", f"in [1, {MAX_EXPERTS}] and a multiple of ep_size={ep_size}",
-          num_experts)
-  if ep_size != 1:
-    runtime_limits(op, ep_size)
 
 
 def multi_rank_built() -> bool:
@@ -198,28 +242,28 @@ def _check_fits(op: str, ep_size: int, *, slots=0, experts=0, rows=0, staged_byt
       _fail(op, what, f"<= {most} (the buffers jaxep.initialize sized from its config)", got)
 
 
-def _check_dtype(op: str, what: str, a, expected) -> None:
-  name = str(getattr(a, "dtype", "?"))
-  if isinstance(expected, str):
-    expected = (expected,)
-  if name not in expected:
-    _fail(op, f"{what}.dtype", " or ".join(expected), name)
-
-
-def _check_rank(op: str, what: str, a, ndim: int, layout: str) -> None:
-  if len(a.shape) != ndim:
-    _fail(op, what, layout, f"shape {tuple(a.shape)}")
-
-
 def _i64(v: int) -> np.int64:
   return np.int64(int(v))
 
 
-def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int, rank: int = 0,
-             ep_size: int = 1):
+def _knob_attrs(config, *knobs: str) -> dict:
+  """The FFI attributes of `config`'s tuning knobs (num_sms 0 = no cap)."""
+  values = dict(num_sms=_i64(0 if config.num_sms is None else config.num_sms),
+                dispatch_kernel=str(config.dispatch_kernel),
+                combine_kernel=str(config.combine_kernel),
+                zero_copy=bool(config.zero_copy))
+  return {k: values[k] for k in knobs}
+
+
+def _nbytes(a) -> int:
+  return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+
+
+def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int = 1):
   """``jaxep_dispatch``: x[T,H], topk_idx[T,K] int32, topk_weights[T,K] f32.
 
-  Returns ``(x_rows[C,H], weights[C] f32, group_sizes[L] i32, send_row[T,K] i32,
+  Attributes: num_experts, capacity, ep_size, num_sms (int64); dispatch_kernel (str);
+  zero_copy (bool). Returns ``(x_rows[C,H], weights[C] f32, group_sizes[L] i32, send_row[T,K] i32,
   recv_slot[C] i32, topk_idx_out[T,K] i32, stats[2] i32)`` with C = capacity,
   L = num_experts // ep_size, stats = (dropped_rows, invalid_ids).
   """
@@ -228,26 +272,11 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int, rank
 
   op = "dispatch"
   _require(op)
-  _check_rank_attrs(op, num_experts, rank, ep_size)
-  _check_rank(op, "x", x, 2, "[T, H]")
-  _check_rank(op, "topk_idx", topk_idx, 2, "[T, K]")
-  _check_dtype(op, "x", x, _PAYLOAD_DTYPES)
-  _check_dtype(op, "topk_idx", topk_idx, "int32")
-  _check_dtype(op, "topk_weights", topk_weights, "float32")
   t, h = x.shape
   k = topk_idx.shape[1]
-  if topk_idx.shape[0] != t:
-    _fail(op, "topk_idx", f"[T={t}, K]", f"shape {tuple(topk_idx.shape)}")
-  if tuple(topk_weights.shape) != (t, k):
-    _fail(op, "topk_weights", f"shape {(t, k)}", f"shape {tuple(topk_weights.shape)}")
-  if not 0 <= capacity <= _INT32_MAX:
-    _fail(op, "capacity", f"in [0, {_INT32_MAX}]", capacity)
-  if t * k > _INT32_MAX:
-    _fail(op, "T*K (slots)", f"<= {_INT32_MAX}", t * k)
-  c = int(capacity)
-  l = num_experts // ep_size
-  _check_fits(op, ep_size, slots=t * k, experts=num_experts, rows=c,
-              staged_bytes=t * h * np.dtype(x.dtype).itemsize)
+  c, l = int(capacity), config.num_experts // ep_size
+  _check_fits(op, ep_size, slots=t * k, experts=config.num_experts, rows=c,
+              staged_bytes=_nbytes(x))
   i32, f32 = jnp.int32, jnp.float32
   out_types = (
       jax.ShapeDtypeStruct((c, h), x.dtype),  # x_rows
@@ -259,38 +288,34 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, capacity: int, rank
       jax.ShapeDtypeStruct((2,), i32),        # stats
   )
   call = jax.ffi.ffi_call("jaxep_dispatch", out_types, vmap_method="sequential")
-  return tuple(call(x, topk_idx, topk_weights, num_experts=_i64(num_experts),
-                    capacity=_i64(capacity), rank=_i64(rank), ep_size=_i64(ep_size)))
+  return tuple(call(x, topk_idx, topk_weights, num_experts=_i64(config.num_experts),
+                    capacity=_i64(c), ep_size=_i64(ep_size),
+                    **_knob_attrs(config, "num_sms", "dispatch_kernel", "zero_copy")))
 
 
-def dispatch_rows(x, recv_slot, *, topk: int, rank: int = 0, ep_size: int = 1):
+def dispatch_rows(x, recv_slot, *, config, ep_size: int = 1):
   """``jaxep_dispatch_rows``: x[T,H], recv_slot[C] int32 -> ``(x_rows[C,H],)``.
 
-  Row c is ``x[recv_slot[c] // topk]`` (the slot's token), zeros where recv_slot[c] == -1.
+  Row c is ``x[recv_slot[c] // topk]`` (the slot's token, topk = config.topk), zeros where
+  recv_slot[c] == -1. Attributes: ep_size, topk, num_sms (int64); zero_copy (bool).
   """
   import jax  # pylint: disable=g-import-not-at-top
 
   op = "dispatch_rows"
   _require(op)
-  _check_rank_attrs(op, None, rank, ep_size)
-  _check_rank(op, "x", x, 2, "[T, H]")
-  _check_rank(op, "recv_slot", recv_slot, 1, "[C]")
-  _check_dtype(op, "x", x, _PAYLOAD_DTYPES)
-  _check_dtype(op, "recv_slot", recv_slot, "int32")
-  if not 1 <= topk <= _INT32_MAX or x.shape[0] * topk > _INT32_MAX:
-    _fail(op, "topk", f">= 1 with T*topk <= {_INT32_MAX}", topk)
-  _check_fits(op, ep_size, slots=x.shape[0] * topk, rows=recv_slot.shape[0],
-              staged_bytes=x.shape[0] * x.shape[1] * np.dtype(x.dtype).itemsize)
+  _check_fits(op, ep_size, slots=x.shape[0] * config.topk, rows=recv_slot.shape[0],
+              staged_bytes=_nbytes(x))
   out_types = (jax.ShapeDtypeStruct((recv_slot.shape[0], x.shape[1]), x.dtype),)  # x_rows
   call = jax.ffi.ffi_call("jaxep_dispatch_rows", out_types, vmap_method="sequential")
-  return tuple(call(x, recv_slot, rank=_i64(rank), ep_size=_i64(ep_size), topk=_i64(topk)))
+  return tuple(call(x, recv_slot, ep_size=_i64(ep_size), topk=_i64(config.topk),
+                    **_knob_attrs(config, "num_sms", "zero_copy")))
 
 
-def combine(y, weights, send_row, recv_slot, topk_idx, *, num_experts: int, rank: int = 0,
-            ep_size: int = 1):
+def combine(y, weights, send_row, recv_slot, topk_idx, *, config, ep_size: int = 1):
   """``jaxep_combine``: y[C,H], weights[C] f32, send_row[T,K] i32, recv_slot[C] i32,
   topk_idx[T,K] i32 (send_row, recv_slot and topk_idx from dispatch's handle).
 
+  Attributes: num_experts, ep_size, num_sms (int64); combine_kernel (str); zero_copy (bool).
   Returns ``(out[T,H],)`` in the dtype of y, reduced in the fixed order of docs/design.md. With
   ep_size > 1 only the rows with recv_slot >= 0 are staged for the peers (the rows send_row names).
   """
@@ -298,51 +323,28 @@ def combine(y, weights, send_row, recv_slot, topk_idx, *, num_experts: int, rank
 
   op = "combine"
   _require(op)
-  _check_rank_attrs(op, num_experts, rank, ep_size)
-  _check_rank(op, "y", y, 2, "[C, H]")
-  _check_rank(op, "send_row", send_row, 2, "[T, K]")
-  _check_dtype(op, "y", y, _PAYLOAD_DTYPES)
-  _check_dtype(op, "weights", weights, "float32")
-  _check_dtype(op, "send_row", send_row, "int32")
-  _check_dtype(op, "recv_slot", recv_slot, "int32")
-  _check_dtype(op, "topk_idx", topk_idx, "int32")
-  if tuple(weights.shape) != (y.shape[0],):
-    _fail(op, "weights", f"shape {(y.shape[0],)}", f"shape {tuple(weights.shape)}")
-  if tuple(recv_slot.shape) != (y.shape[0],):
-    _fail(op, "recv_slot", f"shape {(y.shape[0],)}", f"shape {tuple(recv_slot.shape)}")
-  if tuple(topk_idx.shape) != tuple(send_row.shape):
-    _fail(op, "topk_idx", f"shape {tuple(send_row.shape)}", f"shape {tuple(topk_idx.shape)}")
-  if y.shape[0] > _INT32_MAX or send_row.shape[0] * send_row.shape[1] > _INT32_MAX:
-    _fail(op, "C and T*K", f"<= {_INT32_MAX}", (y.shape[0], send_row.shape))
   _check_fits(op, ep_size, slots=send_row.shape[0] * send_row.shape[1], rows=y.shape[0],
-              staged_bytes=y.shape[0] * y.shape[1] * np.dtype(y.dtype).itemsize)
+              staged_bytes=_nbytes(y))
   out_types = (jax.ShapeDtypeStruct((send_row.shape[0], y.shape[1]), y.dtype),)  # out
   call = jax.ffi.ffi_call("jaxep_combine", out_types, vmap_method="sequential")
-  return tuple(call(y, weights, send_row, recv_slot, topk_idx, num_experts=_i64(num_experts),
-                    rank=_i64(rank), ep_size=_i64(ep_size)))
+  return tuple(call(y, weights, send_row, recv_slot, topk_idx,
+                    num_experts=_i64(config.num_experts), ep_size=_i64(ep_size),
+                    **_knob_attrs(config, "num_sms", "combine_kernel", "zero_copy")))
 
 
-def gather_back(v, send_row, topk_idx, *, num_experts: int, rank: int = -1, ep_size: int):
+def gather_back(v, send_row, topk_idx, *, config, ep_size: int):
   """``jaxep_gather_back`` (ep_size > 1 only): v[C] f32 on each destination, send_row[T,K] and
   topk_idx[T,K] on each source -> ``(out[T,K] f32,)``: v at the slot's row on its destination
-  rank, 0 where the slot was not kept."""
+  rank, 0 where the slot was not kept. Attributes: num_experts, ep_size (int64)."""
   import jax  # pylint: disable=g-import-not-at-top
 
   op = "gather_back"
   _require(op)
   if ep_size < 2:
     _fail(op, "ep_size", ">= 2 (EP size 1 gathers locally in jaxep.cuda_backend)", ep_size)
-  _check_rank_attrs(op, num_experts, rank, ep_size)
-  _check_rank(op, "v", v, 1, "[C]")
-  _check_rank(op, "send_row", send_row, 2, "[T, K]")
-  _check_dtype(op, "v", v, "float32")
-  _check_dtype(op, "send_row", send_row, "int32")
-  _check_dtype(op, "topk_idx", topk_idx, "int32")
-  if tuple(topk_idx.shape) != tuple(send_row.shape):
-    _fail(op, "topk_idx", f"shape {tuple(send_row.shape)}", f"shape {tuple(topk_idx.shape)}")
   _check_fits(op, ep_size, slots=send_row.shape[0] * send_row.shape[1], rows=v.shape[0],
               staged_bytes=v.shape[0] * 4)
   out_types = (jax.ShapeDtypeStruct(tuple(send_row.shape), np.float32),)
   call = jax.ffi.ffi_call("jaxep_gather_back", out_types, vmap_method="sequential")
-  return tuple(call(v, send_row, topk_idx, num_experts=_i64(num_experts), rank=_i64(rank),
+  return tuple(call(v, send_row, topk_idx, num_experts=_i64(config.num_experts),
                     ep_size=_i64(ep_size)))

@@ -1,9 +1,14 @@
 """The CUDA backend: the backend operations of docs/design.md on the XLA FFI custom calls.
 
 EP size 1 runs the single-rank kernels. EP size > 1 runs the multi-rank NVSHMEM kernels: one
-process per rank (`jaxep.initialize` set up the runtime), the rank attribute is -1 and each
-handler takes its rank from the runtime, so every rank traces the same HLO. Every op routes to a
-custom call; gather_back is a local gather on one rank and the `jaxep_gather_back` call otherwise.
+process per rank (`jaxep.initialize` set up the runtime) and each handler takes its rank from the
+runtime, so every rank traces the same HLO. Every op routes to a custom call whose attributes carry
+the config's tuning knobs (`jaxep._ffi`); gather_back is a local gather on one rank and the
+`jaxep_gather_back` call otherwise.
+
+The limits only this backend has (the extension's MAX_EXPERTS, int32 slot ids and rows) are
+checked once, in `dispatch` at trace time (`check_limits`); everything else was checked by
+`jaxep.dispatch` / `jaxep.combine`, and combine's handle always comes from a checked dispatch.
 """
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxep import _ffi
+
+_INT32_MAX = 2**31 - 1
 
 
 def _varying(xs, axis_name):
@@ -29,40 +36,52 @@ def _varying(xs, axis_name):
     return jax.tree.map(one, xs)
 
 
-def _rank_attrs(axis_name):
-    """(rank attribute, EP size): (0, 1) on one rank or outside shard_map, (-1, R) otherwise."""
+def _ep_size(axis_name) -> int:
+    """The EP size: 1 outside shard_map (direct calls of this backend), else the axis size."""
     try:
-        ep = int(jax.lax.axis_size(axis_name))
-    except NameError:  # direct calls of this backend outside shard_map: one rank
-        return 0, 1
-    return (0 if ep == 1 else -1), ep
+        return int(jax.lax.axis_size(axis_name))
+    except NameError:
+        return 1
+
+
+def check_limits(config, capacity: int, ep_size: int) -> None:
+    """ValueError naming the limit when `config` cannot run on this build of the CUDA backend."""
+    most = _ffi.constant("max_experts")
+    if config.num_experts > most:
+        raise ValueError(f"jaxep.dispatch: config.num_experts must be <= {most} on the CUDA "
+                         f"backend (the extension's max_experts), got {config.num_experts}; use "
+                         "backend='reference'")
+    slots = ep_size * config.max_tokens_per_rank * config.topk  # global slot ids are int32
+    for what, got in (("capacity", capacity), ("ep_size * max_tokens_per_rank * topk", slots)):
+        if got > _INT32_MAX:
+            raise ValueError(f"jaxep.dispatch: {what} must be <= {_INT32_MAX} on the CUDA backend "
+                             f"(int32 rows and slot ids), got {got}")
 
 
 def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
-    rank, ep = _rank_attrs(axis_name)
-    return _varying(tuple(_ffi.dispatch(x, topk_idx, topk_weights, num_experts=config.num_experts,
-                                        capacity=capacity, rank=rank, ep_size=ep)), axis_name)
+    ep = _ep_size(axis_name)
+    check_limits(config, capacity, ep)
+    return _varying(tuple(_ffi.dispatch(x, topk_idx, topk_weights, config=config,
+                                        capacity=capacity, ep_size=ep)), axis_name)
 
 
-def dispatch_rows(x, recv_slot, *, axis_name, topk):
-    rank, ep = _rank_attrs(axis_name)
-    (rows,) = _ffi.dispatch_rows(x, recv_slot, topk=topk, rank=rank, ep_size=ep)
+def dispatch_rows(x, recv_slot, *, axis_name, config):
+    (rows,) = _ffi.dispatch_rows(x, recv_slot, config=config, ep_size=_ep_size(axis_name))
     return _varying(rows, axis_name)
 
 
-def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
-    rank, ep = _rank_attrs(axis_name)
-    (out,) = _ffi.combine(y, weights, send_row, recv_slot, topk_idx, num_experts=num_experts,
-                          rank=rank, ep_size=ep)
+def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config):
+    (out,) = _ffi.combine(y, weights, send_row, recv_slot, topk_idx, config=config,
+                          ep_size=_ep_size(axis_name))
     return _varying(out, axis_name)
 
 
-def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
+def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
     del recv_slot
-    rank, ep = _rank_attrs(axis_name)
+    ep = _ep_size(axis_name)
     if ep == 1:  # the destination of every slot is this rank: a local gather
         kept = send_row >= 0
         return jnp.where(kept, v[jnp.where(kept, send_row, 0)], 0.0).astype(jnp.float32)
-    (out,) = _ffi.gather_back(v.astype(jnp.float32), send_row, topk_idx, num_experts=num_experts,
-                              rank=rank, ep_size=ep)
+    (out,) = _ffi.gather_back(v.astype(jnp.float32), send_row, topk_idx, config=config,
+                              ep_size=ep)
     return _varying(out, axis_name)

@@ -6,7 +6,8 @@ source rank's partial sums on the expert side in f32 and sends them back with a 
 Only dense collectives are used, so it runs on XLA:CPU (ragged_all_to_all does not).
 
 The functions run per rank inside `shard_map` and implement the backend operations listed in
-docs/design.md: dispatch, dispatch_rows, combine, gather_back.
+docs/design.md: dispatch, dispatch_rows, combine, gather_back. Each takes the `jaxep.Config` (its
+sizes; this backend has no tuning knobs, so every knob gives the same program here).
 """
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
     return rows, weights, group_sizes, send_row_all[me], recv_slot, idx, stats
 
 
-def dispatch_rows(x, recv_slot, *, axis_name, topk):
+def dispatch_rows(x, recv_slot, *, axis_name, config):
     x_all = _all_gather(x, axis_name)
-    return _rows_from_slots(x_all, recv_slot, topk)
+    return _rows_from_slots(x_all, recv_slot, config.topk)
 
 
 def _slot_table(recv_slot, R, T, K):
@@ -101,9 +102,9 @@ def _slot_table(recv_slot, R, T, K):
     return jnp.full((R * T * K,), -1, jnp.int32).at[target].set(rows, mode="drop").reshape(R, T, K)
 
 
-def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
+def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config):
     """out[t] = sum_r asc (sum_k asc on r of round(w*y)) in f32, cast once (docs/design.md)."""
-    del topk_idx, num_experts  # the expert side knows its rows' slots; sources need nothing more
+    del topk_idx, config  # the expert side knows its rows' slots; sources need nothing more
     R = jax.lax.axis_size(axis_name)
     T, K = send_row.shape
     rowof = _slot_table(recv_slot, R, T, K)
@@ -131,13 +132,13 @@ def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, num_experts
     return out.astype(y.dtype)
 
 
-def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, num_experts):
+def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
     """[T,K]: v at the row of each slot on its destination rank, 0 where the slot was not kept."""
     R = jax.lax.axis_size(axis_name)
     T, K = send_row.shape
     rowof = _slot_table(recv_slot, R, T, K)
     vals = jnp.where(rowof >= 0, v[jnp.where(rowof >= 0, rowof, 0)], 0.0)  # [R(source),T,K]
     recv = _all_to_all(vals, axis_name)  # [R(dest),T,K]
-    dest = jnp.where(topk_idx >= 0, topk_idx // (num_experts // R), 0)
+    dest = jnp.where(topk_idx >= 0, topk_idx // (config.num_experts // R), 0)
     picked = jnp.take_along_axis(recv, dest[None], axis=0)[0]
     return jnp.where(send_row >= 0, picked, 0.0).astype(jnp.float32)

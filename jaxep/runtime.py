@@ -9,14 +9,25 @@ size 1 needs none either. The multi-rank CUDA backend (EP size > 1: one process 
      initialized by someone else, enough free GPU memory outside XLA's pool for the symmetric block
      (it names XLA_PYTHON_CLIENT_PREALLOCATE / XLA_PYTHON_CLIENT_MEM_FRACTION when XLA took it);
   2. cudaSetDevice + cudaFree(0) on the calling thread (NVSHMEM binds to that device);
-  3. PE 0 creates the NVSHMEM unique id and publishes it in JAX's distributed key-value store; the
-     others read it (no MPI, no torch);
-  4. nvshmem init with the unique id, one `nvshmem_malloc` of the symmetric block sized from the
+  3. every rank publishes its config (`Config.canonical()`) in JAX's distributed key-value store
+     and compares it with every other rank's: a RuntimeError on every rank, naming the fields and
+     the ranks, unless all are identical (the knobs are FFI attributes: every rank must run the
+     same kernels);
+  4. PE 0 creates the NVSHMEM unique id and publishes it in the same key-value store; the others
+     read it (no MPI, no torch);
+  5. nvshmem init with the unique id, one `nvshmem_malloc` of the symmetric block sized from the
      config and the EP size, the peer-pointer table (`nvshmem_ptr`), a host-mapped diagnostic record;
-  5. a watchdog thread that polls the record and logs a kernel's timeout at ERROR.
+     then the zero-copy decision (`jaxep.zero_copy`, when `config.zero_copy`);
+  6. a watchdog thread that polls the record and logs a kernel's timeout at ERROR.
 
 PE = `jax.process_index()` = position on the EP axis (a mesh over `jax.devices()` in order).
-jaxep never writes os.environ; it logs (INFO) the NVSHMEM settings it recommends.
+
+Environment: the library writes os.environ in exactly one place, `zero_copy.prepare_env`, and
+only when the variable is unset: NVSHMEM_CUMEM_GRANULARITY=2 MiB just before NVSHMEM starts, when
+`config.zero_copy` is on, because NVSHMEM reads that setting only from its own process environment
+and zero-copy needs it (logged at INFO). Every other NVSHMEM setting jaxep recommends is only
+logged (INFO), never set. (The command-line tools, `jaxep.launch` and `jaxep-bench --cpu_devices`,
+set up the environment of what they start, as their flags ask.)
 """
 from __future__ import annotations
 
@@ -35,11 +46,15 @@ from jaxep.config import Config
 log = logging.getLogger("jaxep")
 
 _BACKENDS = ("reference", "cuda")
-_PHASES = {0: "-", 1: "release (waiting for the peer to finish reading this rank's stage of the "
-                      "previous call)", 2: "exchange (waiting for the peer's stage of this call)",
-           3: "zero-copy release (waiting for the peer to finish reading this rank's x or y of "
-              "this call in its XLA pool)"}
-_OPS = {1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back"}
+# What each wait phase of a multi-rank call means, keyed by the short names the extension gives
+# its phase codes (_ffi.constants()["phases"]).
+_PHASE_TEXT = {
+    "none": "-",
+    "free": "release (waiting for the peer to finish reading this rank's stage of the previous call)",
+    "ready": "exchange (waiting for the peer's stage of this call)",
+    "zero_copy": "zero-copy release (waiting for the peer to finish reading this rank's x or y of "
+                 "this call in its XLA pool)",
+}
 _NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE default
 _HEAP_RESERVE = 128 << 20        # NVSHMEM's own allocations from the symmetric heap
 _MEM_MARGIN = 512 << 20          # contexts, NVSHMEM internals outside the heap
@@ -59,7 +74,7 @@ class _State:
     config: Config | None = None
     axis_name: str | None = None
     multi_rank: bool = False        # NVSHMEM runtime up in this process
-    zero_copy: bool = False         # XLA's pool registered on every rank (JAXEP_ZERO_COPY != 0)
+    zero_copy: bool = False         # XLA's pool registered on every rank (config.zero_copy)
     generation: int = 0             # initialize() calls that set up NVSHMEM (key-value store keys)
     watchdog: threading.Thread | None = None
     stop: threading.Event | None = None
@@ -116,8 +131,9 @@ def _init_multi_rank(config: Config) -> None:
         _fail("this build of jaxep._jaxep_cuda has no NVSHMEM (build_info()['multi_rank'] is "
               "False), so EP size > 1 cannot run on the CUDA backend; install nvidia-nvshmem-cu13 "
               "and rebuild (docs/build.md), or pass backend='reference'")
-    if nproc > ext.max_ranks():
-        _fail(f"at most {ext.max_ranks()} ranks (one node) are supported, got {nproc} processes")
+    max_ranks = _ffi.constant("max_ranks")
+    if nproc > max_ranks:
+        _fail(f"at most {max_ranks} ranks (one node) are supported, got {nproc} processes")
     owners = [d.process_index for d in jax.devices()]
     if owners != list(range(nproc)):
         _fail(f"jax.devices() must be ordered by process (device i in process i, so that the EP "
@@ -158,22 +174,26 @@ def _init_multi_rank(config: Config) -> None:
     if client is None:
         _fail("jax.distributed is not initialized (the unique id travels through its key-value "
               "store); call jax.distributed.initialize() or start with python -m jaxep.launch")
-    zero_copy.prepare_env()  # before NVSHMEM reads its environment (unique id, init)
+    wait_ms = int(max(60.0, config.timeout_s) * 1000)
+    try:
+        agree_config(client, config, pe, nproc, _state.generation, wait_ms)
+    except RuntimeError:
+        _state.generation += 1  # every rank raised: a retry publishes under fresh keys
+        raise
+    zero_copy.prepare_env(config.zero_copy)  # before NVSHMEM reads its environment (uid, init)
     key = f"jaxep/nvshmem_uid/{_state.generation}"
     if pe == 0:
         uid = ext.unique_id()
         client.key_value_set_bytes(key, uid)
     else:
-        wait_ms = int(max(60.0, config.timeout_s) * 1000)
         uid = client.blocking_key_value_get_bytes(key, wait_ms)
     ext.runtime_init(ordinal, pe, nproc, bytes(uid), config.max_tokens_per_rank, config.topk,
                      config.num_experts, cap, row_bytes, float(config.timeout_s))
-    # Zero-copy (docs/zero_copy.md, B1; JAXEP_ZERO_COPY=0 turns it off): every rank takes part
-    # in the decision, which is the same everywhere.
-    wait_ms = int(max(60.0, config.timeout_s) * 1000)
+    # Zero-copy (docs/zero_copy.md, B1; Config.zero_copy=False turns it off): every rank takes
+    # part in the decision, which is the same everywhere.
     try:
         _state.zero_copy = zero_copy.setup(ext, client, pe, nproc, device, _state.generation,
-                                           wait_ms)
+                                           wait_ms, requested=config.zero_copy)
     except RuntimeError:
         ext.runtime_finalize(False)  # NVSHMEM's heap is gone: drop local state only
         raise
@@ -190,6 +210,35 @@ def _init_multi_rank(config: Config) -> None:
     log.info("jaxep recommends (not set by jaxep): %s%s",
              " ".join(f"{k}={v}" for k, v in rec.items()),
              f"; unset here: {', '.join(missing)}" if missing else "")
+
+
+def agree_config(client, config: Config, pe: int, nproc: int, generation: int,
+                 wait_ms: int) -> None:
+    """Every rank publishes `config.canonical()` under jaxep/config/<generation>/<pe> and reads
+    every rank's; unless all equal rank 0's, every rank raises the same RuntimeError naming the
+    differing fields and the ranks (so no rank goes on into NVSHMEM's collective init alone)."""
+    key = f"jaxep/config/{generation}"
+    mine = config.canonical()
+    client.key_value_set(f"{key}/{pe}", mine)
+    texts = []
+    for r in range(nproc):
+        try:
+            texts.append(mine if r == pe else client.blocking_key_value_get(f"{key}/{r}", wait_ms))
+        except Exception as e:  # pylint: disable=broad-except
+            _fail(f"rank {r} did not publish its config within {wait_ms / 1000:g} s (it failed "
+                  f"earlier in jaxep.initialize, or never called it): {type(e).__name__}: {e}")
+    import json  # pylint: disable=g-import-not-at-top
+    base = json.loads(texts[0])
+    diffs = []
+    for r, text in enumerate(texts[1:], start=1):
+        other = json.loads(text)
+        fields = sorted(k for k in set(base) | set(other) if base.get(k) != other.get(k))
+        if fields:
+            diffs.append(f"rank {r} vs rank 0: " + ", ".join(
+                f"{k}={other.get(k)!r} vs {base.get(k)!r}" for k in fields))
+    if diffs:
+        _fail("the config must be identical on every rank (its knobs are FFI attributes: every "
+              "rank must run the same kernels), but " + "; ".join(diffs))
 
 
 def _shares_gpu() -> bool:
@@ -220,8 +269,11 @@ def diagnostic() -> str | None:
     if d is None:
         return None
     to = _state.config.timeout_s if _state.config else float("nan")
-    return (f"jaxep: rank {d['rank']} timed out in {_OPS.get(d['op'], d['op'])} (call #{d['seq']}), "
-            f"phase {_PHASES.get(d['phase'], d['phase'])}, waiting for peer {d['peer']}: flag "
+    names = _ffi.constants() or {}
+    op = names.get("ops", {}).get(d["op"], d["op"])
+    phase = names.get("phases", {}).get(d["phase"], d["phase"])
+    return (f"jaxep: rank {d['rank']} timed out in {op} (call #{d['seq']}), "
+            f"phase {_PHASE_TEXT.get(phase, phase)}, waiting for peer {d['peer']}: flag "
             f"{d['seen']}, want {d['awaited']} (waited {d['waited_ns'] / 1e9:.1f} s, timeout "
             f"{to:g} s). The peer process died, hangs, or runs a different sequence of jaxep "
             "calls; this process's multi-rank kernels are aborted until jaxep.finalize()")
@@ -243,7 +295,9 @@ def initialize(config: Config, axis_name: str = "ep") -> None:
     """Declares the config every later call must use and, in a multi-process GPU run, sets up the
     NVSHMEM runtime (see the module docstring). Collective: every process must call it.
 
-    Calls with another config raise at trace time. Set JAXEP_LOG_LEVEL=INFO (or configure the
+    Calls with another config raise at trace time. In a multi-process GPU run the config must be
+    identical on every process (its knobs are FFI attributes): a RuntimeError on every process,
+    naming the differing fields and ranks, otherwise. Set JAXEP_LOG_LEVEL=INFO (or configure the
     "jaxep" logger) to see the topology and the effective settings.
     """
     if not isinstance(config, Config):
@@ -280,7 +334,7 @@ def initialized_config() -> Config | None:
 
 def zero_copy_enabled() -> bool:
     """True when multi-rank calls may read peers' x / y in their XLA pools (docs/zero_copy.md;
-    on by default where possible, JAXEP_ZERO_COPY=0 turns it off)."""
+    on by default where possible, Config.zero_copy=False turns it off)."""
     return _state.multi_rank and _state.zero_copy
 
 

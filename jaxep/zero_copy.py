@@ -1,22 +1,25 @@
-"""Zero-copy inputs (docs/zero_copy.md, option B1): on by default, JAXEP_ZERO_COPY=0 turns it off.
+"""Zero-copy inputs (docs/zero_copy.md, option B1): on by default, `Config.zero_copy=False` turns
+it off.
 
 Peers read a multi-rank call's source rows (dispatch / dispatch_rows: x, combine: y) where XLA put
 them instead of from a staged copy in NVSHMEM's heap. At `jaxep.initialize` (multi-rank path):
-  0. `prepare_env` (before NVSHMEM starts): NVSHMEM_CUMEM_GRANULARITY=2 MiB unless the user set it;
+  0. `prepare_env` (before NVSHMEM starts): NVSHMEM_CUMEM_GRANULARITY=2 MiB unless the user set it
+     (the one os.environ write of jaxep, see `prepare_env`);
   1. `local_facts`: which allocation holds a small jax array on this rank's device (ctypes on the
-     CUDA driver, as tools/probe_zero_copy.py): base, size, VMM or not, requested handle types,
-     recommended granularity; plus NVSHMEM_CUMEM_GRANULARITY and the NVSHMEM library facts;
-  2. every rank publishes its facts in JAX's key-value store and reads all others' (a rank with
-     JAXEP_ZERO_COPY=0 publishes that, so nobody waits for it);
+     CUDA driver): base, size, VMM or not, requested handle types, recommended granularity; plus
+     NVSHMEM_CUMEM_GRANULARITY and the NVSHMEM library facts;
+  2. every rank publishes its facts in JAX's key-value store and reads all others' (with
+     `Config.zero_copy=False` a rank publishes only that, so nobody waits for it);
   3. `decide(facts)`: a pure function of all ranks' facts, so every rank takes the same decision;
   4. if on: `ext.register_pool(base, size)` (collective nvshmemx_buffer_register_symmetric), a
      second exchange of "registered and every peer address known", then `ext.enable_pool()` on
      all ranks or on none. From then on a call whose source rows lie in the pool does not stage
      them (it waits at its end until every peer has read them).
 Anything off: logged at INFO with the reason, and jaxep stages every input (the same results).
-NVSHMEM tears its heap down when a registration fails, so every condition it checks is checked
-here first, on every rank; a refusal after that is fatal (RuntimeError from initialize, which
-names JAXEP_ZERO_COPY=0 as the way out).
+Per call, the `zero_copy` FFI attribute (= `Config.zero_copy`) lets a call leave its rows in place
+only when this registration happened. NVSHMEM tears its heap down when a registration fails, so
+every condition it checks is checked here first, on every rank; a refusal after that is fatal
+(RuntimeError from initialize, which names `Config(zero_copy=False)` as the way out).
 """
 from __future__ import annotations
 
@@ -28,7 +31,6 @@ import time
 
 log = logging.getLogger("jaxep")
 
-ENV = "JAXEP_ZERO_COPY"
 GRANULARITY = 2 << 20                 # NVSHMEM_CUMEM_GRANULARITY zero-copy needs (2 MiB)
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
 CU_MEM_HANDLE_TYPE_FABRIC = 0x8
@@ -38,20 +40,25 @@ ASSERT_LIMIT = 1 << 32                # assert(size < 4 GiB) in register_heap_me
 MIN_NVSHMEM = (3, 3, 9)               # nvshmemx_buffer_register_symmetric
 
 
-_OFF_WORDS = ("0", "false", "off", "no")
+OFF_REASON = "turned off (Config.zero_copy=False)"
 
 
-def requested() -> bool:
-    """Zero-copy is wanted by this process: JAXEP_ZERO_COPY unset or anything but 0/false/off/no."""
-    return os.environ.get(ENV, "").strip().lower() not in _OFF_WORDS
+def prepare_env(requested: bool) -> None:
+    """Sets NVSHMEM_CUMEM_GRANULARITY=2 MiB before NVSHMEM reads its environment (the unique id,
+    the init), when zero-copy is requested (`Config.zero_copy`) and the variable is unset.
 
-
-def prepare_env() -> None:
-    """Before NVSHMEM reads its environment (the unique id, the init): the granularity zero-copy
-    needs, unless zero-copy is off or the user chose one (decide() then says why it is off)."""
-    if requested() and os.environ.get("NVSHMEM_CUMEM_GRANULARITY") is None:
+    This is the one place jaxep writes os.environ. It must: NVSHMEM reads its heap granularity
+    only from its own process environment (there is no API for it), and with its default (512 MiB)
+    a registration of XLA's pool would be rounded up past the pool's end. It happens only when the
+    variable is unset, so a user's choice always wins (decide() then says why zero-copy is off),
+    and it is logged at INFO.
+    """
+    if requested and os.environ.get("NVSHMEM_CUMEM_GRANULARITY") is None:
         os.environ["NVSHMEM_CUMEM_GRANULARITY"] = str(GRANULARITY)
-        log.debug("jaxep zero-copy: set NVSHMEM_CUMEM_GRANULARITY=%d (unset before)", GRANULARITY)
+        log.info("jaxep zero-copy: set NVSHMEM_CUMEM_GRANULARITY=%d in this process's environment "
+                 "(it was unset) before NVSHMEM starts: NVSHMEM reads its heap granularity only "
+                 "from its environment, and registering XLA's pool needs 2 MiB (docs/zero_copy.md)",
+                 GRANULARITY)
 
 
 def parse_size(text: str) -> int:
@@ -136,12 +143,12 @@ def _nvshmem_has_live_asserts() -> bool | None:
 
 
 def local_facts(ext, ptr: int, rank: int, pool=pool_info, asserts=_nvshmem_has_live_asserts) -> dict:
-    """What this rank contributes to the decision (JSON-serializable)."""
+    """What this rank contributes to the decision (JSON-serializable), zero-copy requested."""
     info = pool(ptr)
     env_gran = os.environ.get("NVSHMEM_CUMEM_GRANULARITY")
     handle_env = os.environ.get("NVSHMEM_CUMEM_HANDLE_TYPE", "").strip().upper()
     return dict(
-        rank=rank, requested=requested(), base=info["base"], size=info["size"], vmm=info["vmm"],
+        rank=rank, requested=True, base=info["base"], size=info["size"], vmm=info["vmm"],
         handle_types=info["handle_types"], gran_rec=info["gran_rec"], why=info["why"],
         gran_env=env_gran, want_handle=(CU_MEM_HANDLE_TYPE_FABRIC if handle_env == "FABRIC"
                                         else CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
@@ -172,7 +179,7 @@ def decide(facts: list[dict]) -> tuple[bool, str]:
     NVSHMEM v3.4.5 mem_heap.cpp, see docs/zero_copy.md §2 and §5)."""
     off = [f["rank"] for f in facts if not f["requested"]]
     if off:
-        return False, f"turned off ({ENV}=0) on ranks {off}"
+        return False, f"{OFF_REASON} on ranks {off}"
     notvmm = {f["rank"]: f["why"] for f in facts if not f["vmm"]}
     if notvmm:
         return False, (f"XLA's pool is not one VMM allocation on ranks {sorted(notvmm)}: "
@@ -234,15 +241,16 @@ _NO_FACTS = dict(rank=-1, requested=True, base=0, size=0, vmm=0, handle_types=0,
                  supported=False, asserts=None, error_checks=False, shared_gpu=False)
 
 
-def setup(ext, client, rank: int, nproc: int, device, generation: int, wait_ms: int,
-          pointer=_pool_pointer, facts_fn=local_facts) -> bool:
+def setup(ext, client, rank: int, nproc: int, device, generation: int, wait_ms: int, *,
+          requested: bool, pointer=_pool_pointer, facts_fn=local_facts) -> bool:
     """Steps 1-4 of the module docstring; True when zero-copy is enabled (on all ranks). Called
-    by every rank (also with JAXEP_ZERO_COPY=0: its facts say so and every rank decides off); a
-    rank that never publishes makes the others time out after wait_ms and decide off."""
+    by every rank (also with requested=False, i.e. Config.zero_copy=False: its facts say so and
+    every rank decides off); a rank that never publishes makes the others time out after wait_ms
+    and decide off."""
     key = f"jaxep/zero_copy/{generation}"
     try:
-        if not requested():
-            mine = dict(_NO_FACTS, rank=rank, requested=False, why=f"{ENV}=0")
+        if not requested:
+            mine = dict(_NO_FACTS, rank=rank, requested=False, why=OFF_REASON)
         else:
             ptr, keep = pointer(device)
             mine = facts_fn(ext, ptr, rank)
@@ -253,8 +261,8 @@ def setup(ext, client, rank: int, nproc: int, device, generation: int, wait_ms: 
     try:
         facts = _exchange(client, key + "/facts", rank, nproc, mine, wait_ms)
     except Exception as e:  # pylint: disable=broad-except
-        log.info("jaxep zero-copy: off: the key-value exchange of pool facts failed (%s: %s; is "
-                 "%s=1 set on every rank?)", type(e).__name__, e, ENV)
+        log.info("jaxep zero-copy: off: the key-value exchange of pool facts failed (%s: %s; did "
+                 "every rank call jaxep.initialize?)", type(e).__name__, e)
         return False
     on, why = decide(facts)
     if not on:
@@ -264,7 +272,7 @@ def setup(ext, client, rank: int, nproc: int, device, generation: int, wait_ms: 
     if fatal:
         raise RuntimeError(f"jaxep.initialize: zero-copy registration failed after every check "
                            f"passed ({err}); NVSHMEM freed its heap, so this process cannot run "
-                           f"the multi-rank path; set {ENV}=0")
+                           f"the multi-rank path; pass jaxep.Config(..., zero_copy=False)")
     try:
         done = _exchange(client, key + "/registered", rank, nproc, {"rank": rank, "err": err},
                          wait_ms)

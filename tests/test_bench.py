@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import jaxep
 from jaxep.bench import accounting as A
 from jaxep.bench import routing
 
@@ -280,3 +281,97 @@ def test_multiprocess_correctness_failure_reaches_every_process(tmp_path):
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     for r in (0, 1):
         assert f"[rank {r}] RAISED {r} process 1: combine" in p.stdout, p.stdout[-3000:]
+
+
+def test_knobs_go_from_bench_config_to_jaxep_config():
+    from jaxep.bench import BenchConfig
+    c = BenchConfig(**SMALL).jaxep_config()
+    default = jaxep.Config(num_experts=c.num_experts, topk=c.topk, hidden=c.hidden,
+                           max_tokens_per_rank=c.max_tokens_per_rank)
+    assert (c.num_sms, c.dispatch_kernel, c.combine_kernel, c.zero_copy) == (
+        default.num_sms, default.dispatch_kernel, default.combine_kernel, default.zero_copy)
+    c = BenchConfig(num_sms=4, dispatch_kernel="row", combine_kernel="thread", zero_copy=False,
+                    **SMALL).jaxep_config()
+    assert (c.num_sms, c.dispatch_kernel, c.combine_kernel, c.zero_copy) == (4, "row", "thread", False)
+    with pytest.raises(NotImplementedError, match="low_latency"):
+        BenchConfig(mode="low_latency", **SMALL).jaxep_config()
+
+
+def test_cli_knob_flags(tmp_path):
+    out = tmp_path / "k.json"
+    p = subprocess.run([sys.executable, "-m", "jaxep.bench", "--tokens=16", "--hidden=32", "--topk=2",
+                        "--experts=8", "--iters=1", "--warmup=1", "--inner=1", "--num_sms=4",
+                        "--dispatch_kernel=row", "--combine_kernel=thread", "--nozero_copy",
+                        f"--json={out}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "num_sms=4 kernels=row/thread zero_copy=off" in p.stdout, p.stdout[:600]
+    jc = json.loads(out.read_text())["config"]["jaxep_config"]
+    assert (jc["num_sms"], jc["dispatch_kernel"], jc["combine_kernel"], jc["zero_copy"]) == (
+        4, "row", "thread", False)
+    for flag, said in (("--dispatch_kernel=warp", "dispatch_kernel"),
+                       ("--mode=low_latency", "not built yet"), ("--sweep_num_sms=8,x", "sweep_num_sms")):
+        bad = subprocess.run([sys.executable, "-m", "jaxep.bench", "--tokens=16", "--hidden=32",
+                              "--topk=2", "--experts=8", flag], capture_output=True, text=True,
+                             timeout=300)
+        assert bad.returncode != 0 and said in bad.stderr, (flag, bad.stderr[-1000:])
+
+
+def test_sweep_table_names_num_sms_and_kernels():
+    from jaxep.bench import report
+    pts = [dict(num_sms=None, dispatch_kernel="token", combine_kernel="warp", dispatch_median_s=1e-3,
+                combine_median_s=1e-3, both_median_s=2e-3),
+           dict(num_sms=16, dispatch_kernel="row", combine_kernel="thread", dispatch_median_s=2e-3,
+                combine_median_s=2e-3, both_median_s=4e-3)]
+    text = report.sweep_table(dict(points=pts, best=pts[0], spread=1.0, snippet="jaxep.Config(...)"))
+    assert "no cap" in text and "row/thread" in text and "chunk" not in text
+
+
+def test_bench_multirank_passes_the_knobs_as_bench_flags(monkeypatch):
+    """tools/bench_multirank.py: the kernel variants and --staged become jaxep-bench flags (Config
+    fields), never environment variables."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_multirank.py")
+    spec = importlib.util.spec_from_file_location("bench_multirank", path)
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    for argv, want in (([], ["--dispatch_kernel=token", "--combine_kernel=warp", "--zero_copy"]),
+                       (["--dispatch_kernel", "row", "--combine_kernel", "thread", "--staged"],
+                        ["--dispatch_kernel=row", "--combine_kernel=thread", "--nozero_copy"])):
+        a = bm.parse_args(argv)
+        cmd = bm.bench_command(a, 64, "/tmp/x")
+        assert all(f in cmd for f in want), cmd
+        for k in ("JAXEP_ZERO_COPY", "JAXEP_DISPATCH_KERNEL", "JAXEP_COMBINE_KERNEL"):
+            monkeypatch.delenv(k, raising=False)
+        assert not {"JAXEP_ZERO_COPY", "JAXEP_DISPATCH_KERNEL", "JAXEP_COMBINE_KERNEL"} & set(
+            bm.rank_env(a))
+
+
+def test_sweep_points_cover_num_sms_and_kernels(monkeypatch):
+    """The sweep's bookkeeping (the timing itself needs the CUDA backend): one point per num_sms,
+    times every kernel pair with sweep_kernels; the best point becomes a Config snippet."""
+    from jaxep.bench import BenchConfig, runner
+    built = []
+
+    class FakeOps:
+        def __init__(self, cfg, backend, mesh):
+            built.append(cfg)
+            self.cfg = cfg
+
+        def dispatch_once(self, *a):
+            return None
+
+        def time(self, bc, *a):
+            t = 1e-3 * (1 + (self.cfg.num_sms or 0) + (self.cfg.dispatch_kernel == "row"))
+            return {op: {"median": t} for op in runner.OPS}
+
+    monkeypatch.setattr(runner, "_Ops", FakeOps)
+    bc = BenchConfig(sweep_num_sms=(0, 16), sweep_kernels=True, **SMALL)
+    s = runner._sweep(bc, None, None, None, None, "cuda", emit=lambda *_: None)  # pylint: disable=protected-access
+    assert len(s["points"]) == 2 * 4 and len(built) == 8
+    assert {(c.num_sms, c.dispatch_kernel, c.combine_kernel) for c in built} == {
+        (n, d, c) for n in (None, 16) for d in ("token", "row") for c in ("warp", "thread")}
+    assert s["best"]["num_sms"] is None and s["best"]["dispatch_kernel"] == "token"
+    assert "num_sms=None" in s["snippet"] and "dispatch_kernel='token'" in s["snippet"]
+    s = runner._sweep(BenchConfig(sweep_num_sms=(8,), combine_kernel="thread", **SMALL), None,  # pylint: disable=protected-access
+                      None, None, None, "cuda", emit=lambda *_: None)
+    assert [(p["num_sms"], p["combine_kernel"]) for p in s["points"]] == [(8, "thread")]

@@ -100,7 +100,19 @@ def test_combine_errors():
     (dict(capacity_factor=-1.0), ValueError, r"capacity_factor must be a finite number > 0 or None, got -1.0"),
     (dict(dtype="int8"), ValueError, r"jaxep.Config: dtype must be one of .*, got 'int8'"),
     (dict(mode="fast"), ValueError, r"jaxep.Config: mode must be one of .*, got 'fast'"),
+    (dict(mode="low_latency"), NotImplementedError,
+     r"jaxep.Config: mode='low_latency' is not built yet: expected one of \('normal',\), got 'low_latency'"),
     (dict(timeout_s=0), ValueError, r"jaxep.Config: timeout_s must be in \(0, 86400\), got 0"),
+    (dict(num_sms=0), ValueError, r"jaxep.Config: num_sms must be >= 1, got 0"),
+    (dict(num_sms=8.0), TypeError, r"jaxep.Config: num_sms must be an int, got float 8.0"),
+    (dict(num_sms=True), TypeError, r"jaxep.Config: num_sms must be an int, got bool True"),
+    (dict(dispatch_kernel="warp"), ValueError,
+     r"jaxep.Config: dispatch_kernel must be one of \('token', 'row'\), got 'warp'"),
+    (dict(combine_kernel="row"), ValueError,
+     r"jaxep.Config: combine_kernel must be one of \('warp', 'thread'\), got 'row'"),
+    (dict(combine_kernel=None), ValueError, r"jaxep.Config: combine_kernel must be one of .*, got None"),
+    (dict(zero_copy=1), TypeError, r"jaxep.Config: zero_copy must be a bool \(True or False\), got int 1"),
+    (dict(zero_copy="off"), TypeError, r"jaxep.Config: zero_copy must be a bool .*, got str 'off'"),
 ])
 def test_config_validation(kw, exc, pattern):
     base = dict(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4)
@@ -117,3 +129,10 @@ def test_config_capacity_rules():
     assert dataclasses.replace(c, capacity_factor=100.0).capacity(2) == 400  # capped at the worst case
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.topk = 3
+
+
+def test_config_knob_defaults_and_no_chunking_field():
+    c = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4)
+    assert (c.num_sms, c.dispatch_kernel, c.combine_kernel, c.zero_copy) == (None, "token", "warp", True)
+    assert "chunk_tokens" not in {f.name for f in dataclasses.fields(c)}  # nothing implements it
+    assert dataclasses.replace(c, num_sms=16) != c  # a knob is part of the static config

@@ -1,4 +1,13 @@
-"""HLO checks: the reference path uses only dense collectives; the CUDA path lowers to our custom calls."""
+"""HLO checks: the reference path uses only dense collectives; the CUDA path lowers to our custom
+calls, and every tuning knob of jaxep.Config reaches each of them as an FFI attribute.
+
+The CUDA path is lowered for the CUDA platform here, on CPU, without running it: lowering an
+`ffi_call` needs neither a GPU nor a registered handler, so `cuda_lowering` below only pretends the
+extension is loaded (and, for EP size 2, that the multi-rank runtime exists with room for the call).
+"""
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -6,9 +15,19 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import jaxep
-from jaxep import _ffi
+from jaxep import _ffi, cuda_backend, runtime
+from test_runtime_checks import CONSTANTS
 
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4, dtype="bfloat16")
+
+# The attributes of each target: the contract with ffi/*.cc (their Bind() calls).
+ATTRS = {
+    "jaxep_dispatch": {"num_experts", "capacity", "ep_size", "num_sms", "dispatch_kernel",
+                       "zero_copy"},
+    "jaxep_dispatch_rows": {"ep_size", "topk", "num_sms", "zero_copy"},
+    "jaxep_combine": {"num_experts", "ep_size", "num_sms", "combine_kernel", "zero_copy"},
+    "jaxep_gather_back": {"num_experts", "ep_size"},
+}
 
 
 def _fn(R, backend):
@@ -36,17 +55,65 @@ def test_reference_ep1_has_no_collective_work():
         assert op + "(" not in hlo, op
 
 
-@pytest.mark.skipif(not _ffi.is_available(), reason="CUDA extension not built: " + _ffi.unavailable_reason())
-def test_cuda_ep1_lowers_to_the_custom_calls():
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    """The CUDA backend, for lowering only: extension 'loaded', a roomy multi-rank runtime."""
+    monkeypatch.setattr(_ffi, "_registered", True)
+    if _ffi.constants() is None:
+        monkeypatch.setattr(_ffi, "_constants", _ffi.parse_constants(CONSTANTS))
+    monkeypatch.setattr(runtime, "select_backend", lambda op, requested, ep_size: "cuda")
+    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep_size: dict(
+        size=ep_size, max_tokens=1 << 20, topk=64, experts=1 << 13, capacity=1 << 30,
+        stage_bytes=1 << 40))
+
+
+def _value(text: str):
+    text = text.strip()
+    if text in ("true", "false"):
+        return text == "true"
+    if text.startswith('"'):
+        return text[1:-1]
+    return int(text.split(":")[0])
+
+
+def custom_calls(hlo: str) -> list[tuple[str, dict]]:
+    """(target, {attribute: value}) of every jaxep custom call in StableHLO text."""
+    out = []
+    for target, attrs in re.findall(r"custom_call @(jaxep_\w+)\(.*?mhlo\.backend_config = \{(.*?)\}",
+                                    hlo):
+        kv = (a.split(" = ", 1) for a in attrs.split(", ") if a)
+        out.append((target, {k: _value(v) for k, v in kv}))
+    return out
+
+
+def _grad_hlo(cfg, R):
+    """The lowered StableHLO of jax.grad through dispatch -> ragged_dot -> combine."""
+    def loss(x, w, A, idx):
+        def body(x, idx, w, A):
+            res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg)
+            y = jax.lax.ragged_dot(res.x, A, res.group_sizes)
+            return jaxep.combine(y, res.handle, axis_name="ep")
+        out = jax.shard_map(body, mesh=harness.mesh(R), in_specs=(P("ep"),) * 4,
+                            out_specs=P("ep"))(x, idx, w, A)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+    T, H, K, E = cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.num_experts
+    sds = jax.ShapeDtypeStruct
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        sds((R * T, H), jnp.bfloat16), sds((R * T, K), jnp.float32), sds((E, H, H), jnp.bfloat16),
+        sds((R * T, K), jnp.int32))
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_cuda_ep1_lowers_to_the_custom_calls(cuda_lowering):
     """Lowered for the CUDA platform here (no GPU needed): only our targets, no collectives."""
-    from jaxep import cuda_backend
     x, idx, w = _args(1)
 
     def body(x, idx, w):
         rows, weights, *_, send_row, recv_slot, idx2, stats = cuda_backend.dispatch(
             x, idx, w, axis_name="ep", config=CFG, capacity=CFG.capacity(1))
         return cuda_backend.combine(rows, weights, send_row, recv_slot, idx2, axis_name="ep",
-                                    num_experts=8)
+                                    config=CFG)
     traced = jax.jit(body).trace(x, idx, w)
     assert traced.out_info.shape == (4, 16) and traced.out_info.dtype == jnp.bfloat16
     hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -56,42 +123,61 @@ def test_cuda_ep1_lowers_to_the_custom_calls():
         assert stray not in hlo, stray
 
 
-@pytest.mark.skipif(not _ffi.is_available(), reason="CUDA extension not built: " + _ffi.unavailable_reason())
-def test_cuda_backend_grad_traces_under_shard_map(monkeypatch):
-    """The CUDA path's custom VJPs type-check under shard_map's varying-axes checks (no GPU needed)."""
-    from jaxep import runtime
-    monkeypatch.setattr(runtime, "select_backend", lambda op, requested, ep_size: "cuda")
+@pytest.mark.parametrize("R", [1, 2])
+def test_cuda_backend_grad_traces_under_shard_map(cuda_lowering, R):
+    """The CUDA path's custom VJPs type-check under shard_map's varying-axes checks (no GPU
+    needed): forward dispatch + combine, and the transposes (combine, dispatch_rows and, on
+    several ranks, gather_back); every call with exactly the contract's attributes."""
     cfg = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=8)
-
-    def loss(x, w, A, idx):
-        def body(x, idx, w, A):
-            res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg)
-            y = jax.lax.ragged_dot(res.x, A, res.group_sizes)
-            return jaxep.combine(y, res.handle, axis_name="ep")
-        out = jax.shard_map(body, mesh=harness.mesh(1), in_specs=(P("ep"),) * 4, out_specs=P("ep"))(
-            x, idx, w, A)
-        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
-
-    sds = jax.ShapeDtypeStruct
-    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
-        sds((8, 16), jnp.bfloat16), sds((8, 2), jnp.float32), sds((8, 16, 16), jnp.bfloat16),
-        sds((8, 2), jnp.int32))
-    hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
-    for target in ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine"):
-        assert f"custom_call @{target}(" in hlo, target
+    calls = custom_calls(_grad_hlo(cfg, R))
+    targets = sorted(t for t, _ in calls)
+    want = ["jaxep_combine", "jaxep_combine", "jaxep_dispatch", "jaxep_dispatch_rows"]
+    assert targets == sorted(want + (["jaxep_gather_back"] if R > 1 else [])), targets
+    for target, attrs in calls:
+        assert set(attrs) == ATTRS[target], (target, attrs)
+        assert attrs["ep_size"] == R
 
 
-@pytest.mark.skipif(not _ffi.is_available(), reason="CUDA extension not built: " + _ffi.unavailable_reason())
-def test_ffi_combine_checks_recv_slot_at_trace_time():
-    """recv_slot (which rows of y the multi-rank combine stages) must be [C] int32, like weights."""
-    y, w = jnp.zeros((16, 64), jnp.bfloat16), jnp.zeros((16,), jnp.float32)
-    idx = jnp.zeros((4, 2), jnp.int32)
-    with pytest.raises(ValueError, match=r"combine: recv_slot must be shape \(16,\), got shape \(15,\)"):
-        jax.eval_shape(lambda r: _ffi.combine(y, w, idx, r, idx, num_experts=8),
-                       jnp.zeros((15,), jnp.int32))
-    with pytest.raises((TypeError, ValueError), match="recv_slot"):
-        jax.eval_shape(lambda r: _ffi.combine(y, w, idx, r, idx, num_experts=8),
-                       jnp.zeros((16,), jnp.float32))
-    out = jax.eval_shape(lambda r: _ffi.combine(y, w, idx, r, idx, num_experts=8),
-                         jnp.zeros((16,), jnp.int32))
-    assert out[0].shape == (4, 64) and out[0].dtype == jnp.bfloat16
+# Each knob, its default and another value: (field, value, attribute value in the HLO).
+KNOBS = [
+    ("num_sms", None, 0), ("num_sms", 5, 5),
+    ("dispatch_kernel", "token", "token"), ("dispatch_kernel", "row", "row"),
+    ("combine_kernel", "warp", "warp"), ("combine_kernel", "thread", "thread"),
+    ("zero_copy", True, True), ("zero_copy", False, False),
+]
+
+
+@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("field,value,attr", KNOBS)
+def test_each_knob_reaches_every_custom_call_that_takes_it(cuda_lowering, R, field, value, attr):
+    """dispatch, combine and the backward ops (combine in dispatch's transpose, dispatch_rows in
+    combine's) carry the Config's value; the other knobs keep their defaults."""
+    cfg = dataclasses.replace(jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=8),
+                              **{field: value})
+    calls = custom_calls(_grad_hlo(cfg, R))
+    defaults = dict(num_sms=0, dispatch_kernel="token", combine_kernel="warp", zero_copy=True)
+    expect = {**defaults, field: attr}
+    takes = {t for t, names in ATTRS.items() if field in names}
+    assert takes, field
+    seen = set()
+    for target, attrs in calls:
+        for name in set(attrs) & set(defaults):
+            assert attrs[name] == expect[name], (target, name, attrs)
+        if field in attrs:
+            seen.add(target)
+    assert seen == takes - ({"jaxep_gather_back"} if R == 1 else set()), (seen, calls)
+
+
+@pytest.mark.parametrize("field,value", [(f, v) for f, v, _ in KNOBS[1::2]])
+def test_changing_a_knob_changes_the_hlo(cuda_lowering, field, value):
+    """A knob is in the program, hence in the jit cache key: another value, another HLO."""
+    base = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=8)
+    assert _grad_hlo(base, 2) != _grad_hlo(dataclasses.replace(base, **{field: value}), 2)
+    assert _grad_hlo(base, 2) == _grad_hlo(dataclasses.replace(base), 2)
+
+
+def test_cuda_backend_checks_the_extensions_max_experts_once(cuda_lowering, monkeypatch):
+    monkeypatch.setattr(_ffi, "_constants", dict(_ffi.parse_constants(CONSTANTS), max_experts=4))
+    with pytest.raises(ValueError, match=r"jaxep.dispatch: config.num_experts must be <= 4 on the "
+                                         r"CUDA backend \(the extension's max_experts\), got 8"):
+        _grad_hlo(jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=8), 1)

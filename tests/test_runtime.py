@@ -43,13 +43,20 @@ def test_ffi_multi_rank_without_runtime_raises_at_trace_time():
     x = jax.ShapeDtypeStruct((4, 16), jnp.float32)
     i = jax.ShapeDtypeStruct((4, 2), jnp.int32)
     w = jax.ShapeDtypeStruct((4, 2), jnp.float32)
-    f = lambda x, i, w: _ffi.dispatch(x, i, w, num_experts=8, capacity=16, rank=-1, ep_size=2)
+    cfg = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4, dtype="float32")
+    f = lambda x, i, w: _ffi.dispatch(x, i, w, config=cfg, capacity=16, ep_size=2)
     exc = RuntimeError if _ffi.multi_rank_built() else NotImplementedError
     with pytest.raises(exc, match=r"jaxep._ffi.dispatch: ep_size = 2"):
         jax.jit(f).trace(x, i, w)
-    with pytest.raises(ValueError, match=r"rank -1 \(from the runtime\)"):
-        jax.jit(lambda x, i, w: _ffi.dispatch(x, i, w, num_experts=8, capacity=16, rank=-1,
-                                              ep_size=1)).trace(x, i, w)
+
+
+def test_unloaded_extension_raises_naming_the_reason(monkeypatch):
+    monkeypatch.setattr(_ffi, "_registered", False)
+    monkeypatch.setattr(_ffi, "_reason", "no extension here")
+    cfg = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4)
+    with pytest.raises(RuntimeError, match="jaxep._ffi.combine: the CUDA backend is unavailable: "
+                                           "no extension here"):
+        _ffi.combine(None, None, None, None, None, config=cfg)
 
 
 @pytest.mark.skipif(not _ffi.is_available(), reason="CUDA extension not built")
@@ -73,3 +80,21 @@ def test_initialize_single_process_does_not_touch_nvshmem():
         jaxep.check()
     finally:
         jaxep.finalize()
+
+
+def test_no_environment_variable_selects_what_jaxep_computes():
+    """Settings are Config fields (FFI attributes): outside the launcher's own process-group
+    variables (jaxep/launch/), the library reads only the debug pass-through JAXEP_LOG_LEVEL, and
+    the C++ side reads no JAXEP_* variable at all."""
+    import os
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = [p for p in (root / "jaxep").rglob("*.py")
+             if "launch" not in p.relative_to(root).with_suffix("").parts]
+    py = {m for p in files for m in re.findall(r"JAXEP_[A-Z_]+", p.read_text())}
+    assert py <= {"JAXEP_LOG_LEVEL"}, py
+    cc = [f"{p.relative_to(root)}: {m}" for p in (root / "ffi").rglob("*") if p.is_file()
+          for m in re.findall(r"getenv\s*\(\s*\"JAXEP_\w*\"", p.read_text(errors="replace"))]
+    assert cc == [], cc
+    assert os.path.isdir(root / "ffi")

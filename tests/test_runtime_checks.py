@@ -5,6 +5,8 @@ tier cannot easily provoke (two local devices, NVSHMEM initialized by someone el
 the memory NVSHMEM needs) is covered here; the real NVSHMEM init is covered by tests/gpu."""
 from __future__ import annotations
 
+import dataclasses
+import re
 import types
 
 import pytest
@@ -14,6 +16,12 @@ from jaxep import _ffi, runtime
 
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=16)
 GIB = 1 << 30
+# What the extension's constants() returns (the lead's ffi/module.cc), for the fakes.
+CONSTANTS = dict(max_experts=8192, max_ranks=8,
+                 phases={0: "none", 1: "free", 2: "ready", 3: "zero_copy"},
+                 ops={1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back"},
+                 targets=_ffi.TARGETS, dispatch_kernels=("token", "row"),
+                 combine_kernels=("warp", "thread"))
 
 
 class FakeExt:
@@ -22,8 +30,8 @@ class FakeExt:
     def __init__(self, status=0, free=80 * GIB, sym=1 << 20):
         self.status, self.free, self.sym, self.inits = status, free, sym, []
 
-    def max_ranks(self):
-        return 8
+    def constants(self):
+        return CONSTANTS
 
     def nvshmem_init_status(self):
         return self.status
@@ -54,12 +62,39 @@ def _device(i):
     return types.SimpleNamespace(id=i, process_index=i, local_hardware_id=0, device_kind="fake")
 
 
+class FakeKV:
+    """JAX's distributed key-value client as initialize uses it (str and bytes values).
+
+    A missing jaxep/config/<generation>/<r> key of a peer reads as the value this process
+    published for that generation (peers with the same config), unless `agree` is False."""
+
+    def __init__(self, agree=True):
+        self.kv, self.agree = {}, agree
+
+    def key_value_set(self, k, v):
+        self.kv[k] = v
+
+    key_value_set_bytes = key_value_set
+
+    def blocking_key_value_get(self, k, ms):
+        if k not in self.kv and self.agree and k.startswith("jaxep/config/"):
+            mine = [v for key, v in self.kv.items() if key.rsplit("/", 1)[0] == k.rsplit("/", 1)[0]]
+            if mine:
+                return mine[0]
+        if k not in self.kv:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {k}")
+        return self.kv[k]
+
+    blocking_key_value_get_bytes = blocking_key_value_get
+
+
 @pytest.fixture
 def fake(monkeypatch):
     """Two processes, this one is process 0 with one device; every check passes by default."""
     ext = FakeExt()
     state = types.SimpleNamespace(local=[_device(0)], client=None)
     monkeypatch.setattr(_ffi, "_module", ext)
+    monkeypatch.setattr(_ffi, "_constants", _ffi.parse_constants(ext.constants()))
     monkeypatch.setattr(_ffi, "multi_rank_built", lambda: True)
     monkeypatch.setattr(runtime.jax, "process_count", lambda: 2)
     monkeypatch.setattr(runtime.jax, "process_index", lambda: 0)
@@ -118,26 +153,63 @@ def test_missing_distributed_client_is_refused_before_nvshmem_init(fake):
     assert fake.ext.inits == []  # nothing was initialized on the way
 
 
-def test_all_checks_pass_then_nvshmem_is_initialized(fake, monkeypatch):
+def _client(monkeypatch, **kw) -> FakeKV:
     from jax._src import distributed
-    kv = {}
-    client = types.SimpleNamespace(key_value_set_bytes=kv.__setitem__,
-                                   blocking_key_value_get_bytes=lambda k, ms: kv[k])
+    client = FakeKV(**kw)
     monkeypatch.setattr(distributed.global_state, "client", client)
+    return client
+
+
+def _uids(client):
+    return [v for k, v in client.kv.items() if k.startswith("jaxep/nvshmem_uid/")]
+
+
+def test_all_checks_pass_then_nvshmem_is_initialized(fake, monkeypatch):
+    client = _client(monkeypatch)
     runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
     (args,) = fake.ext.inits
     assert args[:4] == (0, 0, 2, b"uid")  # ordinal, PE, processes, the unique id it published
-    assert list(kv.values()) == [b"uid"]
+    assert _uids(client) == [b"uid"]
+    gen = runtime._state.generation - 1  # pylint: disable=protected-access
+    assert client.kv[f"jaxep/config/{gen}/0"] == CFG.canonical()
+
+
+@pytest.mark.parametrize("me", [0, 1])
+def test_a_config_that_differs_between_ranks_is_refused_on_every_rank(fake, monkeypatch, me):
+    """Rank 1 runs other knobs: both ranks raise, naming the fields and the ranks, before NVSHMEM."""
+    monkeypatch.setattr(runtime.jax, "process_index", lambda: me)
+    fake.local = [_device(me)]
+    client = _client(monkeypatch, agree=False)
+    gen = runtime._state.generation  # pylint: disable=protected-access
+    cfgs = [CFG, dataclasses.replace(CFG, num_sms=16, combine_kernel="thread")]
+    client.kv[f"jaxep/config/{gen}/{1 - me}"] = cfgs[1 - me].canonical()
+    with pytest.raises(RuntimeError) as e:
+        runtime._init_multi_rank(cfgs[me])  # pylint: disable=protected-access
+    msg = str(e.value)
+    assert msg.startswith("jaxep.initialize: the config must be identical on every rank"), msg
+    assert "rank 1 vs rank 0: combine_kernel='thread' vs 'warp', num_sms=16 vs None" in msg, msg
+    assert fake.ext.inits == [] and _uids(client) == []  # NVSHMEM never started
+
+
+def test_a_rank_that_never_publishes_its_config_is_named(fake, monkeypatch):
+    _client(monkeypatch, agree=False)
+    with pytest.raises(RuntimeError, match=r"rank 1 did not publish its config within 100 s"):
+        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    assert fake.ext.inits == []
+
+
+def test_canonical_config_text_is_field_exact():
+    assert CFG.canonical() == jaxep.Config(**dataclasses.asdict(CFG)).canonical()
+    for change in (dict(num_sms=8), dict(zero_copy=False), dict(dispatch_kernel="row"),
+                   dict(timeout_s=5.0), dict(capacity_factor=None)):
+        assert dataclasses.replace(CFG, **change).canonical() != CFG.canonical(), change
+    assert re.search(r'"zero_copy": true', CFG.canonical())
 
 
 def test_finalize_then_initialize_again_uses_a_fresh_unique_id(fake, monkeypatch):
     """initialize -> finalize (collective) -> initialize with another config: NVSHMEM is set up
     again under a new key-value key (a late rank can never read the previous run's unique id)."""
-    from jax._src import distributed
-    kv = {}
-    client = types.SimpleNamespace(key_value_set_bytes=kv.__setitem__,
-                                   blocking_key_value_get_bytes=lambda k, ms: kv[k])
-    monkeypatch.setattr(distributed.global_state, "client", client)
+    client = _client(monkeypatch)
     monkeypatch.setattr(_ffi, "is_available", lambda: True)
     monkeypatch.setattr(runtime.jax, "default_backend", lambda: "gpu")
     other = jaxep.Config(num_experts=16, topk=2, hidden=64, max_tokens_per_rank=16)
@@ -149,10 +221,11 @@ def test_finalize_then_initialize_again_uses_a_fresh_unique_id(fake, monkeypatch
         assert fake.ext.finalized == [True] and runtime.initialized_config() is None
         jaxep.initialize(other)
         assert runtime.initialized_config() == other and len(fake.ext.inits) == 2
-        assert len(kv) == 2  # one unique-id key per initialization
+        assert len(_uids(client)) == 2  # one unique-id key per initialization
         # After a timeout a peer may be dead: finalize drops local state without a collective.
         fake.ext.diag = dict(rank=0, op=1, seq=3, phase=2, peer=1, seen=0, awaited=3, waited_ns=5e9)
-        with pytest.raises(jaxep.TimeoutError, match="rank 0 timed out .* waiting for peer 1"):
+        with pytest.raises(jaxep.TimeoutError, match=r"rank 0 timed out in dispatch \(call #3\), "
+                                                     r"phase exchange .* waiting for peer 1"):
             jaxep.check()
         jaxep.finalize()
         assert fake.ext.finalized == [True, False]

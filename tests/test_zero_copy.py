@@ -1,12 +1,12 @@
-"""Zero-copy inputs (docs/zero_copy.md B1; on by default, JAXEP_ZERO_COPY=0 off), CPU tier: the
+"""Zero-copy inputs (docs/zero_copy.md B1; on by default, Config.zero_copy=False off), CPU tier: the
 switch, the decision (identical on every rank, from every rank's facts) and the setup sequence with
 a fake extension and a fake key-value store. The registration and the kernels run only in tests/gpu."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
-import types
 
 import pytest
 
@@ -31,15 +31,9 @@ def _all(n=8, per_rank=None):
     return [_facts(r, **(per_rank or {}).get(r, {})) for r in range(n)]
 
 
-@pytest.mark.parametrize("value,on", [("1", True), (" 1 ", True), ("", True), (None, True),
-                                      ("0", False), (" 0 ", False), ("false", False), ("OFF", False),
-                                      ("no", False)])
-def test_on_unless_turned_off(monkeypatch, value, on):
-    if value is None:
-        monkeypatch.delenv(zero_copy.ENV, raising=False)
-    else:
-        monkeypatch.setenv(zero_copy.ENV, value)
-    assert zero_copy.requested() is on
+def test_on_by_default_and_a_config_field():
+    assert trc.CFG.zero_copy is True
+    assert not hasattr(zero_copy, "requested") and not hasattr(zero_copy, "ENV")  # no env switch
 
 
 def test_all_ranks_equal_turns_it_on():
@@ -54,7 +48,7 @@ def test_all_ranks_equal_turns_it_on():
     (_all(2, {0: dict(gran_env=None), 1: dict(gran_env=None)}), "NVSHMEM_CUMEM_GRANULARITY must be"),
     (_all(2, {1: dict(gran_env=None)}), "NVSHMEM_CUMEM_GRANULARITY must be"),
     (_all(2, {0: dict(gran_env="512M"), 1: dict(gran_env="512M")}), "NVSHMEM_CUMEM_GRANULARITY"),
-    (_all(2, {1: dict(requested=False)}), r"turned off \(JAXEP_ZERO_COPY=0\) on ranks \[1\]"),
+    (_all(2, {1: dict(requested=False)}), r"turned off \(Config.zero_copy=False\) on ranks \[1\]"),
     (_all(2, {0: dict(nvshmem="3.3.8")}), "needs >= 3.3.9"),
     (_all(2, {1: dict(supported=False)}), "needs >= 3.3.9"),
     (_all(2, {1: dict(handle_types=zero_copy.CU_MEM_HANDLE_TYPE_FABRIC)}), "lack NVSHMEM's heap type"),
@@ -121,7 +115,7 @@ def _setup(ext, peer_facts, mine, registered_err=""):
                   json.dumps({"rank": f["rank"], "err": registered_err}) for f in peer_facts})
     kv = FakeKV(peers)
     on = zero_copy.setup(ext, kv, 0, 1 + len(peer_facts), device=None, generation=0, wait_ms=10,
-                         pointer=lambda d: (0x1234, None),
+                         requested=True, pointer=lambda d: (0x1234, None),
                          facts_fn=lambda e, ptr, rank: dict(mine, rank=rank))
     return on, kv
 
@@ -141,24 +135,23 @@ def test_setup_off_does_not_register(caplog):
     assert "jaxep zero-copy: off: XLA's pool sizes differ" in caplog.text
 
 
-def test_setup_a_rank_turned_off_publishes_that_and_all_stay_off(monkeypatch, caplog):
-    monkeypatch.setenv(zero_copy.ENV, "0")
+def test_setup_a_rank_turned_off_publishes_that_and_all_stay_off(caplog):
     ext, kv = FakeExt(), FakeKV({"jaxep/zero_copy/0/facts/1": json.dumps(_facts(1))})
 
     def never(device):
         raise AssertionError("a rank with zero-copy off must not query its pool")
     with caplog.at_level("INFO", logger="jaxep"):
-        on = zero_copy.setup(ext, kv, 0, 2, None, 0, 10, pointer=never)
+        on = zero_copy.setup(ext, kv, 0, 2, None, 0, 10, requested=False, pointer=never)
     assert not on and ext.registered == [] and ext.enabled == 0
     assert json.loads(kv.kv["jaxep/zero_copy/0/facts/0"])["requested"] is False
-    assert "off: turned off (JAXEP_ZERO_COPY=0) on ranks [0]" in caplog.text
+    assert "off: turned off (Config.zero_copy=False) on ranks [0]" in caplog.text
 
 
 def test_setup_a_peer_that_never_publishes_times_out_and_all_stay_off(caplog):
     ext = FakeExt()
     with caplog.at_level("INFO", logger="jaxep"):
-        on = zero_copy.setup(ext, FakeKV({}), 0, 2, None, 0, 10, pointer=lambda d: (1, None),
-                             facts_fn=lambda e, p, r: _facts(r))
+        on = zero_copy.setup(ext, FakeKV({}), 0, 2, None, 0, 10, requested=True,
+                             pointer=lambda d: (1, None), facts_fn=lambda e, p, r: _facts(r))
     assert not on and ext.registered == [] and "exchange of pool facts failed" in caplog.text
 
 
@@ -168,7 +161,7 @@ def test_setup_a_failing_local_query_still_publishes_and_turns_it_off(caplog):
     def broken(device):
         raise AttributeError("no unsafe_buffer_pointer")
     with caplog.at_level("INFO", logger="jaxep"):
-        on = zero_copy.setup(ext, kv, 0, 2, None, 0, 10, pointer=broken)
+        on = zero_copy.setup(ext, kv, 0, 2, None, 0, 10, requested=True, pointer=broken)
     assert not on and ext.registered == [] and "jaxep/zero_copy/0/facts/0" in kv.kv
     assert "pool query failed: AttributeError" in caplog.text
 
@@ -181,17 +174,19 @@ def test_setup_a_peer_without_peer_addresses_keeps_everyone_staging():
 
 def test_setup_refused_registration_is_fatal():
     ext = FakeExt(reg=("returned NULL", True, 3.0))
-    with pytest.raises(RuntimeError, match="NVSHMEM freed its heap"):
+    with pytest.raises(RuntimeError, match=r"NVSHMEM freed its heap.*zero_copy=False"):
         _setup(ext, [_facts(1)], _facts(0))
 
 
-# --- the hook in jaxep.initialize: untouched without the variable -------------------------------
+# --- the hook in jaxep.initialize: Config.zero_copy decides ---------------------------------------
 
 def _fake_runtime(monkeypatch):
     """The minimum of test_runtime_checks.py's fake for _init_multi_rank to reach runtime_init."""
     from jax._src import distributed
     ext = trc.FakeExt()
     monkeypatch.setattr(runtime._ffi, "_module", ext)  # pylint: disable=protected-access
+    monkeypatch.setattr(runtime._ffi, "_constants",  # pylint: disable=protected-access
+                        runtime._ffi.parse_constants(ext.constants()))  # pylint: disable=protected-access
     monkeypatch.setattr(runtime._ffi, "multi_rank_built", lambda: True)  # pylint: disable=protected-access
     monkeypatch.setattr(runtime.jax, "process_count", lambda: 2)
     monkeypatch.setattr(runtime.jax, "process_index", lambda: 0)
@@ -201,54 +196,54 @@ def _fake_runtime(monkeypatch):
     # NVSHMEM_CUMEM_GRANULARITY: jaxep.initialize sets it (zero-copy); monkeypatch restores it.
     for k in ("NVSHMEM_SYMMETRIC_SIZE", "CUDA_MPS_PIPE_DIRECTORY", "NVSHMEM_CUMEM_GRANULARITY"):
         monkeypatch.delenv(k, raising=False)
-    kv = {}
-    client = types.SimpleNamespace(key_value_set_bytes=kv.__setitem__,
-                                   blocking_key_value_get_bytes=lambda k, ms: kv[k])
-    monkeypatch.setattr(distributed.global_state, "client", client)
+    monkeypatch.setattr(distributed.global_state, "client", trc.FakeKV())
     return ext
 
 
 @pytest.mark.parametrize("setup_says", [True, False])
-def test_initialize_always_takes_part_in_the_decision(monkeypatch, setup_says):
+@pytest.mark.parametrize("wanted", [True, False])
+def test_initialize_always_takes_part_in_the_decision(monkeypatch, setup_says, wanted):
     ext = _fake_runtime(monkeypatch)
     calls = []
-    monkeypatch.setattr(zero_copy, "setup", lambda *a, **k: calls.append(a) or setup_says)
+    monkeypatch.setattr(zero_copy, "setup", lambda *a, **k: calls.append(k) or setup_says)
     try:
-        runtime._init_multi_rank(trc.CFG)  # pylint: disable=protected-access
+        runtime._init_multi_rank(dataclasses.replace(trc.CFG, zero_copy=wanted))  # pylint: disable=protected-access
         assert len(ext.inits) == 1 and len(calls) == 1
+        assert calls[0]["requested"] is wanted  # Config.zero_copy reaches the decision
         assert runtime.zero_copy_enabled() is setup_says
     finally:
         runtime._state.multi_rank = runtime._state.zero_copy = False  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("value,preset,expect", [
-    (None, None, "2097152"),     # default: zero-copy wanted, NVSHMEM needs 2 MiB granularity
-    ("1", None, "2097152"),
-    ("0", None, None),           # off: NVSHMEM's environment untouched
-    (None, "536870912", "536870912"),  # the user's choice wins (decide() then says off, and why)
+@pytest.mark.parametrize("wanted,preset,expect", [
+    (True, None, "2097152"),     # default: zero-copy wanted, NVSHMEM needs 2 MiB granularity
+    (False, None, None),         # off: NVSHMEM's environment untouched
+    (True, "536870912", "536870912"),  # the user's choice wins (decide() then says off, and why)
 ])
-def test_initialize_sets_the_granularity_before_nvshmem_starts(monkeypatch, value, preset, expect):
+def test_initialize_sets_the_granularity_before_nvshmem_starts(monkeypatch, caplog, wanted, preset,
+                                                               expect):
     ext = _fake_runtime(monkeypatch)
     seen = []  # the variable when NVSHMEM first runs: rank 0's unique id, before its init
     real_uid = ext.unique_id
     monkeypatch.setattr(ext, "unique_id", lambda: seen.append(
         os.environ.get("NVSHMEM_CUMEM_GRANULARITY")) or real_uid(), raising=False)
     monkeypatch.setattr(zero_copy, "setup", lambda *a, **k: False)
-    for k, v in ((zero_copy.ENV, value), ("NVSHMEM_CUMEM_GRANULARITY", preset)):
-        if v is None:
-            monkeypatch.delenv(k, raising=False)
-        else:
-            monkeypatch.setenv(k, v)
+    if preset is None:
+        monkeypatch.delenv("NVSHMEM_CUMEM_GRANULARITY", raising=False)
+    else:
+        monkeypatch.setenv("NVSHMEM_CUMEM_GRANULARITY", preset)
     try:
-        runtime._init_multi_rank(trc.CFG)  # pylint: disable=protected-access
+        with caplog.at_level("INFO", logger="jaxep"):
+            runtime._init_multi_rank(dataclasses.replace(trc.CFG, zero_copy=wanted))  # pylint: disable=protected-access
         assert seen == [expect]
+        wrote = "set NVSHMEM_CUMEM_GRANULARITY=2097152 in this process's environment" in caplog.text
+        assert wrote is (wanted and preset is None), caplog.text  # logged exactly when written
     finally:
         runtime._state.multi_rank = runtime._state.zero_copy = False  # pylint: disable=protected-access
 
 
 def test_fatal_registration_drops_the_runtime_locally(monkeypatch):
     ext = _fake_runtime(monkeypatch)
-    monkeypatch.setenv(zero_copy.ENV, "1")
 
     def refuse(*a, **k):
         raise RuntimeError("jaxep.initialize: zero-copy registration failed")

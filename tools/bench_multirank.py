@@ -2,11 +2,16 @@
 under `jaxep.launch` and prints one short table from the JSON files.
 
     python tools/bench_multirank.py --nproc 8 --experts 64,256 --outdir /tmp/bench
-    python tools/bench_multirank.py --nproc 8 --experts 64 --staged  # JAXEP_ZERO_COPY=0, *_staged
+    python tools/bench_multirank.py --nproc 8 --experts 64 --staged  # --nozero_copy, *_staged
     # runs, for each E (each a separate launch: jaxep.initialize fixes one Config per run):
     python -m jaxep.launch --nproc 8 --share-gpu --timeout 300 -m jaxep.bench --backend cuda \
         --tokens 4096 --hidden 7168 --topk 8 --experts E --dtype bfloat16 --iters 10 \
+        --dispatch_kernel token --combine_kernel warp --zero_copy \
         --json OUTDIR/bench_n8_eE.json --plot OUTDIR/bench_n8_eE.png      (log: bench_n8_eE.log)
+
+The kernel variants and zero-copy are jaxep.Config fields; this wrapper passes them to the bench
+as its flags (--dispatch_kernel, --combine_kernel, --zero_copy / --nozero_copy), which build the
+Config every rank initializes with (identical on every rank, checked by jaxep.initialize).
 
 Everything the old per-rank script did now lives in the bench (jaxep/bench/): every rank checks
 its shard against the host oracle before timing (XLA collectives cannot run with ranks sharing a
@@ -38,16 +43,19 @@ def bench_command(a, experts: int, base: str) -> list[str]:
     cmd += ["--timeout", str(a.timeout), "-m", "jaxep.bench", f"--backend={a.backend}",
             f"--tokens={a.tokens}", f"--hidden={a.hidden}", f"--topk={a.topk}",
             f"--experts={experts}", f"--dtype={a.dtype}", f"--iters={a.iters}",
-            f"--warmup={a.warmup}", f"--inner={a.inner}", f"--json={base}.json"]
+            f"--warmup={a.warmup}", f"--inner={a.inner}", f"--json={base}.json",
+            f"--dispatch_kernel={a.dispatch_kernel}", f"--combine_kernel={a.combine_kernel}",
+            "--nozero_copy" if a.staged else "--zero_copy"]
     if a.plot:
         cmd.append(f"--plot={base}.png")
     return cmd + list(a.bench_args)
 
 
 def rank_env(a) -> dict:
-    """The ranks' environment: kernel choices, zero-copy on (default) or off (--staged)."""
-    env = dict(os.environ, JAXEP_DISPATCH_KERNEL=a.dispatch_kernel,
-               JAXEP_COMBINE_KERNEL=a.combine_kernel, JAXEP_ZERO_COPY="0" if a.staged else "")
+    """The ranks' environment: this one's, logging at INFO unless set (debug pass-through only:
+    the kernel choices and zero-copy travel as bench flags, see bench_command)."""
+    del a
+    env = dict(os.environ)
     env.setdefault("JAXEP_LOG_LEVEL", "INFO")  # "jaxep zero-copy: on|off: <why>" in the log
     return env
 
@@ -91,18 +99,12 @@ def table(rows) -> str:
                    f"{r.get('kernels', 'token/warp'):>11}")
     out.append("pcopy = every rank copies 1/N of the payload at once; pc/op = pcopy / op (> 1: faster "
                "than that copy); x/copy = op / copy of its least HBM bytes; h/op = multi-rank host "
-               "handler runs per op (expected 1); kernels d/c = JAXEP_DISPATCH_KERNEL/JAXEP_COMBINE_KERNEL of the run (+st: "
-               "--staged, zero-copy off)")
+               "handler runs per op (expected 1); kernels d/c = Config.dispatch_kernel/combine_kernel of "
+               "the run (+st: --staged, Config.zero_copy=False)")
     return "\n".join(out)
 
 
-def main(argv=None) -> int:
-    if os.environ.get("JAXEP_COORDINATOR"):
-        print("tools/bench_multirank.py now starts the ranks itself; run it directly:\n"
-              "  python tools/bench_multirank.py --nproc 8 --experts 64,256\n"
-              "(or one run: python -m jaxep.launch --nproc 8 --share-gpu -m jaxep.bench "
-              "--backend cuda ...)", file=sys.stderr)
-        return 2
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=8)
     p.add_argument("--experts", default="64,256", help="comma-separated; one launch each")
@@ -120,15 +122,27 @@ def main(argv=None) -> int:
     p.add_argument("--outdir", default=".")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--summary_json", default=None, help="also write the table's rows here")
+    # The bench validates these against jaxep.config (DISPATCH_KERNELS, COMBINE_KERNELS) too.
     p.add_argument("--dispatch_kernel", default="token", choices=("token", "row"),
-                   help="JAXEP_DISPATCH_KERNEL for the ranks (the multi-rank dispatch pull kernel)")
+                   help="jaxep.Config.dispatch_kernel of the run (jaxep-bench --dispatch_kernel)")
     p.add_argument("--combine_kernel", default="warp", choices=("warp", "thread"),
-                   help="JAXEP_COMBINE_KERNEL for the ranks (the multi-rank combine pull kernel)")
+                   help="jaxep.Config.combine_kernel of the run (jaxep-bench --combine_kernel)")
     p.add_argument("--staged", action="store_true",
-                   help="JAXEP_ZERO_COPY=0 for the ranks: stage x and y in NVSHMEM's heap instead of "
-                        "reading them in XLA's pool (docs/zero_copy.md); files tagged _staged")
+                   help="jaxep.Config.zero_copy=False (jaxep-bench --nozero_copy): stage x and y in "
+                        "NVSHMEM's heap instead of reading them in XLA's pool (docs/zero_copy.md); "
+                        "files tagged _staged")
     p.add_argument("bench_args", nargs="*", help="more jaxep.bench flags (after --)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    if os.environ.get("JAXEP_COORDINATOR"):
+        print("tools/bench_multirank.py now starts the ranks itself; run it directly:\n"
+              "  python tools/bench_multirank.py --nproc 8 --experts 64,256\n"
+              "(or one run: python -m jaxep.launch --nproc 8 --share-gpu -m jaxep.bench "
+              "--backend cuda ...)", file=sys.stderr)
+        return 2
+    a = parse_args(argv)
     os.makedirs(a.outdir, exist_ok=True)
     rows, first_rc = [], 0
     for e in (int(v) for v in a.experts.split(",")):

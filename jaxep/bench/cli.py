@@ -5,14 +5,16 @@ import os
 
 from absl import app, flags
 
+from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS, MODES, PAYLOAD_DTYPES
+
 _ROUTINGS = ("uniform", "zipf", "imbalanced")
 
 TOKENS = flags.DEFINE_integer("tokens", 4096, "Tokens per rank (T).", lower_bound=1, upper_bound=1 << 20)
 HIDDEN = flags.DEFINE_integer("hidden", 7168, "Hidden size (H).", lower_bound=1, upper_bound=1 << 16)
 TOPK = flags.DEFINE_integer("topk", 8, "Experts per token (K).", lower_bound=1, upper_bound=64)
 EXPERTS = flags.DEFINE_integer("experts", 64, "Experts in the model (E).", lower_bound=1, upper_bound=1 << 14)
-MODE = flags.DEFINE_enum("mode", "normal", ["normal", "low_latency"], "Kernel mode.")
-DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Payload dtype.")
+MODE = flags.DEFINE_enum("mode", "normal", list(MODES), "jaxep.Config.mode (only normal is built).")
+DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(PAYLOAD_DTYPES), "Payload dtype.")
 ROUTING = flags.DEFINE_enum("routing", "uniform", list(_ROUTINGS), "Routing distribution.")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of routing and payload.", lower_bound=0)
 ZIPF_ALPHA = flags.DEFINE_float("zipf_alpha", 1.0, "Zipf exponent (--routing=zipf).", lower_bound=0.0, upper_bound=8.0)
@@ -20,10 +22,18 @@ IMBALANCE = flags.DEFINE_float("imbalance", 4.0, "How much likelier rank 0's exp
                                lower_bound=1.0, upper_bound=1e4)
 CAPACITY_FACTOR = flags.DEFINE_float("capacity_factor", 1.25, "Receive capacity factor; 0 = never drop.",
                                      lower_bound=0.0, upper_bound=1e4)
-NUM_SMS = flags.DEFINE_integer("num_sms", 0, "SMs for the CUDA kernels; 0 = jaxep's default.",
+NUM_SMS = flags.DEFINE_integer("num_sms", 0, "jaxep.Config.num_sms: at most num_sms*4 blocks per "
+                               "row-moving CUDA kernel; 0 = no cap (jaxep's default).",
                                lower_bound=0, upper_bound=1024)
-CHUNK_TOKENS = flags.DEFINE_integer("chunk_tokens", 0, "Tokens per pipeline chunk; 0 = default.",
-                                    lower_bound=0, upper_bound=1 << 16)
+DISPATCH_KERNEL = flags.DEFINE_enum("dispatch_kernel", None, list(DISPATCH_KERNELS),
+                                    "jaxep.Config.dispatch_kernel (multi-rank dispatch pull); "
+                                    "unset = jaxep's default.")
+COMBINE_KERNEL = flags.DEFINE_enum("combine_kernel", None, list(COMBINE_KERNELS),
+                                   "jaxep.Config.combine_kernel (multi-rank combine pull); unset = "
+                                   "jaxep's default.")
+ZERO_COPY = flags.DEFINE_bool("zero_copy", None, "jaxep.Config.zero_copy: --nozero_copy stages "
+                              "every multi-rank call's rows (docs/zero_copy.md); unset = jaxep's "
+                              "default (on).")
 BACKEND = flags.DEFINE_enum("backend", "auto", ["auto", "reference", "cuda"], "Backend under test.")
 WARMUP = flags.DEFINE_integer("warmup", 2, "Warm-up calls (the first compiles).", lower_bound=0, upper_bound=1000)
 ITERS = flags.DEFINE_integer("iters", 10, "Timed samples.", lower_bound=1, upper_bound=100000)
@@ -48,9 +58,12 @@ CHECK = flags.DEFINE_bool("check", True, "Check correctness before timing (keep 
 TIMEOUT_S = flags.DEFINE_float("timeout_s", 60.0, "Bound on every device-side wait of the multi-rank "
                                "CUDA kernels (jaxep.Config.timeout_s): a stuck peer gives "
                                "jaxep.TimeoutError after this long.", lower_bound=1.0, upper_bound=3600.0)
-SWEEP = flags.DEFINE_bool("sweep", False, "Sweep num_sms x chunk_tokens and print the best Config.")
-SWEEP_NUM_SMS = flags.DEFINE_list("sweep_num_sms", ["16", "24", "32", "48", "64"], "num_sms values to sweep.")
-SWEEP_CHUNK_TOKENS = flags.DEFINE_list("sweep_chunk_tokens", ["64", "128", "256", "512"], "chunk_tokens values.")
+SWEEP = flags.DEFINE_bool("sweep", False, "Sweep num_sms (and with --sweep_kernels the kernel "
+                          "variants) and print the best Config.")
+SWEEP_NUM_SMS = flags.DEFINE_list("sweep_num_sms", ["0", "16", "24", "32", "48", "64"],
+                                  "num_sms values to sweep (0 = no cap).")
+SWEEP_KERNELS = flags.DEFINE_bool("sweep_kernels", False, "--sweep also tries every "
+                                  "dispatch_kernel x combine_kernel.")
 JSON = flags.DEFINE_string("json", None, "Write the result as JSON here (docs/benchmark.md).")
 PLOT = flags.DEFINE_string("plot", None, "Write a PNG plot here.")
 
@@ -62,12 +75,23 @@ def bench_config():
         tokens=TOKENS.value, hidden=HIDDEN.value, topk=TOPK.value, experts=EXPERTS.value, mode=MODE.value,
         dtype=DTYPE.value, routing=ROUTING.value, seed=SEED.value, zipf_alpha=ZIPF_ALPHA.value,
         imbalance=IMBALANCE.value, capacity_factor=nz(CAPACITY_FACTOR.value), num_sms=nz(NUM_SMS.value),
-        chunk_tokens=nz(CHUNK_TOKENS.value), backend=None if BACKEND.value == "auto" else BACKEND.value,
+        dispatch_kernel=DISPATCH_KERNEL.value, combine_kernel=COMBINE_KERNEL.value,
+        zero_copy=ZERO_COPY.value, backend=None if BACKEND.value == "auto" else BACKEND.value,
         warmup=WARMUP.value, iters=ITERS.value, inner=INNER.value, ep_size=nz(EP_SIZE.value),
         gpus_per_node=nz(GPUS_PER_NODE.value), ranks_per_gpu=nz(RANKS_PER_GPU.value),
         nvlink_gbps=nz(NVLINK_GBPS.value), rdma_gbps=nz(RDMA_GBPS.value), hbm_gbps=nz(HBM_GBPS.value),
-        check=CHECK.value, timeout_s=TIMEOUT_S.value, sweep=SWEEP.value, sweep_num_sms=tuple(int(v) for v in SWEEP_NUM_SMS.value),
-        sweep_chunk_tokens=tuple(int(v) for v in SWEEP_CHUNK_TOKENS.value))
+        check=CHECK.value, timeout_s=TIMEOUT_S.value, sweep=SWEEP.value,
+        sweep_num_sms=tuple(_sms(v) for v in SWEEP_NUM_SMS.value), sweep_kernels=SWEEP_KERNELS.value)
+
+
+def _sms(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= 1024:
+        raise app.UsageError(f"--sweep_num_sms: each value must be an int in [0, 1024], got {text!r}")
+    return v
 
 
 def main(argv):
@@ -79,7 +103,7 @@ def main(argv):
     from jaxep.bench import report, runner
     try:
         result = runner.run(bench_config(), emit=print if jax.process_index() == 0 else (lambda *_: None))
-    except ValueError as e:  # a config that does not fit: say which, no traceback
+    except (ValueError, NotImplementedError) as e:  # a config that does not fit: say which
         raise app.UsageError(str(e)) from e
     if jax.process_index() != 0:
         return

@@ -29,7 +29,17 @@ def header(r: dict) -> str:
             f"{t['gpus_per_node']} GPU x {t['ranks_per_gpu']} rank/GPU{', emulated' if t['emulated'] else ''}; "
             f"{t['num_processes']} process(es), {t['device_kind']}) T={c['tokens']} H={c['hidden']} "
             f"K={c['topk']} E={c['experts']} {c['dtype']} {c['mode']} routing={c['routing']} "
-            f"seed={c['seed']} capacity={c['capacity']} ({cap}) warmup={c['warmup']} iters={c['iters']}")
+            f"seed={c['seed']} capacity={c['capacity']} ({cap}) warmup={c['warmup']} iters={c['iters']}"
+            f"{_knobs(c.get('jaxep_config'), t)}")
+
+
+def _knobs(jc, t) -> str:
+    """The Config's tuning knobs, as run (old JSON files without them: nothing)."""
+    if not jc:
+        return ""
+    zc = "off" if not jc["zero_copy"] else ("on" if t.get("zero_copy_enabled") else "unused")
+    return (f" num_sms={jc['num_sms'] or 'no-cap'} kernels={jc['dispatch_kernel']}/"
+            f"{jc['combine_kernel']} zero_copy={zc}")
 
 
 def table(r: dict) -> str:
@@ -85,9 +95,10 @@ def table(r: dict) -> str:
 def sweep_table(s: dict) -> str:
     if s.get("skipped"):
         return f"sweep: skipped: {s['skipped']}"
-    lines = [f"{'num_sms':>8}{'chunk_tokens':>14}{'dispatch_ms':>13}{'combine_ms':>12}{'both_ms':>9}"]
+    lines = [f"{'num_sms':>8}{'kernels':>14}{'dispatch_ms':>13}{'combine_ms':>12}{'both_ms':>9}"]
     for p in s["points"]:
-        lines.append(f"{p['num_sms']:>8}{p['chunk_tokens']:>14}{_ms(p['dispatch_median_s']):>13}"
+        kernels = f"{p['dispatch_kernel']}/{p['combine_kernel']}"
+        lines.append(f"{p['num_sms'] or 'no cap':>8}{kernels:>14}{_ms(p['dispatch_median_s']):>13}"
                      f"{_ms(p['combine_median_s']):>12}{_ms(p['both_median_s']):>9}")
     lines.append(f"best (both): {s['snippet']}  spread {100 * s['spread']:.1f}%")
     if s.get("note"):

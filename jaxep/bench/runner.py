@@ -25,7 +25,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxep
+from jaxep import runtime
 from jaxep.bench import accounting, check, peaks, routing, timing
+from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS
 from jaxep.runtime import select_backend
 
 SCHEMA_VERSION = 1
@@ -47,8 +49,11 @@ class BenchConfig:
     zipf_alpha: float = 1.0
     imbalance: float = 4.0
     capacity_factor: float | None = 1.25   # None: never drop (capacity = R*T*K rows per rank)
-    num_sms: int | None = None
-    chunk_tokens: int | None = None
+    # jaxep.Config's tuning knobs; None = jaxep.Config's default (the recommended value).
+    num_sms: int | None = None              # cap: at most num_sms * 4 blocks per row-moving kernel
+    dispatch_kernel: str | None = None      # "token" | "row"
+    combine_kernel: str | None = None       # "warp" | "thread"
+    zero_copy: bool | None = None
     backend: str | None = None              # "reference" | "cuda" | None (jaxep's choice)
     warmup: int = 2
     iters: int = 10
@@ -62,14 +67,15 @@ class BenchConfig:
     check: bool = True
     timeout_s: float = 60.0                 # jaxep.Config.timeout_s: bound on the CUDA kernels' waits
     sweep: bool = False
-    sweep_num_sms: tuple = (16, 24, 32, 48, 64)
-    sweep_chunk_tokens: tuple = (64, 128, 256, 512)
+    sweep_num_sms: tuple = (0, 16, 24, 32, 48, 64)   # 0: no cap (num_sms=None)
+    sweep_kernels: bool = False             # also every dispatch_kernel x combine_kernel
 
     def jaxep_config(self, **override) -> jaxep.Config:
         kw = dict(num_experts=self.experts, topk=self.topk, hidden=self.hidden,
                   max_tokens_per_rank=self.tokens, capacity_factor=self.capacity_factor,
-                  dtype=self.dtype, mode=self.mode, num_sms=self.num_sms,
-                  chunk_tokens=self.chunk_tokens, timeout_s=self.timeout_s)
+                  dtype=self.dtype, mode=self.mode, num_sms=self.num_sms, timeout_s=self.timeout_s)
+        kw.update({k: getattr(self, k) for k in ("dispatch_kernel", "combine_kernel", "zero_copy")
+                   if getattr(self, k) is not None})
         kw.update(override)
         return jaxep.Config(**kw)
 
@@ -261,28 +267,33 @@ def _time_copy(bc, mesh, R, hbm_bytes_per_rank):
 
 
 def _sweep(bc, mesh, x, idx, w, backend, emit):
+    """Times every num_sms of `sweep_num_sms` (0: no cap), and with `sweep_kernels` every kernel
+    pair, on the backend under test; the best point's Config as a snippet."""
     if backend == "reference":
-        return dict(skipped="the reference backend ignores num_sms and chunk_tokens: nothing to sweep",
-                    points=[], best=None)
+        return dict(skipped="the reference backend ignores num_sms and the kernel variants: "
+                            "nothing to sweep", points=[], best=None)
     if jax.process_count() > 1:
         return dict(skipped="several processes: jaxep.initialize fixes one Config per run, so each "
-                            "setting needs its own run (--num_sms / --chunk_tokens)",
-                    points=[], best=None)
+                            "setting needs its own run (--num_sms / --dispatch_kernel / "
+                            "--combine_kernel)", points=[], best=None)
+    base = bc.jaxep_config()
+    kernels = (list(itertools.product(DISPATCH_KERNELS, COMBINE_KERNELS)) if bc.sweep_kernels
+               else [(base.dispatch_kernel, base.combine_kernel)])
     points = []
-    for sms, chunk in itertools.product(bc.sweep_num_sms, bc.sweep_chunk_tokens):
-        cfg = bc.jaxep_config(num_sms=sms, chunk_tokens=chunk)
-        ops = _Ops(cfg, backend, mesh)
+    for sms, (dk, ck) in itertools.product(bc.sweep_num_sms, kernels):
+        knobs = dict(num_sms=sms or None, dispatch_kernel=dk, combine_kernel=ck)
+        ops = _Ops(bc.jaxep_config(**knobs), backend, mesh)
         res = ops.dispatch_once(x, idx, w)
         t = ops.time(bc, x, idx, w, res)
-        points.append(dict(num_sms=sms, chunk_tokens=chunk, **{f"{op}_median_s": t[op]["median"] for op in OPS}))
-        emit(f"sweep num_sms={sms} chunk_tokens={chunk}: both {t['both']['median'] * 1e3:.3f} ms")
+        points.append(dict(**knobs, **{f"{op}_median_s": t[op]["median"] for op in OPS}))
+        emit(f"sweep num_sms={sms or 'no cap'} kernels={dk}/{ck}: both "
+             f"{t['both']['median'] * 1e3:.3f} ms")
     best = min(points, key=lambda p: p["both_median_s"])
     meds = [p["both_median_s"] for p in points]
     spread = (max(meds) - min(meds)) / min(meds)
-    cfg = bc.jaxep_config(num_sms=best["num_sms"], chunk_tokens=best["chunk_tokens"])
+    cfg = bc.jaxep_config(**{k: best[k] for k in ("num_sms", "dispatch_kernel", "combine_kernel")})
     return dict(points=points, best=best, spread=spread,
-                note=("no measurable effect (spread < 3%): the knobs may be ignored by this build"
-                      if spread < 0.03 else None),
+                note=("no measurable effect (spread < 3%) at this size" if spread < 0.03 else None),
                 snippet=f"jaxep.Config({', '.join(f'{f.name}={getattr(cfg, f.name)!r}' for f in dataclasses.fields(cfg))})")
 
 
@@ -291,7 +302,6 @@ def _runtime(bc: BenchConfig):
     """With several processes: `jaxep.initialize(config)` unless the caller did, and, when the run
     succeeded, a barrier and `jaxep.finalize()` (collective). After an error the runtime is left
     as it is: a collective finalize could wait forever for a peer that failed differently."""
-    from jaxep import runtime
     if jax.process_count() == 1 or runtime.initialized_config() is not None:
         yield
         return
@@ -414,8 +424,9 @@ def _run(bc: BenchConfig, emit) -> dict:
         schema_version=SCHEMA_VERSION, tool="jaxep-bench", jaxep_version=jaxep.__version__,
         jax_version=jax.__version__, time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(),
         config={**dataclasses.asdict(bc), "backend_used": backend, "capacity": capacity,
-                "sweep_num_sms": list(bc.sweep_num_sms), "sweep_chunk_tokens": list(bc.sweep_chunk_tokens)},
+                "sweep_num_sms": list(bc.sweep_num_sms), "jaxep_config": dataclasses.asdict(cfg)},
         topology=dict(ep_size=R, num_processes=jax.process_count(), platform=platform,
+                      zero_copy_enabled=runtime.zero_copy_enabled(),
                       device_kind=dev.device_kind, gpus_per_node=topo.gpus_per_node,
                       ranks_per_gpu=topo.ranks_per_gpu, ranks_per_node=topo.ranks_per_node,
                       num_nodes=topo.num_nodes, emulated=emulated),

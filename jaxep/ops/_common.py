@@ -1,12 +1,18 @@
-"""Shared trace-time checks and the backend table for the ops."""
+"""Shared trace-time checks and the backend table for the ops.
+
+The ops check their inputs here, once, at trace time (shapes, dtypes, config); the backends and
+`jaxep._ffi` do not check them again.
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from jaxep import cuda_backend, reference
+from jaxep.config import PAYLOAD_DTYPES
 
 BACKENDS = {"reference": reference, "cuda": cuda_backend}
+PAYLOAD = tuple(jnp.dtype(d) for d in PAYLOAD_DTYPES)  # x / y dtypes, from jaxep.config
 
 
 def ep_size(op: str, axis_name) -> int:

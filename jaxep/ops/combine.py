@@ -15,8 +15,6 @@ from jaxep._numerics import exact_f32
 from jaxep.ops import _common
 from jaxep.types import Handle
 
-_PAYLOAD_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
 
 def combine(y, handle: Handle, *, axis_name: str = "ep", weights=None):
     """Combines expert rows back to tokens; call inside `jax.shard_map` with dispatch's handle.
@@ -37,20 +35,22 @@ def combine(y, handle: Handle, *, axis_name: str = "ep", weights=None):
                          f"{handle.axis_name!r}, got {axis_name!r}")
     _common.ep_size("combine", axis_name)
     C = handle.recv_slot.shape[0]
-    _common.check_array("combine", "y", y, (C, handle.config.hidden), _PAYLOAD_DTYPES)
+    _common.check_array("combine", "y", y, (C, handle.config.hidden), _common.PAYLOAD)
     if weights is None:
         weights = handle.weights
     _common.check_array("combine", "weights", weights, (C,), (jnp.float32,))
-    static = (axis_name, handle.config.num_experts, handle.backend)
+    # The static part carries the whole config: its knobs reach combine's custom call and the
+    # dispatch_rows of the transpose as FFI attributes.
+    static = (axis_name, handle.config, handle.backend)
     return _combine(y, weights, (handle.send_row, handle.recv_slot, handle.topk_idx), static)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _combine(y, weights, ints, static):
-    axis_name, num_experts, backend = static
+    axis_name, config, backend = static
     send_row, recv_slot, idx = ints
     return _common.BACKENDS[backend].combine(y, weights, send_row, recv_slot, idx,
-                                             axis_name=axis_name, num_experts=num_experts)
+                                             axis_name=axis_name, config=config)
 
 
 def _combine_fwd(y, weights, ints, static):
@@ -59,10 +59,10 @@ def _combine_fwd(y, weights, ints, static):
 
 def _combine_bwd(static, res, g_out):
     """g_rows = dispatch of g_out; dy = w * g_rows; dw = <g_rows, y> in f32."""
-    axis_name, _, backend = static
+    axis_name, config, backend = static
     y, weights, ints = res
-    g_rows = _common.BACKENDS[backend].dispatch_rows(
-        g_out, ints[1], axis_name=axis_name, topk=ints[0].shape[1])
+    g_rows = _common.BACKENDS[backend].dispatch_rows(g_out, ints[1], axis_name=axis_name,
+                                                     config=config)
     g32 = exact_f32(g_rows)
     dy = (weights[:, None] * g32).astype(y.dtype)
     dw = jnp.sum(g32 * exact_f32(y), axis=-1)

@@ -27,8 +27,6 @@ from jaxep.ops import _common
 from jaxep.config import Config
 from jaxep.types import DispatchResult, Handle, Stats
 
-_PAYLOAD_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
 
 def dispatch(x, topk_idx, topk_weights, *, axis_name: str = "ep", config, backend: str | None = None
              ) -> DispatchResult:
@@ -48,7 +46,7 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name: str = "ep", config, backen
     R = _common.ep_size("dispatch", axis_name)
     config.local_experts(R)
     H, K = config.hidden, config.topk
-    _common.check_array("dispatch", "x", x, (None, H), _PAYLOAD_DTYPES)
+    _common.check_array("dispatch", "x", x, (None, H), _common.PAYLOAD)
     T = x.shape[0]
     if T > config.max_tokens_per_rank:
         raise ValueError(f"jaxep.dispatch: x must have at most max_tokens_per_rank="
@@ -94,10 +92,11 @@ def _dispatch_bwd(static, res, cts):
     g_rows, g_weights = cts[0], cts[1]
     be = _common.BACKENDS[static.backend]
     ones = jnp.ones(g_rows.shape[:1], jnp.float32)  # 1.0 * g is exact, so the order alone decides
+    # The transposes run with the same config, so with the same knobs (FFI attributes).
     dx = be.combine(g_rows, ones, send_row, recv_slot, idx, axis_name=static.axis_name,
-                    num_experts=static.config.num_experts)
+                    config=static.config)
     dw = be.gather_back(g_weights.astype(jnp.float32), send_row, recv_slot, idx,
-                        axis_name=static.axis_name, num_experts=static.config.num_experts)
+                        axis_name=static.axis_name, config=static.config)
     return dx, dw, None
 
 

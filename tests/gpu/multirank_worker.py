@@ -9,6 +9,9 @@ send_row, recv_slot, sanitized ids, stats), dispatch_rows, combine, gather_back,
 wrt x and y; the gradient wrt topk_weights contains an XLA f32 reduction (<g, y>), so it is
 compared to 1e-5 relative.
 
+The kernel variants and zero-copy are Config fields, chosen by flags (`--dispatch_kernel row
+--combine_kernel thread`, `--no-zero_copy`): every case runs with the knobs of that Config.
+
 Prints `RESULT <rank> <case> ok|FAIL <detail>` lines and `SUMMARY <rank> <passed>/<total>`;
 exits 1 on any failure. `--case killed`: the last rank exits right after initialize; the others
 must get jaxep.TimeoutError from jaxep.check() within the timeout (prints `KILLED ...`).
@@ -16,6 +19,7 @@ must get jaxep.TimeoutError from jaxep.check() within the timeout (prints `KILLE
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -158,18 +162,17 @@ def case_ops(name, cfg, *, T, H, K, E, C, dtype, routing, bad_frac=0.0, seed=0):
     ys = [rng.standard_normal((C, H)).astype(np.float32).astype(dtype) for _ in range(R)]
     gs = [rng.standard_normal((T, H)).astype(np.float32).astype(dtype) for _ in range(R)]
     vs = [rng.standard_normal((C,)).astype(np.float32) for _ in range(R)]
-    ecfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T, dtype=cfg.dtype)
+    # The case's sizes with the run's knobs (kernel variants, zero_copy, num_sms).
+    ecfg = dataclasses.replace(cfg, num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T)
 
     be = reference if EMULATE else cuda_backend
 
     def body(x, idx, w, y, g, v):
         rows, wts, gsz, send_row, recv_slot, idx_out, stats = be.dispatch(
             x, idx, w, axis_name="ep", config=ecfg, capacity=C)
-        out = be.combine(y, wts, send_row, recv_slot, idx_out, axis_name="ep",
-                                   num_experts=E)
-        rows_g = be.dispatch_rows(g, recv_slot, axis_name="ep", topk=K)
-        back = be.gather_back(v, send_row, recv_slot, idx_out, axis_name="ep",
-                                        num_experts=E)
+        out = be.combine(y, wts, send_row, recv_slot, idx_out, axis_name="ep", config=ecfg)
+        rows_g = be.dispatch_rows(g, recv_slot, axis_name="ep", config=ecfg)
+        back = be.gather_back(v, send_row, recv_slot, idx_out, axis_name="ep", config=ecfg)
         return rows, wts, gsz, send_row, recv_slot, idx_out, stats, out, rows_g, back
 
     f = smap(body, 6, 10)
@@ -301,10 +304,13 @@ def run_all(args) -> int:
     K, H, T = 4, 256, 64
     E = 8 * R
     cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
-                       capacity_factor=None, dtype="float32", timeout_s=args.timeout_s)
+                       capacity_factor=None, dtype="float32", timeout_s=args.timeout_s,
+                       **knobs(args))
     jaxep.initialize(cfg)
     if ME == 0:
         print("runtime", jaxep._ffi.runtime_info(), flush=True)
+        print(f"KNOBS num_sms={cfg.num_sms} dispatch_kernel={cfg.dispatch_kernel} "
+              f"combine_kernel={cfg.combine_kernel} zero_copy={cfg.zero_copy}", flush=True)
     # The zero-copy and staged cases of tests/gpu/test_multirank.py grep this and ZERO_COPY_CALLS.
     print(f"ZERO_COPY {ME} {'on' if jaxep.runtime.zero_copy_enabled() else 'off'}", flush=True)
     nodrop = R * T * K
@@ -370,10 +376,25 @@ def run_killed(args) -> int:
     os._exit(rc)  # a peer is dead: skip collective finalize and jax.distributed shutdown
 
 
+def knobs(args) -> dict:
+    """The Config's tuning knobs from the flags; unset flags keep jaxep.Config's defaults."""
+    out = {k: getattr(args, k) for k in ("dispatch_kernel", "combine_kernel", "zero_copy")
+           if getattr(args, k) is not None}
+    if args.num_sms:
+        out["num_sms"] = args.num_sms
+    return out
+
+
 def main() -> int:
+    from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS
     p = argparse.ArgumentParser()
     p.add_argument("--case", default="all", choices=("all", "killed"))
     p.add_argument("--timeout_s", type=float, default=60.0)
+    p.add_argument("--dispatch_kernel", default=None, choices=DISPATCH_KERNELS)
+    p.add_argument("--combine_kernel", default=None, choices=COMBINE_KERNELS)
+    p.add_argument("--zero_copy", default=None, action=argparse.BooleanOptionalAction,
+                   help="Config.zero_copy (--no-zero_copy: every call stages its rows)")
+    p.add_argument("--num_sms", type=int, default=0, help="Config.num_sms; 0 = no cap")
     args = p.parse_args()
     import logging
     logging.basicConfig(level=logging.INFO if ME == 0 else logging.WARNING,

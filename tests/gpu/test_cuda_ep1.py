@@ -19,6 +19,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
+import jaxep  # noqa: E402
 from jaxep import _ffi  # noqa: E402
 
 if not _ffi.is_available():
@@ -35,6 +36,11 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 _UINT = {2: np.uint16, 4: np.uint32}
+
+
+def cfg(e, k, **knobs):
+  """The Config the direct _ffi calls take (E, K and the knobs; the other sizes are unused)."""
+  return jaxep.Config(num_experts=e, topk=k, hidden=1, max_tokens_per_rank=1, **knobs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,12 +166,13 @@ CASES = [
 ]
 
 
-def _run_case(case, dtype_name, seed=0):
+def _run_case(case, dtype_name, seed=0, **knobs):
   name, t, k, e, h, cap, routing = case
   c = t * k + 3 if cap is None else cap
   dtype = DTYPES[dtype_name]
   x, idx, w = make_inputs(seed, t, k, e, h, dtype, routing)
-  got = _ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), num_experts=e, capacity=c)
+  got = _ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), config=cfg(e, k, **knobs),
+                      capacity=c)
   want = oracle_dispatch(x, idx, w, num_experts=e, capacity=c)
   return (x, idx, w, c), got, want
 
@@ -185,13 +192,14 @@ def test_dispatch_and_combine_bitwise(case, dtype_name):
   for wname, wrow in (("dispatch_weights", weights),
                       ("random_weights", rng.uniform(-2, 2, (c,)).astype(np.float32))):
     (out,) = _ffi.combine(jnp.asarray(y), jnp.asarray(wrow), jnp.asarray(send_row),
-                          jnp.asarray(recv_slot), jnp.asarray(topk_idx_out), num_experts=e)
+                          jnp.asarray(recv_slot), jnp.asarray(topk_idx_out),
+                          config=cfg(e, idx.shape[1]))
     ref = oracle_combine(y, wrow, send_row, topk_idx_out, num_experts=e)
     assert_bitwise(f"{case[0]}/{dtype_name}/combine[{wname}]", out, ref)
 
   # dispatch_rows of other data with the same layout.
   x2 = rng.standard_normal(x.shape).astype(np.float32).astype(x.dtype)
-  (rows2,) = _ffi.dispatch_rows(jnp.asarray(x2), jnp.asarray(recv_slot), topk=idx.shape[1])
+  (rows2,) = _ffi.dispatch_rows(jnp.asarray(x2), jnp.asarray(recv_slot), config=cfg(e, idx.shape[1]))
   want2 = np.zeros_like(want[0])
   keep = recv_slot >= 0
   want2[keep] = x2[recv_slot[keep] // idx.shape[1]]
@@ -204,7 +212,7 @@ def test_combine_of_dispatched_rows_is_weighted_sum():
     case = ("e2e", 256, 8, 32, 256, 1500, "zipf")
     (x, idx, w, c), got, want = _run_case(case, dtype_name, seed=5)
     x_rows, weights, _, send_row, recv_slot, topk_idx_out, _ = got
-    (out,) = _ffi.combine(x_rows, weights, send_row, recv_slot, topk_idx_out, num_experts=32)
+    (out,) = _ffi.combine(x_rows, weights, send_row, recv_slot, topk_idx_out, config=cfg(32, 8))
     ref = oracle_combine(want[0], want[1], want[3], want[5], num_experts=32)
     assert_bitwise(f"e2e/{dtype_name}", out, ref)
 
@@ -217,12 +225,12 @@ def test_repeated_calls_identical_and_under_jit():
 
   @jax.jit
   def step(xs, idxs, ws):
-    res = _ffi.dispatch(xs, idxs, ws, num_experts=e, capacity=c)
-    (out,) = _ffi.combine(res[0], res[1], res[3], res[4], res[5], num_experts=e)
+    res = _ffi.dispatch(xs, idxs, ws, config=cfg(e, k), capacity=c)
+    (out,) = _ffi.combine(res[0], res[1], res[3], res[4], res[5], config=cfg(e, k))
     return res + (out,)
 
   runs = [step(xs, idxs, ws) for _ in range(4)]  # back to back, no host sync in between
-  eager = [_ffi.dispatch(xs, idxs, ws, num_experts=e, capacity=c) for _ in range(3)]
+  eager = [_ffi.dispatch(xs, idxs, ws, config=cfg(e, k), capacity=c) for _ in range(3)]
   want = oracle_dispatch(x, idx, w, num_experts=e, capacity=c)
   for r in runs[1:] + eager:
     for n, a, b in zip(OUT_NAMES + ("combine",), r, runs[0]):
@@ -235,7 +243,7 @@ def test_vmap_sequential_matches_single_calls():
   t, k, e, h, c = 32, 2, 8, 64, 70
   batch = [make_inputs(s, t, k, e, h, jnp.float32, "uniform") for s in range(3)]
   xb, ib, wb = (jnp.asarray(np.stack(z)) for z in zip(*batch))
-  got = jax.vmap(lambda a, b, d: _ffi.dispatch(a, b, d, num_experts=e, capacity=c))(xb, ib, wb)
+  got = jax.vmap(lambda a, b, d: _ffi.dispatch(a, b, d, config=cfg(e, k), capacity=c))(xb, ib, wb)
   for i, (x, idx, w) in enumerate(batch):
     want = oracle_dispatch(x, idx, w, num_experts=e, capacity=c)
     for n, g, wnt in zip(OUT_NAMES, got, want):
@@ -248,26 +256,29 @@ def test_multi_rank_is_a_clear_error():
   x, idx, w = make_inputs(0, 8, 2, 8, 64, jnp.float32, "uniform")
   errs = (RuntimeError, NotImplementedError)
   with pytest.raises(errs, match="ep_size = 2"):
-    _ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), num_experts=8, capacity=16,
-                  rank=1, ep_size=2)
+    _ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), config=cfg(8, 2), capacity=16,
+                  ep_size=2)
   with pytest.raises(errs, match="ep_size = 2"):
     _ffi.combine(jnp.zeros((16, 64), jnp.float32), jnp.zeros((16,)), jnp.asarray(idx),
-                 jnp.full((16,), -1, jnp.int32), jnp.asarray(idx), num_experts=8, rank=0,
-                 ep_size=2)
+                 jnp.full((16,), -1, jnp.int32), jnp.asarray(idx), config=cfg(8, 2), ep_size=2)
   with pytest.raises(errs, match="ep_size = 4"):
-    _ffi.dispatch_rows(jnp.asarray(x), jnp.full((16,), -1, jnp.int32), topk=2, rank=0, ep_size=4)
+    _ffi.dispatch_rows(jnp.asarray(x), jnp.full((16,), -1, jnp.int32), config=cfg(8, 2), ep_size=4)
 
 
-def test_wrapper_errors_carry_values():
-  x, idx, w = make_inputs(0, 8, 2, 8, 64, jnp.float32, "uniform")
-  with pytest.raises(ValueError, match=r"num_experts must be in \[1, 8192\].*got 100000"):
-    _ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), num_experts=100000,
-                  capacity=16)
-  with pytest.raises(ValueError, match="x.dtype must be bfloat16 or float16 or float32, got int32"):
-    _ffi.dispatch(jnp.asarray(x, jnp.int32), jnp.asarray(idx), jnp.asarray(w), num_experts=8,
-                  capacity=16)
-  with pytest.raises(ValueError, match=r"topk_weights must be shape \(8, 2\), got shape \(8, 3\)"):
-    _ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.ones((8, 3)), num_experts=8, capacity=16)
+@pytest.mark.parametrize("knobs", [dict(num_sms=1), dict(num_sms=3), dict(zero_copy=False),
+                                   dict(dispatch_kernel="row", combine_kernel="thread")])
+def test_knobs_give_the_same_bits(knobs):
+  """num_sms caps the blocks (1 SM: 4 blocks walk every row); the kernel variants and zero_copy
+  do nothing on one rank. Every value: the oracle's bits."""
+  case = ("knobs", 700, 6, 128, 64, 1500, "zipf")
+  (x, idx, w, c), got, want = _run_case(case, "bf16", seed=2, **knobs)
+  for n, g, wnt in zip(OUT_NAMES, got, want):
+    assert_bitwise(f"knobs{knobs}/{n}", g, wnt)
+  x_rows, weights, _, send_row, recv_slot, topk_idx_out, _ = got
+  (out,) = _ffi.combine(x_rows, weights, send_row, recv_slot, topk_idx_out,
+                        config=cfg(128, 6, **knobs))
+  assert_bitwise(f"knobs{knobs}/combine",
+                 out, oracle_combine(want[0], want[1], want[3], want[5], num_experts=128))
 
 
 _HANDLER_ERROR_SCRIPT = """
@@ -278,7 +289,7 @@ out = (jax.ShapeDtypeStruct((4, 8), jnp.float32),)
 try:
   jax.block_until_ready(jax.ffi.ffi_call("jaxep_dispatch_rows", out)(
       jnp.ones((2, 8), jnp.float32), jnp.full((4,), -1, jnp.int32),
-      rank=np.int64(0), ep_size=np.int64(2), topk=np.int64(1)))
+      ep_size=np.int64(2), topk=np.int64(1), num_sms=np.int64(0), zero_copy=True))
   print("NO ERROR RAISED")
 except Exception as e:  # the handler's ffi::Error, as a JAX runtime error
   print("RAISED:", e)

@@ -38,24 +38,24 @@ def _launch(nproc: int, *args: str, timeout: float, env_extra=None) -> tuple[int
 
 
 # The default pull kernels (dispatch: warp per (source, token); combine: warp per token) and the
-# alternatives (JAXEP_DISPATCH_KERNEL=row, JAXEP_COMBINE_KERNEL=thread; also the topk > 32 paths)
-# must all give the oracle's bits.
-_ALT_KERNELS = {"JAXEP_DISPATCH_KERNEL": "row", "JAXEP_COMBINE_KERNEL": "thread"}
+# alternatives (Config(dispatch_kernel="row", combine_kernel="thread"); also the topk > 32 paths)
+# must all give the oracle's bits; so must a capped grid (Config.num_sms).
+_ALT_KERNELS = ("--dispatch_kernel", "row", "--combine_kernel", "thread")
 # Zero-copy (docs/zero_copy.md B1) is on by default: XLA's pool registered into NVSHMEM, peers
 # read x (dispatch) and y (combine) in place. "zero-copy" cases run the default and also require
 # that rank 0 enabled it and every rank used it (true on the H200 machine, with preallocation);
-# "staged" cases turn it off (JAXEP_ZERO_COPY=0) and require that nothing was left in place.
+# "staged" cases turn it off (Config(zero_copy=False), worker flag --no-zero_copy) and require
+# that nothing was left in place.
+_FLAGS = {"default": (), "zero-copy": (), "alternative": _ALT_KERNELS,
+          "staged": ("--no-zero_copy",), "num_sms": ("--num_sms", "1")}
 _LOG = {"JAXEP_LOG_LEVEL": "INFO"}  # INFO: "jaxep zero-copy: on|off: <why>" in the output
 
 
 @pytest.mark.parametrize("nproc,kernels", [(2, "default"), (4, "default"), (8, "zero-copy"),
-                                           (2, "alternative"), (2, "staged"), (8, "staged")])
+                                           (2, "alternative"), (2, "staged"), (8, "staged"),
+                                           (4, "num_sms")])
 def test_multirank_bitwise(nproc, kernels):
-    env = {k: "" for k in _ALT_KERNELS}
-    env.update(_LOG, JAXEP_ZERO_COPY="0" if kernels == "staged" else "")
-    if kernels == "alternative":
-        env.update(_ALT_KERNELS)
-    rc, out, secs = _launch(nproc, "--case", "all", timeout=300, env_extra=env)
+    rc, out, secs = _launch(nproc, "--case", "all", *_FLAGS[kernels], timeout=300, env_extra=_LOG)
     calls = re.findall(r"^(?:\[rank \d+\] )?ZERO_COPY_CALLS (\d+) (\d+)$", out, re.M)
     if kernels == "zero-copy":
         assert re.search(r"^(?:\[rank 0\] )?ZERO_COPY 0 on$", out, re.M), (
@@ -66,6 +66,8 @@ def test_multirank_bitwise(nproc, kernels):
     if kernels == "staged":
         assert re.search(r"^(?:\[rank 0\] )?ZERO_COPY 0 off$", out, re.M), out[-6000:]
         assert len(calls) == nproc and all(int(n) == 0 for _, n in calls), (calls, out[-3000:])
+    if kernels == "alternative":
+        assert "KNOBS num_sms=None dispatch_kernel=row combine_kernel=thread" in out, out[-3000:]
     # jaxep.launch prefixes every line of rank i with "[rank i] ".
     results = re.findall(r"^(?:\[rank \d+\] )?RESULT (\d+) (\S+) (ok|FAIL) ?(.*)$", out, re.M)
     fails = [r for r in results if r[2] == "FAIL"]
