@@ -2,21 +2,30 @@
 # Same-run A/B of the benchmark between an older tree (BEFORE, a `git archive` tarball) and this
 # working tree (AFTER), in one device call, so both binaries meet the same GPU state:
 #   git archive -o .ab/before.tar <commit> ffi jaxep tools tests CMakeLists.txt pyproject.toml
-#   (device) OUT=... [SETUPS="8:64 4:64"] [ROUNDS=2] bash tools/gpu_ab.sh      (carry: .ab)
+#   (device) OUT=... [SETUPS="8:64 4:64"] [ROUNDS=2] [AFTER_TAR=.ab/after.tar] bash tools/gpu_ab.sh
+#   (carry: .ab; AFTER_TAR: a `git archive` of the commit to test instead of the working tree)
 # Each tree is built with CMake into its own build/ and its module copied next to its jaxep/ (no
 # pip install: an editable install of one tree would shadow the other); every run imports its own
 # tree through PYTHONPATH. For each round and setup N:E, the BEFORE and AFTER benches run back to
 # back (tools/bench_multirank.py of each tree: correctness checked bitwise first, then timed).
 # Output: $OUT/ab_summary.txt (the rows of every run, printed last) and $OUT/ab_logs.tar.gz.
+# CPU dry run (no GPU; the reference backend on 2 CPU processes; BUILD=0 uses modules already
+# copied next to each jaxep/):
+#   JAX_PLATFORMS=cpu AB_EXTRA="--backend reference --no-share-gpu --tokens 16 --hidden 32
+#   --topk 2" SETUPS="2:8" ROUNDS=1 OUT=/tmp/ab bash tools/gpu_ab.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxep_ab}; mkdir -p "$OUT/logs"
 L="$OUT/logs"
 export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 JAXEP_LOG_LEVEL=INFO
 SETUPS=${SETUPS:-"8:64 4:64"}
 ROUNDS=${ROUNDS:-2}
-AFTER=$(pwd)
 BEFORE=/tmp/jaxep_before
 rm -rf "$BEFORE" && mkdir -p "$BEFORE" && tar xf .ab/before.tar -C "$BEFORE" || exit 3
+AFTER=$(pwd)
+if [ -n "${AFTER_TAR:-}" ]; then  # AFTER_TAR=.ab/after.tar: a committed tree instead of this one
+  AFTER=/tmp/jaxep_after
+  rm -rf "$AFTER" && mkdir -p "$AFTER" && tar xf "$AFTER_TAR" -C "$AFTER" || exit 3
+fi
 T0=$(date +%s)
 
 build() {  # tree tag
@@ -26,16 +35,20 @@ build() {  # tree tag
     && cp "$1"/build/_jaxep_cuda*.so "$1/jaxep/" \
     && (cd "$1" && PYTHONPATH="$1" python3 -c "import jaxep._ffi as f; print('$2 extension', f.is_available(), f.unavailable_reason(), f.build_info().get('multi_rank'))")
 }
-build "$BEFORE" before > "$L/import_before.txt" 2>&1 &
-build "$AFTER" after > "$L/import_after.txt" 2>&1
-wait
+if [ "${BUILD:-1}" = 1 ]; then
+  build "$BEFORE" before > "$L/import_before.txt" 2>&1 &
+  build "$AFTER" after > "$L/import_after.txt" 2>&1
+  wait
+else
+  cp "$AFTER"/jaxep/_jaxep_cuda*.so "$BEFORE/jaxep/" 2>/dev/null || true
+fi
 cat "$L/import_before.txt" "$L/import_after.txt" | tail -4
 echo "builds done in $(( $(date +%s) - T0 ))s"
 
 run() {  # tree tag nproc experts round
   local d="$L/$2_n$3_e$4_r$5"; mkdir -p "$d"
   ( cd "$1" && PYTHONPATH="$1" timeout -k 10 170 python3 tools/bench_multirank.py --nproc "$3" \
-      --experts "$4" --iters 10 --timeout 150 --outdir "$d" --summary_json "$d/rows.json" --no-plot \
+      --experts "$4" --iters 10 --timeout 150 --outdir "$d" --summary_json "$d/rows.json" --no-plot ${AB_EXTRA:-} \
       > "$d/stdout.txt" 2>&1 )
   echo "$2 N=$3 E=$4 round $5: rc=$? ($(( $(date +%s) - T0 ))s)"
 }

@@ -9,9 +9,9 @@
 #              peer (~120 s; gputier runs it again: leave one of the two out of STEPS)
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
 #              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
-#   bench8_64a the same with the alternative kernels (JAXEP_DISPATCH_KERNEL=row,
-#              JAXEP_COMBINE_KERNEL=thread): same-run A/B, ~40 s
-#   bench8_64s the same with zero-copy off (--staged, JAXEP_ZERO_COPY=0): same-run A/B, ~40 s
+#   bench8_64a the same with the alternative kernels (Config dispatch_kernel="row",
+#              combine_kernel="thread"): same-run A/B, ~40 s
+#   bench8_64s the same with zero-copy off (--staged: Config zero_copy=False): same-run A/B, ~40 s
 #   nn         pytest tests/gpu/test_nn_multirank.py: the jaxep.nn layer on 2 and 4 ranks vs the
 #              dense host reference, and examples/moe_flax.py --compare_backends (EP 1), ~125 s
 #   gputier    pytest of tests/gpu (multi-rank driver, EP=1 tier, bitwise, bench on 2 ranks), ~170 s
@@ -77,7 +77,7 @@ bench() {  # name nproc experts cap [dispatch kernel] [combine kernel] [more fla
 step mr 240 120 "$LOGS/mr.log" python3 -m pytest -v -rs -p no:cacheprovider tests/gpu/test_multirank.py
 bench bench8_64 8 64 150
 bench bench8_64a 8 64 120 row thread   # the alternative pull kernels: same inputs, same call
-bench bench8_64s 8 64 120 token warp --staged   # zero-copy off (JAXEP_ZERO_COPY=0): same-run A/B
+bench bench8_64s 8 64 120 token warp --staged   # zero-copy off (Config zero_copy=False): same-run A/B
 step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider tests/gpu/test_nn_multirank.py
 # The rest of tests/gpu, the multi-rank driver first (never run under pytest on a GPU before);
 # -v: a step cut by its timeout still shows which tests finished.
