@@ -3,9 +3,16 @@
 `facts()` returns a JSON-able dict (also logged by `jaxep.initialize` at INFO when asked); `problems`
 in it lists {"level", "what", "hint"}. Every probe tolerates a missing tool, file or device: on a
 machine without GPU, NVSHMEM or NICs the doctor says so and carries on. Nothing is changed.
+
+Sources: GPUs from NVML (nvidia-ml-py, the `cu12`/`cu13` extras) where it loads, else nvidia-smi;
+processes from psutil; the extension from its import spec (so an editable install is found where
+it really is) and its ELF dynamic section (which libnvshmem_host it links); the CUDA majors from
+the installed distributions (nvidia-nvshmem-cuNN, jax-cudaNN-plugin) and the extension's
+build_info().
 """
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib.metadata
 import importlib.util
@@ -14,8 +21,13 @@ import os
 import platform
 import re
 import shutil
+import struct
 import subprocess
 import sys
+
+import psutil
+
+from jaxep import _jax_private
 
 _ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
              "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
@@ -56,12 +68,51 @@ def python_packages() -> dict:
     return {n: _version(n) for n in names}
 
 
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _nvml() -> dict | None:
+    """nvidia_smi()'s dict from NVML (nvidia-ml-py), or None where pynvml or libnvidia-ml is
+    missing or NVML fails."""
+    try:
+        import pynvml  # pylint: disable=g-import-not-at-top
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # pylint: disable=broad-except  # NVMLError_LibraryNotFound on a CPU machine
+        return None
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        cuda = int(pynvml.nvmlSystemGetCudaDriverVersion_v2())  # e.g. 13000 for CUDA 13.0
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            gpus.append(dict(index=str(i), name=_text(pynvml.nvmlDeviceGetName(h)), driver=driver,
+                             pci_bus_id=_text(pynvml.nvmlDeviceGetPciInfo(h).busId),
+                             memory=f"{pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20} MiB"))
+    except Exception:  # pylint: disable=broad-except
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # pylint: disable=broad-except
+            pass
+    return {"available": True, "source": "nvml", "gpus": gpus, "driver": driver,
+            "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}"}
+
+
 def nvidia_smi() -> dict:
-    """GPUs from nvidia-smi: name, driver, PCI bus id, memory; the driver's CUDA version."""
+    """GPUs: name, driver, PCI bus id, memory; the driver's CUDA version. From NVML where it loads,
+    else from nvidia-smi."""
+    nvml = _nvml()
+    if nvml is not None:
+        return nvml
     out = _run(["nvidia-smi", "--query-gpu=index,name,driver_version,pci.bus_id,memory.total",
                 "--format=csv,noheader"])
     if out is None:
-        return {"available": False, "gpus": []}
+        return {"available": False, "source": None, "gpus": []}
     gpus = []
     for line in out.strip().splitlines():
         f = [s.strip() for s in line.split(",")]
@@ -69,7 +120,8 @@ def nvidia_smi() -> dict:
             gpus.append(dict(index=f[0], name=f[1], driver=f[2], pci_bus_id=f[3], memory=f[4]))
     head = _run(["nvidia-smi"]) or ""
     m = re.search(r"CUDA Version:\s*([\d.]+)", head)
-    return {"available": True, "gpus": gpus, "driver": gpus[0]["driver"] if gpus else None,
+    return {"available": True, "source": "nvidia-smi", "gpus": gpus,
+            "driver": gpus[0]["driver"] if gpus else None,
             "cuda_driver_version": m.group(1) if m else None}
 
 
@@ -80,7 +132,9 @@ def jax_facts() -> dict:
         return {"version": jax.__version__, "default_backend": jax.default_backend(),
                 "device_count": len(devs), "local_device_count": jax.local_device_count(),
                 "process_count": jax.process_count(),
-                "device_kinds": sorted({d.device_kind for d in devs})}
+                "device_kinds": sorted({d.device_kind for d in devs}),
+                "distributed_initialized": jax.distributed.is_initialized(),
+                "private_missing": _jax_private.missing()}
     except Exception as e:  # a broken plugin must not crash the doctor
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -119,29 +173,157 @@ def _so_major(name):
     return int(m.group(1)) if m else None
 
 
-def extension() -> dict:
-    """The jaxep CUDA extension: built? which libnvshmem_host it links (from its ELF strings)."""
-    out = {"available": False, "reason": None, "files": [], "nvshmem_host_needed": None}
+def elf_needed(path) -> list[str] | None:
+    """The DT_NEEDED entries of an ELF64 file (the libraries the dynamic loader loads for it), read
+    from its program headers as the loader does; None when `path` is not a readable ELF64 file."""
     try:
-        from jaxep import _ffi
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # ELF64 only (jaxep builds for x86-64 and aarch64 Linux); data[5] is the byte order.
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] not in (1, 2):
+        return None
+    e = "<" if data[5] == 1 else ">"
+    try:
+        phoff, = struct.unpack_from(e + "Q", data, 0x20)             # e_phoff
+        phentsize, phnum = struct.unpack_from(e + "HH", data, 0x36)  # e_phentsize, e_phnum
+        # Elf64_Phdr: p_type, p_flags, p_offset, p_vaddr, p_paddr, p_filesz (then p_memsz, p_align)
+        phdrs = [struct.unpack_from(e + "IIQQQQ", data, phoff + i * phentsize) for i in range(phnum)]
+        segs = [(h[0], h[2], h[3], h[5]) for h in phdrs]
+        dyn_fmt = e + "qQ"  # Elf64_Dyn: d_tag, d_val
+        # segs: (p_type, file offset, virtual address, size in the file); PT_LOAD 1, PT_DYNAMIC 2
+        dyn = [s for s in segs if s[0] == 2]
+        if not dyn:
+            return []  # statically linked: needs nothing
+        _, off, _, size = dyn[0]
+        needed, strtab, step = [], None, struct.calcsize(dyn_fmt)
+        for pos in range(off, off + size - step + 1, step):
+            tag, val = struct.unpack_from(dyn_fmt, data, pos)
+            if tag == 0:  # DT_NULL
+                break
+            if tag == 1:  # DT_NEEDED: an offset into the string table
+                needed.append(val)
+            elif tag == 5:  # DT_STRTAB: the string table's virtual address
+                strtab = val
+        if strtab is None:
+            return None
+        # The string table's file offset, through the PT_LOAD segment that maps its address.
+        base = next((o + strtab - v for t, o, v, n in segs if t == 1 and v <= strtab < v + n), None)
+        if base is None:
+            return None
+        return [data[base + n:data.index(b"\0", base + n)].decode(errors="replace") for n in needed]
+    except (struct.error, ValueError):
+        return None
+
+
+def _extension_path() -> str | None:
+    """Where `import jaxep._jaxep_cuda` finds the extension (site-packages, an editable install's
+    build tree, ...), without importing it; None where it is not installed."""
+    try:
+        spec = importlib.util.find_spec("jaxep._jaxep_cuda")
+    except (ImportError, ValueError):
+        return None
+    origin = spec.origin if spec is not None else None
+    return origin if origin and os.path.isfile(origin) else None
+
+
+def extension() -> dict:
+    """The jaxep CUDA extension: loaded? its file, the libnvshmem_host it links (ELF NEEDED), its
+    build_info() and the CUDA major it was built for (build_info()['cuda_version'] // 1000)."""
+    out = {"available": False, "reason": None, "path": None, "needed": None,
+           "nvshmem_host_needed": None, "build_info": {}, "cuda_major": None}
+    try:
+        from jaxep import _ffi  # pylint: disable=g-import-not-at-top
         out["available"] = bool(_ffi.is_available())
         out["reason"] = None if out["available"] else _ffi.unavailable_reason()
+        out["build_info"] = {k: list(v) if isinstance(v, tuple) else v
+                             for k, v in _ffi.build_info().items()}
         for attr in ("nvshmem_version", "built_nvshmem_version"):
             if hasattr(_ffi, attr):
                 out[attr] = getattr(_ffi, attr)()
-    except Exception as e:
+    except Exception as e:  # pylint: disable=broad-except
         out["reason"] = f"{type(e).__name__}: {e}"
-    pkg = os.path.dirname(os.path.abspath(__file__))
-    files = sorted(glob.glob(os.path.join(pkg, "**", "*.so"), recursive=True))
-    out["files"] = [os.path.relpath(f, pkg) for f in files]
-    for f in files:
-        try:
-            with open(f, "rb") as fh:
-                m = re.search(rb"libnvshmem_host\.so\.(\d+)", fh.read())
-        except OSError:
-            m = None
-        if m:
-            out["nvshmem_host_needed"] = f"libnvshmem_host.so.{m.group(1).decode()}"
+    cuda = out["build_info"].get("cuda_version")
+    if isinstance(cuda, int) and cuda > 0:
+        out["cuda_major"] = cuda // 1000
+    out["path"] = _extension_path()
+    if out["path"]:
+        out["needed"] = elf_needed(out["path"])
+        host = [n for n in out["needed"] or () if n.startswith("libnvshmem_host.so")]
+        out["nvshmem_host_needed"] = host[0] if host else None
+    return out
+
+
+_NVSHMEM_WHEEL = re.compile(r"nvidia-nvshmem-cu(\d+)$")
+_JAX_PLUGIN = re.compile(r"jax-cuda(\d+)-plugin$")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_distributions() -> list[str]:
+    """The names of every installed distribution (importlib.metadata), normalised (PEP 503)."""
+    names = set()
+    for d in importlib.metadata.distributions():
+        name = d.metadata.get("Name") if d.metadata else None
+        if name:
+            names.add(_norm(name))
+    return sorted(names)
+
+
+def cuda_majors(dists, extension_cuda_major=None, driver_cuda_version=None) -> dict:
+    """The CUDA majors of what is installed: the nvidia-nvshmem-cuNN wheels, the jax-cudaNN-plugin
+    distributions (names in `dists`), the extension's build and the driver ("13.0")."""
+    names = {_norm(d) for d in dists}
+
+    def majors(pattern):
+        return sorted(int(m.group(1)) for m in map(pattern.match, names) if m)
+
+    m = re.match(r"(\d+)", driver_cuda_version or "")
+    return {"nvshmem_wheels": majors(_NVSHMEM_WHEEL), "jax_plugins": majors(_JAX_PLUGIN),
+            "extension": extension_cuda_major, "driver": int(m.group(1)) if m else None}
+
+
+def cuda_problems(c) -> list[tuple[str, str, str]]:
+    """(level, what, hint) for every CUDA-major mismatch in cuda_majors()'s dict `c`."""
+    out = []
+    shm, plugins, ext, drv = c["nvshmem_wheels"], c["jax_plugins"], c["extension"], c["driver"]
+    # The major everything should agree on: the extension's, else jax's plugin's.
+    want = ext if ext is not None else (plugins[0] if len(plugins) == 1 else None)
+    basis = "the jaxep extension's build" if ext is not None else f"jax-cuda{want}-plugin"
+    wheels = " ".join(f"nvidia-nvshmem-cu{m}" for m in shm)
+    if len(shm) > 1:
+        out.append(("error", f"{' and '.join(wheels.split())} are all installed: they write the "
+                    "same files under nvidia/nvshmem/ (the last one installed won), and uninstalling "
+                    "one deletes files the other needs",
+                    f"pip uninstall -y {wheels} && pip install nvidia-nvshmem-cu{want} (CUDA {want}, "
+                    f"as {basis})" if want is not None else
+                    f"pip uninstall -y {wheels}, then install only the one of your CUDA major "
+                    "(nvidia-nvshmem-cu13 or -cu12)"))
+    if ext is not None and shm and ext not in shm:
+        out.append(("error", f"the jaxep extension was built for CUDA {ext}, the installed NVSHMEM "
+                    f"wheel is {wheels}",
+                    f"pip uninstall -y {wheels} && pip install nvidia-nvshmem-cu{ext}, or rebuild "
+                    f"jaxep with the CUDA {shm[0]} toolkit (docs/build.md)"))
+    if ext is not None and plugins and ext not in plugins:
+        got = " ".join(f"jax-cuda{m}-plugin" for m in plugins)
+        out.append(("error", f"the jaxep extension was built for CUDA {ext}, jax's CUDA plugin is "
+                    f"{got}",
+                    f"pip install 'jax[cuda{ext}]' (after pip uninstall -y {got}), or rebuild jaxep "
+                    f"with the CUDA {plugins[0]} toolkit (docs/build.md)"))
+    if len(plugins) > 1:
+        got = " ".join(f"jax-cuda{m}-plugin" for m in plugins)
+        out.append(("warn", f"{got} are all installed; jax loads one of them",
+                    f"pip uninstall the ones not of CUDA {want if want is not None else drv}"))
+    if ext is None and len(shm) == 1 and len(plugins) == 1 and shm != plugins:
+        out.append(("warn", f"{wheels} is installed with jax-cuda{plugins[0]}-plugin: a jaxep build "
+                    f"here would link CUDA {shm[0]}'s NVSHMEM into a CUDA {plugins[0]} JAX",
+                    f"pip uninstall -y {wheels} && pip install nvidia-nvshmem-cu{plugins[0]}"))
+    if ext is not None and drv is not None and drv < ext:
+        out.append(("error", f"the jaxep extension was built for CUDA {ext}, the driver supports "
+                    f"CUDA {drv}", f"update the NVIDIA driver, or rebuild jaxep with CUDA {drv}"))
     return out
 
 
@@ -190,14 +372,13 @@ def gpu_nic_affinity(gpus, ports) -> list:
 
 
 def mps() -> dict:
+    """The MPS pipe directory and the live (not zombie) nvidia-cuda-mps-* processes, any user's."""
     pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    daemon = False
-    for comm in glob.glob("/proc/[0-9]*/comm"):
-        if (_read(comm) or "").startswith("nvidia-cuda-mps"):
-            daemon = True
-            break
+    pids = sorted(p.pid for p in psutil.process_iter(["name", "status"])
+                  if (p.info["name"] or "").startswith("nvidia-cuda-mps")
+                  and p.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD))
     return {"pipe_directory": pipe, "control_pipe": os.path.exists(os.path.join(pipe, "control")),
-            "daemon_running": daemon}
+            "daemon_running": bool(pids), "daemon_pids": pids}
 
 
 def environment() -> dict:
@@ -218,17 +399,31 @@ def _problems(f) -> list:
     if not smi["available"]:
         add("info", "no nvidia-smi / no NVIDIA GPU", "jaxep runs the reference backend (pure JAX) here")
     elif jx.get("default_backend") != "gpu":
+        drv = f["cuda"]["extension"] or f["cuda"]["driver"]
         add("error", "nvidia-smi sees GPUs but jax does not use them",
-            "install the jax CUDA plugin matching the driver: pip install 'jax[cuda13]' (or cuda12)")
+            f"install the jax CUDA plugin matching the driver: pip install 'jax[cuda{drv}]'" if drv
+            else "install the jax CUDA plugin matching the driver: pip install 'jax[cuda13]' (or cuda12)")
+    for name in jx.get("private_missing") or ():
+        add("error", f"jax {jx.get('version')} has no {name}, which jaxep's multi-rank runtime uses",
+            "install a jax jaxep supports (pyproject.toml), or update jaxep/_jax_private.py")
+    cuda = f["cuda"]
+    major = cuda["extension"] or (cuda["jax_plugins"][0] if len(cuda["jax_plugins"]) == 1 else None)
+    wheel = f"nvidia-nvshmem-cu{major}" if major else "nvidia-nvshmem-cu13 (or -cu12 for CUDA 12)"
     if smi["available"] and not shm["found"]:
-        add("error", "NVSHMEM wheel not installed", "pip install nvidia-nvshmem-cu13 (or -cu12 for CUDA 12)")
+        add("error", "NVSHMEM wheel not installed", f"pip install {wheel}")
     if smi["available"] and not ext["available"]:
         add("warn", f"jaxep CUDA extension not available ({ext['reason']})",
             "build on this machine: pip install --no-build-isolation --no-deps -e .")
     need = ext.get("nvshmem_host_needed")
+    if need and not shm["found"]:
+        add("error", f"extension links {need}, but no NVSHMEM wheel is installed",
+            f"pip install {wheel}")
     if need and shm["found"] and need not in shm["host_libs"]:
-        add("error", f"extension links {need}, the wheel has {shm['host_libs']}",
-            "rebuild jaxep against the installed nvidia-nvshmem wheel")
+        add("error", f"extension links {need}, installed NVSHMEM is {shm['version']} with "
+            f"{shm['host_libs']}", f"rebuild jaxep against the installed NVSHMEM wheel, or install "
+            f"the {wheel} it was built with")
+    for level, what, hint in cuda_problems(cuda):
+        add(level, what, hint)
     if shm["found"] and not shm["transports"].get("ibgda") and f["infiniband"]:
         add("warn", "NICs present but no NVSHMEM IBGDA transport library",
             "use an nvidia-nvshmem build with nvshmem_transport_ibgda.so; IBRC is slower")
@@ -257,14 +452,40 @@ def facts() -> dict:
     """Everything the doctor knows, as a JSON-able dict (see module docstring)."""
     smi = nvidia_smi()
     ports = infiniband_ports()
+    ext = extension()
     f = {
         "python": sys.version.split()[0], "os": platform.platform(), "machine": platform.machine(),
         "packages": python_packages(), "jax": jax_facts(), "nvidia_smi": smi, "nvshmem": nvshmem(),
-        "extension": extension(), "infiniband": ports,
+        "extension": ext,
+        "cuda": cuda_majors(installed_distributions(), ext["cuda_major"],
+                            smi.get("cuda_driver_version")),
+        "infiniband": ports,
         "gpu_nic_affinity": gpu_nic_affinity(smi["gpus"], ports), "mps": mps(), "env": environment(),
     }
     f["problems"] = _problems(f)
     return f
+
+
+def _extension_line(ext) -> str:
+    """`jaxep extension: available (<path>) links libnvshmem_host.so.3, CUDA 13`, or why not."""
+    if ext["available"]:
+        head = f"jaxep extension: available ({ext['path']})"
+    else:
+        head = f"jaxep extension: not available ({ext['reason']})" + (
+            f"; file {ext['path']}" if ext["path"] else "")
+    if ext["path"]:
+        head += f" links {ext['nvshmem_host_needed'] or 'no libnvshmem_host'}"
+    if ext["cuda_major"] is not None:
+        head += f", built for CUDA {ext['cuda_major']}"
+    return head
+
+
+def _cuda_line(c) -> str:
+    """`CUDA majors: NVSHMEM wheel cu13; jax plugin cu13; extension 13; driver 13`."""
+    def cu(ms):
+        return " ".join(f"cu{m}" for m in ms) or "none"
+    return (f"CUDA majors: NVSHMEM wheel {cu(c['nvshmem_wheels'])}; jax plugin {cu(c['jax_plugins'])}; "
+            f"extension {c['extension'] or 'none'}; driver {c['driver'] or 'none'}")
 
 
 def format_report(f: dict) -> str:
@@ -282,15 +503,16 @@ def format_report(f: dict) -> str:
         (f"NVSHMEM: {shm['root']} version {shm['version']} host {shm['host_libs']} device lib "
          f"{shm['device_lib']}; transports " + ", ".join(k for k, v in shm["transports"].items() if v))
         if shm["found"] else "NVSHMEM: wheel not found",
-        f"jaxep extension: {'available' if ext['available'] else 'not available'}"
-        f" ({ext['reason'] or ''}) links {ext['nvshmem_host_needed']}",
+        _extension_line(ext),
+        _cuda_line(f["cuda"]),
         "NICs: " + (", ".join(f"{p['device']}/{p['port']} {p['state']} {p['rate_gbps']} Gb/s "
                                 f"numa {p['numa_node']}" for p in f["infiniband"]) or "none"),
     ]
     lines += [f"GPU {a['gpu']}: numa {a['numa_node']}, nearest NIC {a['nearest_nic']} "
               f"(numa {a['nic_numa_node']})" for a in f["gpu_nic_affinity"]]
-    lines.append(f"MPS: daemon {'running' if f['mps']['daemon_running'] else 'not running'}, "
-                 f"pipe {f['mps']['pipe_directory']}")
+    m = f["mps"]
+    lines.append(f"MPS: daemon {'running, pids ' + str(m['daemon_pids']) if m['daemon_running'] else 'not running'}"
+                 f", pipe {m['pipe_directory']}")
     lines.append("memory: XLA_PYTHON_CLIENT_PREALLOCATE=" + str(f["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"])
                  + " XLA_PYTHON_CLIENT_MEM_FRACTION=" + str(f["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
     nv = {k: v for k, v in f["env"].items() if k.startswith("NVSHMEM_")}
@@ -300,10 +522,20 @@ def format_report(f: dict) -> str:
     return "\n".join(lines)
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxep.doctor",
+        description="What this machine has for jaxep (GPUs, JAX, NVSHMEM, the CUDA extension, "
+                    "NICs, MPS, environment) and what is wrong or slow. Changes nothing.",
+        epilog="Exit status: 1 when a problem of level 'error' was found, else 0.")
+    p.add_argument("--json", action="store_true", help="print every fact as JSON, not the report")
+    return p
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
     f = facts()
-    print(json.dumps(f, indent=1, default=str) if "--json" in argv else format_report(f))
+    print(json.dumps(f, indent=1, default=str) if args.json else format_report(f))
     return 1 if any(p["level"] == "error" for p in f["problems"]) else 0
 
 

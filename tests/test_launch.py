@@ -479,3 +479,32 @@ def test_mps_alive_without_a_pid_file_looks_for_the_daemon_process(tmp_path):
         proc.kill()
         proc.wait()
     assert not launch_mps._mps_alive(daemon)  # pylint: disable=protected-access
+
+
+def test_mps_pids_skips_processes_it_cannot_read(monkeypatch):
+    """psutil's scan: a process gone meanwhile, one not ours to read, a zombie and another daemon's
+    are skipped; the live one with this pipe directory is found."""
+    psutil = launch_mps.psutil
+
+    class Proc:
+        def __init__(self, pid, cmdline=("nvidia-cuda-mps-control",), env=None, status="sleeping",
+                     error=None):
+            self.pid, self._cmd, self._status, self._error = pid, list(cmdline), status, error
+            self._env = {"CUDA_MPS_PIPE_DIRECTORY": "/p"} if env is None else env
+
+        def cmdline(self):
+            return self._cmd
+
+        def environ(self):
+            if self._error:
+                raise self._error
+            return self._env
+
+        def status(self):
+            return self._status
+
+    procs = [Proc(1, error=psutil.NoSuchProcess(1)), Proc(2, error=psutil.AccessDenied(2)),
+             Proc(3, status=psutil.STATUS_ZOMBIE), Proc(4, env={"CUDA_MPS_PIPE_DIRECTORY": "/q"}),
+             Proc(5, cmdline=("python",)), Proc(6)]
+    monkeypatch.setattr(psutil, "process_iter", lambda *a, **kw: iter(procs))
+    assert launch_mps._mps_pids("/p") == [6]  # pylint: disable=protected-access

@@ -11,6 +11,8 @@ import subprocess
 import tempfile
 import time
 
+import psutil
+
 from jaxep.launch.env import LaunchError
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -114,80 +116,80 @@ def mps_stop(daemon: MpsDaemon, environ, wait_s: float = 15.0) -> str | None:
 
 def _mps_alive(daemon: MpsDaemon) -> bool:
     """The daemon's pid file (when it wrote one) names a live process; else a live MPS process
-    (control daemon or server) has this daemon's pipe directory in its environment; else (no
-    /proc) its control pipe is still there. On the lent GPU machine the daemon writes no pid file
-    and leaves its `control` pipe behind after 'quit', so the pipe alone proves nothing."""
-    try:
-        with open(os.path.join(daemon.pipe_dir, "nvidia-cuda-mps-control.pid")) as f:
-            pid = int(f.read().strip())
-    except (OSError, ValueError):
+    (control daemon or server) has this daemon's pipe directory in its environment; else (the
+    platform cannot read other processes' environments) its control pipe is still there. On the
+    lent GPU machine the daemon writes no pid file and leaves its `control` pipe behind after
+    'quit', so the pipe alone proves nothing."""
+    pid = _pid_file(daemon)
+    if pid is None:
         pids = _mps_pids(daemon.pipe_dir)
         if pids is None:
             return os.path.exists(os.path.join(daemon.pipe_dir, "control"))
         return bool(pids)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _exited(pid)
+        return not _exited(pid)
+    except psutil.AccessDenied:
+        return True  # someone else's process: it exists
 
 
-def _mps_pids(pipe_dir: str, proc: str = "/proc") -> list[int] | None:
-    """Live (not zombie) processes with "nvidia-cuda-mps" in their command line and
-    CUDA_MPS_PIPE_DIRECTORY=pipe_dir in their environment; None where there is no /proc."""
-    if not os.path.isdir(proc):
-        return None
-    want = f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}".encode()
-    pids = []
-    for name in os.listdir(proc):
-        if not name.isdigit():
-            continue
-        try:
-            with open(os.path.join(proc, name, "cmdline"), "rb") as f:
-                if b"nvidia-cuda-mps" not in f.read():
-                    continue
-            with open(os.path.join(proc, name, "environ"), "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if want in env and not _exited(int(name)):
-            pids.append(int(name))
-    return pids
-
-
-def _mps_state(daemon: MpsDaemon) -> str:
-    """What made _mps_alive say alive, for the warning: the pid file's pid and its /proc state
-    and command, or the control pipe (the "still runs" warning's cause is not known yet)."""
+def _pid_file(daemon: MpsDaemon) -> int | None:
+    """The pid in the daemon's nvidia-cuda-mps-control.pid, or None (no file, not a pid)."""
     try:
         with open(os.path.join(daemon.pipe_dir, "nvidia-cuda-mps-control.pid")) as f:
             pid = int(f.read().strip())
     except (OSError, ValueError):
+        return None
+    return pid if pid > 0 else None
+
+
+# psutil statuses of a process that has exited: a zombie is exited but not yet reaped.
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
+def _mps_pids(pipe_dir: str) -> list[int] | None:
+    """Live (not zombie) processes with "nvidia-cuda-mps" in their command line and
+    CUDA_MPS_PIPE_DIRECTORY=pipe_dir in their environment; None where psutil cannot read other
+    processes' environments on this platform."""
+    if not hasattr(psutil.Process, "environ"):
+        return None
+    pids = []
+    for p in psutil.process_iter():
+        try:
+            if not any("nvidia-cuda-mps" in a for a in p.cmdline()):
+                continue
+            if p.environ().get("CUDA_MPS_PIPE_DIRECTORY") != pipe_dir or p.status() in _GONE:
+                continue
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone meanwhile, or not ours to read
+            continue
+        pids.append(p.pid)
+    return sorted(pids)
+
+
+def _mps_state(daemon: MpsDaemon) -> str:
+    """What made _mps_alive say alive, for the warning: the pid file's pid and its state and
+    command, or the MPS processes with its pipe directory (the cause is not known yet)."""
+    pid = _pid_file(daemon)
+    if pid is None:
         return f"no pid file; MPS processes with its pipe directory: {_mps_pids(daemon.pipe_dir)}"
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError as e:
-        return f"pid {pid}: {e.strerror}"
-    state = (stat[stat.rfind(")") + 1:].split() or ["?"])[0]
+        p = psutil.Process(pid)
+        state, cmd = p.status(), " ".join(p.cmdline())
+    except psutil.NoSuchProcess:
+        return f"pid {pid}: no such process"
+    except psutil.AccessDenied:
+        return f"pid {pid}: not ours to inspect"
     return f"pid {pid} state {state} cmd {cmd[:80]!r}"
 
 
 def _exited(pid: int) -> bool:
-    """True for a zombie (exited, not yet reaped). The daemon forks away from us, so its parent is
-    the container's init, which may never reap it: kill(pid, 0) still succeeds on a zombie (every
-    --share-gpu launch on the lent GPU machine warned that the daemon "still runs" after 'quit')."""
+    """True for a process that is gone or a zombie (exited, not yet reaped). The daemon forks away
+    from us, so its parent is the container's init, which may never reap it: kill(pid, 0) still
+    succeeds on a zombie (every --share-gpu launch on the lent GPU machine warned that the daemon
+    "still runs" after 'quit'). Raises psutil.AccessDenied where its state cannot be read."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False  # no /proc (not Linux): trust kill(pid, 0)
-    # Fields after the command name, which is in parentheses and may itself contain ') '.
-    state = stat[stat.rfind(")") + 1:].split()[:1]
-    return state in (["Z"], ["X"])
+        return psutil.Process(pid).status() in _GONE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _read_tail(path, n) -> str:

@@ -1,0 +1,82 @@
+"""The private JAX attributes jaxep cannot do without, in one place.
+
+Everything else in jaxep uses JAX's public API; what is here has no public equivalent in the JAX
+jaxep supports (checked against jax 0.10). Each use is a function that resolves the attribute when
+called (so a test's monkeypatch of the attribute is seen) and, when JAX has moved or renamed it,
+raises `JaxPrivateMoved` naming the dotted attribute and the installed JAX version, instead of a
+bare AttributeError deep inside jaxep.
+
+`PRIVATE` lists the dotted names; `missing()` says which of them this JAX lacks (the doctor reports
+them, tests/test_jax_private.py fails on them).
+
+  distributed_client()  jax._src.distributed.global_state.client: the coordination-service client
+                        `jax.distributed.initialize` made. jaxep passes the NVSHMEM unique id
+                        through its key-value store (key_value_set_bytes,
+                        blocking_key_value_get_bytes) and meets at barriers without an XLA
+                        collective (wait_at_barrier). Public JAX has only
+                        `jax.distributed.is_initialized()`, which says whether the client exists
+                        but does not hand it out: use that where the question is only "is
+                        jax.distributed set up?".
+"""
+from __future__ import annotations
+
+import importlib
+
+# Dotted paths: a module, then attributes of it.
+DISTRIBUTED_CLIENT = "jax._src.distributed.global_state.client"
+PRIVATE = (DISTRIBUTED_CLIENT,)
+
+
+class JaxPrivateMoved(RuntimeError):
+    """A private JAX attribute jaxep relies on is not where jaxep looks for it."""
+
+
+def _jax_version() -> str:
+    try:
+        import jax  # pylint: disable=g-import-not-at-top
+        return jax.__version__
+    except Exception:  # pylint: disable=broad-except
+        return "(jax not importable)"
+
+
+def resolve(dotted: str):
+    """The object at `dotted` (the longest importable module prefix, then getattr); raises
+    JaxPrivateMoved naming `dotted`, the part that failed and the installed JAX version."""
+    parts = dotted.split(".")
+    obj, i = None, len(parts)
+    while i > 0:
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ImportError:
+            i -= 1
+    if obj is None:
+        raise JaxPrivateMoved(f"jaxep needs the private JAX attribute {dotted}, but no module of it "
+                              f"imports (jax {_jax_version()})")
+    for j in range(i, len(parts)):
+        try:
+            obj = getattr(obj, parts[j])
+        except AttributeError:
+            raise JaxPrivateMoved(
+                f"jaxep needs the private JAX attribute {dotted}, but "
+                f"{'.'.join(parts[:j])} has no attribute {parts[j]!r} in jax {_jax_version()}: JAX "
+                "moved it; update jaxep/_jax_private.py (the one place jaxep uses private JAX) or "
+                "install a jax version jaxep supports") from None
+    return obj
+
+
+def missing() -> list[str]:
+    """The names of PRIVATE that this JAX lacks ([] when all resolve)."""
+    out = []
+    for name in PRIVATE:
+        try:
+            resolve(name)
+        except JaxPrivateMoved:
+            out.append(name)
+    return out
+
+
+def distributed_client():
+    """The key-value store client `jax.distributed.initialize` made, or None before it (or after
+    `jax.distributed.shutdown`). See the module docstring for why no public API serves."""
+    return resolve(DISTRIBUTED_CLIENT)
