@@ -40,7 +40,7 @@ import threading
 import jax
 import numpy as np
 
-from jaxep import _ffi, zero_copy
+from jaxep import _ffi, _jax_private, zero_copy
 from jaxep.config import Config
 
 log = logging.getLogger("jaxep")
@@ -169,8 +169,7 @@ def _init_multi_rank(config: Config) -> None:
               f"JAX preallocates its pool (XLA_PYTHON_CLIENT_PREALLOCATE={pre}, "
               f"XLA_PYTHON_CLIENT_MEM_FRACTION={frac}): set XLA_PYTHON_CLIENT_MEM_FRACTION lower "
               "(e.g. 0.75/ranks per GPU) or XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts")
-    from jax._src import distributed  # pylint: disable=g-import-not-at-top
-    client = distributed.global_state.client
+    client = _jax_private.distributed_client()
     if client is None:
         _fail("jax.distributed is not initialized (the unique id travels through its key-value "
               "store); call jax.distributed.initialize() or start with python -m jaxep.launch")

@@ -44,10 +44,10 @@ def _write(path, text):
 EXCHANGE = """
     import os, sys
     import jax
-    from jax._src.distributed import global_state
+    from jaxep import _jax_private
 
     n, i = jax.process_count(), jax.process_index()
-    kv = global_state.client
+    kv = _jax_private.distributed_client()
     kv.key_value_set(f"launch_test/{i}", f"from{i}")
     got = [kv.blocking_key_value_get(f"launch_test/{j}", 30_000) for j in range(n)]
     total = float(jax.numpy.arange(4.0).sum())  # a computation on this process's own device
@@ -90,10 +90,9 @@ def test_ranks_initialize_and_exchange(tmp_path, n):
 def test_module_mode_no_init_uses_helper(tmp_path):
     _write(tmp_path / "helper_mod.py", """
         import jax
-        from jax._src.distributed import global_state
         from jaxep.launch import initialize_distributed
 
-        before = global_state.client is None
+        before = not jax.distributed.is_initialized()
         assert initialize_distributed() is True
         assert initialize_distributed() is True  # idempotent
         print(f"RESULT before={before} count={jax.process_count()} index={jax.process_index()}")

@@ -100,8 +100,8 @@ def _handler_seq() -> int | None:
 
 
 def _client():
-    from jax._src import distributed  # the store jax.distributed.initialize set up
-    return distributed.global_state.client
+    from jaxep import _jax_private  # the store jax.distributed.initialize set up
+    return _jax_private.distributed_client()
 
 
 _barrier_calls = [0]

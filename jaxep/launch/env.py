@@ -49,9 +49,8 @@ def initialize_distributed(environ=None, **kwargs) -> bool:
     if ENV_COORDINATOR not in env:
         return False
     import jax
-    from jax._src import distributed
 
-    if distributed.global_state.client is not None:
+    if jax.distributed.is_initialized():
         return True
     ids = env.get(ENV_LOCAL_DEVICE_IDS)
     jax.distributed.initialize(
