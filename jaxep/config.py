@@ -25,22 +25,78 @@ DISPATCH_KERNELS = ("token", "row")    # multi-rank dispatch pull: warp per (sou
 COMBINE_KERNELS = ("warp", "thread")   # multi-rank combine pull: warp per token | thread per 16 B
 
 
-def _check_int(name: str, value, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+# Rows and global slot ids are int32 on every backend (the CUDA kernels', XLA's index arrays).
+INT32_MAX = 2**31 - 1
+
+
+def _set(cfg, name: str, value) -> None:
+    object.__setattr__(cfg, name, value)  # normalising a frozen dataclass's own fields
+
+
+def _int(cfg, name: str, lo: int, why: str = "int32") -> None:
+    """An int field (Python or numpy integer, not bool) in [lo, 2**31-1], stored as a Python int."""
+    value = getattr(cfg, name)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"jaxep.Config: {name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
     if value < lo:
         raise ValueError(f"jaxep.Config: {name} must be >= {lo}, got {value}")
+    if value > INT32_MAX:
+        raise ValueError(f"jaxep.Config: {name} must be <= {INT32_MAX} ({why}), got {value}")
+    _set(cfg, name, value)
 
 
-def _check_choice(name: str, value, choices: tuple) -> None:
-    if not isinstance(value, str) or value not in choices:
+def _number(cfg, name: str, what: str = "") -> float:
+    """A real number field (Python or numpy, not bool), stored as a Python float."""
+    value = getattr(cfg, name)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                     np.floating)):
+        raise TypeError(f"jaxep.Config: {name} must be a number (int or float){what}, got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # a Python int beyond float's range
+        raise ValueError(f"jaxep.Config: {name} must be a finite number, got {value!r}") from None
+    _set(cfg, name, value)
+    return value
+
+
+def _choice(cfg, name: str, choices: tuple) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, str) or str(value) not in choices:
         raise ValueError(f"jaxep.Config: {name} must be one of {choices}, got {value!r}")
+    _set(cfg, name, str(value))
 
 
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
+def _dtype(cfg) -> None:
+    """dtype: any spelling of a payload dtype ('float32', np.dtype, jnp.float32, ...) -> its name."""
+    value = cfg.dtype
+    name = value if isinstance(value, str) else None
+    if name not in PAYLOAD_DTYPES and value is not None:  # np.dtype(None) would be float64
+        try:
+            name = np.dtype(value).name
+        except (TypeError, ValueError):
+            name = None
+    if name not in PAYLOAD_DTYPES:
+        shown = repr(value) if isinstance(value, str) or name is None else name
+        raise ValueError(f"jaxep.Config: dtype must be one of {PAYLOAD_DTYPES}, got {shown}")
+    _set(cfg, "dtype", name)
+
+
+def _bool(cfg, name: str) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"jaxep.Config: {name} must be a bool (True or False), got "
                         f"{type(value).__name__} {value!r}")
+    _set(cfg, name, bool(value))
+
+
+def field_diff(expected: "Config", got: "Config") -> str:
+    """'expected a=1, b=2, got a=3, b=4' over the fields that differ (for error messages)."""
+    names = [f.name for f in dataclasses.fields(Config)
+             if getattr(expected, f.name) != getattr(got, f.name)]
+    show = lambda c: ", ".join(f"{n}={getattr(c, n)!r}" for n in names)  # noqa: E731
+    return f"expected {show(expected)}, got {show(got)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +111,21 @@ class Config:
       capacity_factor: receive capacity per rank = ceil(capacity_factor * max_tokens_per_rank * topk),
         the expected rows per rank under uniform routing times this factor (capped at the no-drop
         worst case). `None` means "never drop": capacity = ep_size * max_tokens_per_rank * topk.
-      recv_capacity: explicit receive rows per rank; wins over `capacity_factor` when given.
-      dtype: payload dtype the buffers are sized for (one of `PAYLOAD_DTYPES`).
+        Bounded so that the capacity fits int32 rows: 0 < factor <= (2**31-1) / (max_tokens *
+        topk); a factor >= the EP size already never drops.
+      recv_capacity: explicit receive rows per rank (<= 2**31-1); wins over `capacity_factor` when
+        given. Capped at the no-drop worst case of the EP size it runs with (known only at trace
+        time): `capacity(ep_size) = min(recv_capacity, ep_size * max_tokens_per_rank * topk)`.
+      dtype: payload dtype the buffers are sized for: one of `PAYLOAD_DTYPES`, spelled as a name,
+        a numpy/JAX dtype or scalar type (np.dtype('float32'), jnp.float32); stored as the name.
       mode: "normal" (throughput: training and prefill). "low_latency" (decode) is not built yet
         and raises here rather than silently running "normal".
+
+    Every field is normalised at construction: numpy integers and floats become Python ints and
+    floats, dtypes their names, so equal settings make equal, equally hashed configs. Bools are
+    not numbers here (capacity_factor=True raises). Sizes are bounded so that every row index
+    and global slot id fits int32: max_tokens_per_rank * topk <= 2**31-1 here, and
+    ep_size * max_tokens_per_rank * topk <= 2**31-1 in `capacity(ep_size)` (`max_ep_size()`).
 
     Tuning knobs of the CUDA backend (the reference backend ignores them; results are bitwise the
     same for every value, only the speed changes):
@@ -96,35 +163,44 @@ class Config:
     timeout_s: float = 100.0
 
     def __post_init__(self):
-        _check_int("num_experts", self.num_experts, 1)
-        _check_int("topk", self.topk, 1)
-        _check_int("hidden", self.hidden, 1)
-        _check_int("max_tokens_per_rank", self.max_tokens_per_rank, 1)
+        # Normalised here (numpy scalars -> Python numbers, dtype spellings -> one name), so that
+        # equal configs are equal, hash equal (one jit cache entry) and give one canonical() text.
+        _int(self, "num_experts", 1)
+        _int(self, "topk", 1)
+        _int(self, "hidden", 1)
+        _int(self, "max_tokens_per_rank", 1)
         if self.topk > self.num_experts:
             raise ValueError(
                 f"jaxep.Config: topk must be <= num_experts={self.num_experts}, got {self.topk}")
+        slots = self.max_tokens_per_rank * self.topk
+        if slots > INT32_MAX:  # even one rank's slot ids would overflow
+            raise ValueError(f"jaxep.Config: max_tokens_per_rank * topk must be <= {INT32_MAX} "
+                             f"(int32 slot ids), got {self.max_tokens_per_rank} * {self.topk} = "
+                             f"{slots}")
         if self.capacity_factor is not None:
-            if isinstance(self.capacity_factor, bool) or not isinstance(
-                    self.capacity_factor, (int, float)) or not (
-                    math.isfinite(self.capacity_factor) and self.capacity_factor > 0):
-                raise ValueError("jaxep.Config: capacity_factor must be a finite number > 0 or None, "
-                                 f"got {self.capacity_factor!r}")
+            most = INT32_MAX / slots  # ceil(factor * slots) must fit int32 rows
+            f = _number(self, "capacity_factor", " or None")
+            if not (math.isfinite(f) and 0 < f <= most):
+                raise ValueError(
+                    f"jaxep.Config: capacity_factor must be a finite number in (0, {most!r}] "
+                    f"(so that ceil(capacity_factor * max_tokens_per_rank * topk) fits int32 rows; "
+                    f"any factor >= the EP size never drops, like None), got {f!r}")
         if self.recv_capacity is not None:
-            _check_int("recv_capacity", self.recv_capacity, 1)
-        _check_choice("dtype", self.dtype, PAYLOAD_DTYPES)
-        _check_choice("mode", self.mode, MODES)
+            _int(self, "recv_capacity", 1, "int32 rows")
+        _dtype(self)
+        _choice(self, "mode", MODES)
         if self.mode not in BUILT_MODES:
             raise NotImplementedError(
                 f"jaxep.Config: mode={self.mode!r} is not built yet: expected one of {BUILT_MODES}, "
                 f"got {self.mode!r} (jaxep never runs another mode in its place)")
         if self.num_sms is not None:
-            _check_int("num_sms", self.num_sms, 1)
-        _check_choice("dispatch_kernel", self.dispatch_kernel, DISPATCH_KERNELS)
-        _check_choice("combine_kernel", self.combine_kernel, COMBINE_KERNELS)
-        _check_bool("zero_copy", self.zero_copy)
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not (
-                0 < self.timeout_s < 86400):
-            raise ValueError(f"jaxep.Config: timeout_s must be in (0, 86400), got {self.timeout_s!r}")
+            _int(self, "num_sms", 1)
+        _choice(self, "dispatch_kernel", DISPATCH_KERNELS)
+        _choice(self, "combine_kernel", COMBINE_KERNELS)
+        _bool(self, "zero_copy")
+        t = _number(self, "timeout_s")
+        if not 0 < t < 86400:
+            raise ValueError(f"jaxep.Config: timeout_s must be in (0, 86400), got {t!r}")
 
     def local_experts(self, ep_size: int) -> int:
         """L = num_experts / ep_size; raises when the experts do not divide evenly."""
@@ -134,16 +210,33 @@ class Config:
                 f"{ep_size} == 0, got num_experts={self.num_experts}")
         return self.num_experts // ep_size
 
+    def max_ep_size(self) -> int:
+        """The largest EP size whose global slot ids (ep_size * max_tokens_per_rank * topk) fit
+        int32; `capacity` raises beyond it."""
+        return INT32_MAX // (self.max_tokens_per_rank * self.topk)
+
     def no_drop_capacity(self, ep_size: int) -> int:
         """The worst case: every token of every rank sends all K slots here."""
         return ep_size * self.max_tokens_per_rank * self.topk
 
     def capacity(self, ep_size: int) -> int:
-        """C, the receive rows per rank for this EP size (static)."""
+        """C, the receive rows per rank for this EP size (static); always <= no_drop_capacity.
+
+        recv_capacity given: min(recv_capacity, no_drop_capacity(ep_size)) (rows past the worst
+        case could never be filled, so they are not allocated). Else capacity_factor: ceil(factor *
+        max_tokens_per_rank * topk) rounded up to a multiple of 8, capped the same way; None: the
+        worst case. Raises ValueError when num_experts is not divisible by ep_size or when the
+        global slot ids of this EP size do not fit int32 (ep_size > `max_ep_size()`).
+        """
         self.local_experts(ep_size)
         worst = self.no_drop_capacity(ep_size)
+        if worst > INT32_MAX:
+            raise ValueError(
+                f"jaxep: ep_size * max_tokens_per_rank * topk must be <= {INT32_MAX} (int32 slot "
+                f"ids), got {ep_size} * {self.max_tokens_per_rank} * {self.topk} = {worst}: this "
+                f"config supports EP sizes up to {self.max_ep_size()}; lower max_tokens_per_rank")
         if self.recv_capacity is not None:
-            return self.recv_capacity
+            return min(self.recv_capacity, worst)
         if self.capacity_factor is None:
             return worst
         c = math.ceil(self.capacity_factor * self.max_tokens_per_rank * self.topk)

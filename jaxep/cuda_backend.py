@@ -6,9 +6,9 @@ runtime, so every rank traces the same HLO. Every op routes to a custom call who
 the config's tuning knobs (`jaxep._ffi`); gather_back is a local gather on one rank and the
 `jaxep_gather_back` call otherwise.
 
-The limits only this backend has (the extension's MAX_EXPERTS, int32 slot ids and rows) are
-checked once, in `dispatch` at trace time (`check_limits`); everything else was checked by
-`jaxep.dispatch` / `jaxep.combine`, and combine's handle always comes from a checked dispatch.
+The limit only this backend has (the extension's MAX_EXPERTS) is checked once, in `dispatch` at
+trace time (`check_limits`); int32 rows and slot ids are bounded by `jaxep.Config`; everything else
+was checked by `jaxep.dispatch` / `jaxep.combine` (which checks the handle against its config).
 """
 from __future__ import annotations
 
@@ -16,24 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxep import _ffi
-
-_INT32_MAX = 2**31 - 1
-
-
-def _varying(xs, axis_name):
-    """Marks custom-call outputs as varying over the EP axis, as the reference's outputs are.
-
-    Inside shard_map with check_vma, an ffi_call's results carry no varying axes; the custom VJP
-    rules must return cotangents typed like their (varying) primal inputs.
-    """
-    def one(x):
-        if axis_name in (getattr(jax.typeof(x), "vma", None) or ()):
-            return x
-        try:
-            return jax.lax.pcast(x, axis_name, to="varying")
-        except NameError:  # not inside shard_map (direct calls of this backend): nothing to mark
-            return x
-    return jax.tree.map(one, xs)
+# Custom-call results carry no varying axes inside shard_map: marked like the reference's outputs.
+from jaxep.reference import varying as _varying
 
 
 def _ep_size(axis_name) -> int:
@@ -44,23 +28,22 @@ def _ep_size(axis_name) -> int:
         return 1
 
 
-def check_limits(config, capacity: int, ep_size: int) -> None:
-    """ValueError naming the limit when `config` cannot run on this build of the CUDA backend."""
+def check_limits(config) -> None:
+    """ValueError naming the limit when `config` cannot run on this build of the CUDA backend.
+
+    Int32 rows and slot ids need no check here: `Config` bounds every capacity it produces and
+    `Config.capacity(ep_size)` refuses EP sizes whose slot ids would not fit int32.
+    """
     most = _ffi.constant("max_experts")
     if config.num_experts > most:
         raise ValueError(f"jaxep.dispatch: config.num_experts must be <= {most} on the CUDA "
                          f"backend (the extension's max_experts), got {config.num_experts}; use "
                          "backend='reference'")
-    slots = ep_size * config.max_tokens_per_rank * config.topk  # global slot ids are int32
-    for what, got in (("capacity", capacity), ("ep_size * max_tokens_per_rank * topk", slots)):
-        if got > _INT32_MAX:
-            raise ValueError(f"jaxep.dispatch: {what} must be <= {_INT32_MAX} on the CUDA backend "
-                             f"(int32 rows and slot ids), got {got}")
 
 
 def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
     ep = _ep_size(axis_name)
-    check_limits(config, capacity, ep)
+    check_limits(config)
     return _varying(tuple(_ffi.dispatch(x, topk_idx, topk_weights, config=config,
                                         capacity=capacity, ep_size=ep)), axis_name)
 

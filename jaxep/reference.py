@@ -17,6 +17,26 @@ import jax.numpy as jnp
 from jaxep._numerics import exact_f32
 
 
+def varying(xs, axis_name):
+    """Marks every array of the pytree `xs` as varying over the EP axis (a no-op where it is).
+
+    Inside shard_map with check_vma, the custom VJP rules must return cotangents typed like their
+    (varying) primal inputs. Outputs computed from the data are varying already; those JAX builds
+    as constants are not: a custom call's results (the CUDA backend) and, with T = 0 tokens per
+    rank, the empty or all-zero arrays of this backend.
+    """
+    def one(x):
+        if axis_name in (getattr(jax.typeof(x), "vma", None) or ()):
+            return x
+        try:
+            return jax.lax.pcast(x, axis_name, to="varying")
+        except NameError:  # not inside shard_map (direct calls of a backend): nothing to mark
+            return x
+        except ValueError:  # "Unsupported pcast from=varying": varying already (public API only;
+            return x        # the aval's field for it moved between JAX versions: vma, mat)
+    return jax.tree.map(one, xs)
+
+
 def _all_gather(a, axis_name):
     """all_gather over the EP axis; with one rank a reshape (XLA keeps a one-rank all-gather)."""
     if jax.lax.axis_size(axis_name) == 1:
@@ -59,13 +79,22 @@ def _layout(idx_all, num_experts: int, capacity: int, me):
     return send_row_flat.reshape(R, T, K), recv_slot, counts
 
 
+def _take(table, index, valid):
+    """table[index] where `valid`, zero elsewhere. A table without rows (T = 0 tokens per rank, a
+    static empty batch) has nothing to take: every index is then invalid and the result zero."""
+    shape = index.shape + table.shape[1:]
+    if table.shape[0] == 0:
+        return jnp.zeros(shape, table.dtype)
+    got = table[jnp.where(valid, index, 0)]
+    return jnp.where(valid.reshape(valid.shape + (1,) * (table.ndim - 1)), got,
+                     jnp.zeros((), table.dtype))
+
+
 def _rows_from_slots(x_all, recv_slot, topk: int):
     """rows[c] = x_all[s, t] of row c's slot, zero for empty rows."""
     R, T, H = x_all.shape
     valid = recv_slot >= 0
-    slot = jnp.where(valid, recv_slot, 0)
-    rows = x_all.reshape(R * T, H)[slot // topk]  # s*T + t == slot // K
-    return jnp.where(valid[:, None], rows, jnp.zeros((), x_all.dtype))
+    return _take(x_all.reshape(R * T, H), recv_slot // topk, valid)  # s*T + t == slot // K
 
 
 def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
@@ -84,15 +113,15 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
     group_sizes = jnp.clip(capacity - starts, 0, my_counts).astype(jnp.int32)
     valid = recv_slot >= 0
     rows = _rows_from_slots(x_all, recv_slot, idx.shape[1])
-    weights = jnp.where(valid, w_all.reshape(-1)[jnp.where(valid, recv_slot, 0)], 0.0).astype(jnp.float32)
+    weights = _take(w_all.reshape(-1), recv_slot, valid).astype(jnp.float32)
     dropped = jnp.sum(my_counts) - jnp.sum(group_sizes)
     stats = jnp.stack([dropped, jnp.sum(invalid)]).astype(jnp.int32)
-    return rows, weights, group_sizes, send_row_all[me], recv_slot, idx, stats
+    return varying((rows, weights, group_sizes, send_row_all[me], recv_slot, idx, stats), axis_name)
 
 
 def dispatch_rows(x, recv_slot, *, axis_name, config):
     x_all = _all_gather(x, axis_name)
-    return _rows_from_slots(x_all, recv_slot, config.topk)
+    return varying(_rows_from_slots(x_all, recv_slot, config.topk), axis_name)
 
 
 def _slot_table(recv_slot, R, T, K):
@@ -129,7 +158,7 @@ def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config):
     out = jnp.zeros((T, y.shape[1]), jnp.float32)
     for r in range(R):
         out = out + recv[r]
-    return out.astype(y.dtype)
+    return varying(out.astype(y.dtype), axis_name)
 
 
 def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
@@ -141,4 +170,4 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
     recv = _all_to_all(vals, axis_name)  # [R(dest),T,K]
     dest = jnp.where(topk_idx >= 0, topk_idx // (config.num_experts // R), 0)
     picked = jnp.take_along_axis(recv, dest[None], axis=0)[0]
-    return jnp.where(send_row >= 0, picked, 0.0).astype(jnp.float32)
+    return varying(jnp.where(send_row >= 0, picked, 0.0).astype(jnp.float32), axis_name)

@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from jaxep import _ffi, _jax_private, zero_copy
-from jaxep.config import Config
+from jaxep.config import Config, field_diff
 
 log = logging.getLogger("jaxep")
 
@@ -294,16 +294,23 @@ def initialize(config: Config, axis_name: str = "ep") -> None:
     """Declares the config every later call must use and, in a multi-process GPU run, sets up the
     NVSHMEM runtime (see the module docstring). Collective: every process must call it.
 
-    Calls with another config raise at trace time. In a multi-process GPU run the config must be
+    Calls with another config, or over another axis than `axis_name`, raise at trace time. In a multi-process GPU run the config must be
     identical on every process (its knobs are FFI attributes): a RuntimeError on every process,
     naming the differing fields and ranks, otherwise. Set JAXEP_LOG_LEVEL=INFO (or configure the
     "jaxep" logger) to see the topology and the effective settings.
     """
     if not isinstance(config, Config):
         raise TypeError(f"jaxep.initialize: config must be a jaxep.Config, got {type(config).__name__}")
+    if not isinstance(axis_name, str) or not axis_name:
+        raise TypeError(f"jaxep.initialize: axis_name must be a non-empty str, got "
+                        f"{type(axis_name).__name__} {axis_name!r}")
     if _state.config is not None and _state.config != config:
         raise ValueError("jaxep.initialize: already initialized with another config; call "
                          f"jaxep.finalize() first. initialized: {_state.config}, got: {config}")
+    if _state.config is not None and _state.axis_name != axis_name:
+        raise ValueError(f"jaxep.initialize: already initialized with axis_name="
+                         f"{_state.axis_name!r}; call jaxep.finalize() first, got axis_name="
+                         f"{axis_name!r}")
     _configure_logging()
     if _state.config is None and jax.process_count() > 1 and _ffi.is_available() \
             and jax.default_backend() == "gpu":
@@ -342,12 +349,20 @@ def multi_rank_size() -> int:
     return jax.process_count() if _state.multi_rank else 0
 
 
-def check_config(op: str, config) -> None:
+def check_config(op: str, config, name: str = "config") -> None:
+    """`config` (the argument `name` of `op`) must be a Config, and the initialized one if any."""
     if not isinstance(config, Config):
-        raise TypeError(f"jaxep.{op}: config must be a jaxep.Config, got {type(config).__name__}")
+        raise TypeError(f"jaxep.{op}: {name} must be a jaxep.Config, got {type(config).__name__}")
     if _state.config is not None and config != _state.config:
-        raise ValueError(f"jaxep.{op}: config differs from the one passed to jaxep.initialize: "
-                         f"expected {_state.config}, got {config}")
+        raise ValueError(f"jaxep.{op}: {name} differs from the one passed to jaxep.initialize: "
+                         f"{field_diff(_state.config, config)} (initialized: {_state.config})")
+
+
+def check_axis_name(op: str, axis_name) -> None:
+    """After `jaxep.initialize(config, axis_name)`, every op runs over that EP axis."""
+    if _state.config is not None and axis_name != _state.axis_name:
+        raise ValueError(f"jaxep.{op}: axis_name must be the EP axis given to jaxep.initialize: "
+                         f"expected {_state.axis_name!r}, got {axis_name!r}")
 
 
 def select_backend(op: str, requested: str | None, ep_size: int) -> str:

@@ -27,7 +27,9 @@ class Handle:
     send_row:  [T,K] i32 row of slot (t,k) on its destination rank, -1 if masked/invalid/dropped.
     recv_slot: [C] i32  global slot id s*T*K + t*K + k of each received row, -1 for empty rows.
     topk_idx:  [T,K] i32 the sanitized expert ids (invalid ones are -1).
-    Static: the config, the EP axis name and the backend that made it.
+    Static: the config, the EP axis name and the backend that made it. `combine` checks the
+    arrays against the config (the shapes a dispatch with it makes), the config against the one
+    given to `jaxep.initialize` (and to combine's `config=`, when passed) and the axis name.
     """
     weights: jax.Array
     send_row: jax.Array

@@ -103,3 +103,22 @@ def test_duplicate_expert_in_a_token_and_partial_T():
     idxs = [np.array([[1, 1, 3], [0, 2, 0], [3, 3, 3]], np.int32),
             np.array([[2, -1, 2], [1, 0, 1], [0, 1, 2]], np.int32)]
     _check(cfg, xs, idxs, ws, expert_fn=_expert)
+
+
+@pytest.mark.parametrize("R", [1, 2, 8])
+def test_zero_tokens_per_rank(R):
+    """T = 0 (a static empty batch): empty [0, ...] outputs, zero rows, zero group sizes and stats,
+    combine gives [0, H]; against the oracle, bitwise (issue 12)."""
+    rng = np.random.default_rng(5)
+    E, H, K = 8, 16, 2
+    cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=4)
+    xs, ws = harness.inputs(rng, R, 0, H, K, jnp.bfloat16)
+    got, _ = _check(cfg, xs, harness.routing(rng, R, 0, K, E), ws, expert_fn=_expert)
+    C, L = cfg.capacity(R), E // R
+    for r in range(R):
+        assert got["x"][r].shape == (C, H) and not np.any(np.asarray(got["x"][r], np.float32))
+        assert got["group_sizes"][r].tolist() == [0] * L
+        assert got["weights"][r].tolist() == [0.0] * C and got["recv_slot"][r].tolist() == [-1] * C
+        assert got["send_row"][r].shape == (0, K) and got["out"][r].shape == (0, H)
+        assert got["out"][r].dtype == jnp.bfloat16
+        assert int(got["dropped"][r][0]) == 0 and int(got["invalid"][r][0]) == 0

@@ -3,6 +3,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -59,7 +60,8 @@ def test_config_differs_from_initialized():
     try:
         other = dataclasses.replace(CFG, topk=1)
         with pytest.raises(ValueError, match=r"jaxep.dispatch: config differs from the one passed to "
-                                             r"jaxep.initialize: expected Config\(num_experts=8, topk=2"):
+                                             r"jaxep.initialize: expected topk=2, got topk=1 "
+                                             r"\(initialized: Config\(num_experts=8, topk=2"):
             _trace(*_args(K=1), cfg=other)
         _trace(*_args())  # the initialized config itself is fine
     finally:
@@ -97,7 +99,7 @@ def test_combine_errors():
     (dict(num_experts=0), ValueError, r"jaxep.Config: num_experts must be >= 1, got 0"),
     (dict(topk=9), ValueError, r"jaxep.Config: topk must be <= num_experts=8, got 9"),
     (dict(hidden=2.5), TypeError, r"jaxep.Config: hidden must be an int, got float 2.5"),
-    (dict(capacity_factor=-1.0), ValueError, r"capacity_factor must be a finite number > 0 or None, got -1.0"),
+    (dict(capacity_factor=-1.0), ValueError, r"capacity_factor must be a finite number in \(0, 268435455.875\] .*got -1.0"),
     (dict(dtype="int8"), ValueError, r"jaxep.Config: dtype must be one of .*, got 'int8'"),
     (dict(mode="fast"), ValueError, r"jaxep.Config: mode must be one of .*, got 'fast'"),
     (dict(mode="low_latency"), NotImplementedError,
@@ -136,3 +138,105 @@ def test_config_knob_defaults_and_no_chunking_field():
     assert (c.num_sms, c.dispatch_kernel, c.combine_kernel, c.zero_copy) == (None, "token", "warp", True)
     assert "chunk_tokens" not in {f.name for f in dataclasses.fields(c)}  # nothing implements it
     assert dataclasses.replace(c, num_sms=16) != c  # a knob is part of the static config
+
+
+def test_tokens_beyond_max_tokens_per_rank_name_the_ep_size():
+    """The README snippet without the device-count flag: a 1-device mesh sees the whole global
+    batch on one rank; the error says so, and how many ranks that batch implies (issue 12)."""
+    with pytest.raises(ValueError) as e:
+        _trace(*_args(T=16, R=1), R=1)
+    msg = str(e.value)
+    assert msg.startswith("jaxep.dispatch: x must have at most max_tokens_per_rank=4 rows, got 16"), msg
+    assert "the EP axis 'ep' has 1 device" in msg, msg
+    assert "global batch of 16 tokens" in msg and "ceil(16 / 4) = 4 devices" in msg, msg
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count" in msg, msg
+    with pytest.raises(ValueError, match=r"the EP axis 'ep' has 2 devices.* global batch of 10 "
+                                         r"tokens \(5 per rank x 2\) needs .*ceil\(10 / 4\) = 3"):
+        _trace(*_args(T=5))
+
+
+def _on_axis(axis, fn, R=2):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:R]), (axis,))
+    f = jax.shard_map(fn, mesh=mesh, in_specs=(P(axis),) * 3, out_specs=P(axis))
+    return jax.jit(f).trace(*_args())
+
+
+def test_axis_name_other_than_the_initialized_one_raises():
+    jaxep.initialize(CFG, axis_name="ep")
+    try:
+        def over_tp(x, idx, w):
+            res = jaxep.dispatch(x, idx, w, axis_name="tp", config=CFG)
+            return jaxep.combine(res.x, res.handle, axis_name="tp")
+        with pytest.raises(ValueError, match=r"jaxep.dispatch: axis_name must be the EP axis given to "
+                                             r"jaxep.initialize: expected 'ep', got 'tp'"):
+            _on_axis("tp", over_tp)
+
+        def combine_over_tp(x, idx, w):
+            res = jaxep.dispatch(x, idx, w, axis_name="ep", config=CFG)
+            return jaxep.combine(res.x, res.handle, axis_name="tp")
+        with pytest.raises(ValueError, match=r"jaxep.combine: axis_name must be the EP axis given to "
+                                             r"jaxep.initialize: expected 'ep', got 'tp'"):
+            _on_axis("ep", combine_over_tp)
+        _trace(*_args())  # the initialized axis itself is fine
+        with pytest.raises(ValueError, match=r"jaxep.initialize: already initialized with "
+                                             r"axis_name='ep'.* got axis_name='tp'"):
+            jaxep.initialize(CFG, axis_name="tp")
+    finally:
+        jaxep.finalize()
+    with pytest.raises(TypeError, match=r"jaxep.initialize: axis_name must be a non-empty str, got int 3"):
+        jaxep.initialize(CFG, axis_name=3)
+    assert jaxep.runtime.initialized_config() is None
+
+
+# Same capacity (16 rows on 2 ranks), same hidden: only num_experts / topk / max_tokens differ.
+_SAME_C = {"topk": dataclasses.replace(CFG, topk=1, max_tokens_per_rank=8),
+           "num_experts": dataclasses.replace(CFG, num_experts=4)}
+
+
+def _combine_with_handle_of(other, *, combine_kw=None, initialized=False):
+    """dispatch with CFG, then combine (and its gradient) with the handle claiming `other`."""
+    def body(x, idx, w):
+        res = jaxep.dispatch(x, idx, w, axis_name="ep", config=CFG)
+        h = dataclasses.replace(res.handle, config=other)
+        return jaxep.combine(res.x, h, axis_name="ep", **(combine_kw or {}))
+    f = jax.shard_map(body, mesh=harness.mesh(2), in_specs=(P("ep"),) * 3, out_specs=P("ep"))
+    if initialized:
+        jaxep.initialize(CFG)
+    try:
+        x, idx, w = (jnp.ones(a.shape, a.dtype) for a in _args())
+        return jax.jit(jax.grad(lambda x: jnp.sum(f(x, idx, w) ** 2))).trace(x)
+    finally:
+        if initialized:
+            jaxep.finalize()
+
+
+def test_combine_checks_the_handle_against_its_config():
+    """A handle whose arrays do not fit its config (rows of topk 2, config topk 1, same capacity):
+    before, combine ran and its backward (dispatch_rows: token = slot // topk) sent the gradient
+    to the wrong tokens, silently."""
+    assert _SAME_C["topk"].capacity(2) == CFG.capacity(2) == 16
+    with pytest.raises(ValueError, match=r"jaxep.combine: handle.send_row must have shape \[\?, 1\] "
+                                         r"\(\[T, handle.config.topk\]\), got \[4, 2\]"):
+        _combine_with_handle_of(_SAME_C["topk"])
+    with pytest.raises(ValueError, match=r"jaxep.combine: handle.recv_slot must have shape \[8\] "
+                                         r"\(\[handle.config.capacity\(2\)\]\), got \[16\]"):
+        _combine_with_handle_of(dataclasses.replace(CFG, recv_capacity=8))
+    with pytest.raises(ValueError, match=r"jaxep.combine: handle.send_row must have at most "
+                                         r"handle.config.max_tokens_per_rank=2 rows, got 4"):
+        _combine_with_handle_of(dataclasses.replace(CFG, max_tokens_per_rank=2, recv_capacity=16))
+
+
+def test_combine_handle_of_another_config_with_the_same_shapes():
+    """num_experts differs, every shape is the same: combine tells from the config it is given
+    (config=) or the one jaxep.initialize declared."""
+    other = _SAME_C["num_experts"]
+    with pytest.raises(ValueError, match=r"jaxep.combine: handle.config must be the config given "
+                                         r"to combine: expected num_experts=8, got num_experts=4"):
+        _combine_with_handle_of(other, combine_kw=dict(config=CFG))
+    with pytest.raises(ValueError, match=r"jaxep.combine: handle.config differs from the one passed "
+                                         r"to jaxep.initialize: expected num_experts=8, got "
+                                         r"num_experts=4"):
+        _combine_with_handle_of(other, initialized=True)
+    _combine_with_handle_of(CFG, combine_kw=dict(config=CFG))  # its own config is fine
+    with pytest.raises(TypeError, match=r"jaxep.combine: config must be a jaxep.Config or None, got dict"):
+        _combine_with_handle_of(CFG, combine_kw=dict(config={}))

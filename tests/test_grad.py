@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import harness
@@ -126,3 +127,40 @@ def test_vmap_gives_a_result_or_a_clear_error():
         return
     for i in range(2):
         np.testing.assert_allclose(out[i], f(xb[i], idx, w, A), atol=1e-6)
+
+
+def _identity_rows(rows, A, group_sizes):
+    del A, group_sizes
+    return rows
+
+
+def _ragged(rows, A, group_sizes):
+    return jax.lax.ragged_dot(rows, A, group_sizes)
+
+
+@pytest.mark.parametrize("R_", [1, 8])
+@pytest.mark.parametrize("expert", [_ragged, _identity_rows])
+def test_zero_tokens_forward_and_grad(R_, expert):
+    """T = 0 on every rank: dispatch -> experts -> combine gives [0, H], and jax.grad through it
+    gives [0, ...] cotangents for x and topk_weights and zeros for the expert weights (issue 12)."""
+    cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T, dtype="float32")
+    A = jnp.asarray(np.random.default_rng(0).standard_normal((E, H, H)).astype(np.float32))
+
+    def body(x, idx, w, A):
+        res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg)
+        out = jaxep.combine(expert(res.x, A, res.group_sizes), res.handle, axis_name="ep")
+        return out, res.x, res.group_sizes, res.stats.dropped_rows, res.stats.invalid_ids
+
+    f = jax.shard_map(body, mesh=harness.mesh(R_), in_specs=(P("ep"),) * 4,
+                      out_specs=(P("ep"),) * 5)
+    x, idx, w = jnp.zeros((0, H)), jnp.zeros((0, K), jnp.int32), jnp.zeros((0, K))
+    out, rows, gs, dropped, invalid = jax.jit(f)(x, idx, w, A)
+    C = cfg.capacity(R_)
+    assert out.shape == (0, H) and rows.shape == (R_ * C, H) and not np.any(np.asarray(rows))
+    assert gs.tolist() == [0] * E and dropped.tolist() == [0] * R_ and invalid.tolist() == [0] * R_
+
+    def loss(x, w, A):
+        return jnp.sum(f(x, idx, w, A)[0] ** 2)
+    gx, gw, gA = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, A)
+    assert gx.shape == (0, H) and gw.shape == (0, K) and gA.shape == A.shape
+    assert not np.any(np.asarray(gA))

@@ -41,3 +41,18 @@ def test_readme_snippet_runs(index):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_readme_api_snippet_without_the_device_flag_says_why():
+    """Without --xla_force_host_platform_device_count the snippet's mesh has 1 CPU device: the
+    error names the EP size it saw and the ranks the global batch implies (issue 12)."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+    r = subprocess.run([sys.executable, "-c", _snippets()[0]], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0, r.stdout[-2000:]
+    err = r.stderr
+    assert "x must have at most max_tokens_per_rank=128 rows, got 512" in err, err[-3000:]
+    assert "the EP axis 'ep' has 1 device" in err and "ceil(512 / 128) = 4 devices" in err, err[-3000:]
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count" in err, err[-3000:]

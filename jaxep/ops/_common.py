@@ -39,3 +39,23 @@ def check_array(op: str, name: str, a, shape, dtypes) -> None:
         raise TypeError(f"jaxep.{op}: {name} must have dtype "
                         f"{' or '.join(jnp.dtype(d).name for d in dtypes)}, got {a.dtype}")
 
+
+
+def check_tokens(op: str, name: str, T: int, most: int, axis_name: str, R: int) -> None:
+    """T <= max_tokens_per_rank; past it the message says what EP size the batch implies.
+
+    The usual cause is a mesh with fewer devices than meant (e.g. 1 CPU device without
+    XLA_FLAGS=--xla_force_host_platform_device_count=N): shard_map then gives each of the R
+    devices it has T = global batch / R rows.
+    """
+    if T <= most:
+        return
+    devices = f"{R} device" + ("" if R == 1 else "s")
+    need = -(-T * R // most)
+    raise ValueError(
+        f"jaxep.{op}: {name} must have at most max_tokens_per_rank={most} rows, got {T}: the EP "
+        f"axis {axis_name!r} has {devices}, so the global batch of {T * R} tokens ({T} per rank x "
+        f"{R}) needs an EP axis of at least ceil({T * R} / {most}) = {need} devices, or a larger "
+        f"max_tokens_per_rank. Check the mesh: jax.devices() has {len(jax.devices())} "
+        f"({jax.default_backend()}); on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count="
+        f"{need} (or more) before JAX starts")

@@ -33,24 +33,24 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name: str = "ep", config, backen
     """Dispatches tokens to experts across the EP axis; call inside `jax.shard_map`.
 
     Args:
-      x: [T, H] tokens of this rank (bf16, f16 or f32, the config's dtype), T <= max_tokens_per_rank.
+      x: [T, H] tokens of this rank (bf16, f16 or f32, the config's dtype), T <= max_tokens_per_rank;
+        T = 0 works (all outputs empty or zero, combine gives [0, H]).
       topk_idx: [T, K] int32 expert ids; -1 masks a slot; ids outside [-1, E) are masked and counted.
       topk_weights: [T, K] float32 routing weights.
-      axis_name: the shard_map axis that spans the EP group.
+      axis_name: the shard_map axis that spans the EP group (the one given to jaxep.initialize).
       config: the `jaxep.Config` (the one given to `jaxep.initialize`, if called).
       backend: "reference", "cuda" or None (automatic).
 
     Returns a `DispatchResult`: x [C, H], group_sizes [L], weights [C], handle, stats.
     """
     runtime.check_config("dispatch", config)
+    runtime.check_axis_name("dispatch", axis_name)
     R = _common.ep_size("dispatch", axis_name)
     config.local_experts(R)
     H, K = config.hidden, config.topk
     _common.check_array("dispatch", "x", x, (None, H), _common.PAYLOAD)
-    T = x.shape[0]
-    if T > config.max_tokens_per_rank:
-        raise ValueError(f"jaxep.dispatch: x must have at most max_tokens_per_rank="
-                         f"{config.max_tokens_per_rank} rows, got {T}")
+    T = x.shape[0]  # 0 is fine: a static empty batch gives empty [0, ...] outputs, zero rows
+    _common.check_tokens("dispatch", "x", T, config.max_tokens_per_rank, axis_name, R)
     if jnp.dtype(x.dtype) != jnp.dtype(config.dtype):
         raise TypeError(f"jaxep.dispatch: x must have the config's dtype {config.dtype}, got {x.dtype}")
     _common.check_array("dispatch", "topk_idx", topk_idx, (T, K), (jnp.int32,))

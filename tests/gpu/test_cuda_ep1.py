@@ -163,6 +163,8 @@ CASES = [
     ("h_not_mult_8", 50, 2, 8, 100, None, "uniform"),             # combine falls back to VEC = 1
     ("h_odd", 40, 3, 8, 7, None, "zipf"),                         # 2/4-byte row copies
     ("big_e", 256, 8, 1024, 64, None, "zipf"),
+    ("t0", 0, 4, 8, 64, None, "uniform"),                         # static empty batch (issue 12)
+    ("t0_h100_c8", 0, 2, 8, 100, 8, "all_masked"),                 # T = 0, H % 8 != 0
 ]
 
 
@@ -317,3 +319,47 @@ def test_handler_error_reaches_python_in_subprocess():
   # ep_size = 2 without the NVSHMEM runtime: the multi-rank handler's FailedPrecondition (this
   # raised cleanly on the H200, jax 0.11.2, 2026-12-02; the earlier SIGSEGV was with kUnimplemented).
   assert "RAISED:" in proc.stdout and "ep_size = 2" in proc.stdout, proc.stdout
+
+
+def test_zero_tokens_public_api_cuda_equals_reference():
+  """T = 0 (a static empty batch) through jaxep.dispatch -> ragged_dot -> jaxep.combine on one GPU:
+  the CUDA backend's outputs and gradients equal the reference backend's, bitwise (issue 12).
+  XLA may hand the handlers null pointers for the zero-sized buffers (x, topk_idx, send_row, out):
+  the kernels must never dereference them."""
+  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  mesh = Mesh(np.array(_GPUS[:1]), ("ep",))
+  e, k, h = 8, 2, 64
+  for dtype_name in ("bfloat16", "float32"):
+    config = jaxep.Config(num_experts=e, topk=k, hidden=h, max_tokens_per_rank=16, dtype=dtype_name)
+    dtype = jnp.dtype(dtype_name)
+
+    def make(backend, config=config):
+      def body(x, idx, w, a):
+        res = jaxep.dispatch(x, idx, w, axis_name="ep", config=config, backend=backend)
+        assert res.handle.backend == backend
+        out = jaxep.combine(jax.lax.ragged_dot(res.x, a, res.group_sizes), res.handle,
+                            axis_name="ep")
+        h_ = res.handle
+        return (out, res.x, res.weights, res.group_sizes, h_.send_row, h_.recv_slot, h_.topk_idx,
+                res.stats.dropped_rows, res.stats.invalid_ids)
+      f = jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=(P("ep"),) * 9)
+      loss = lambda x, w, a: jnp.sum(f(x, idx, w, a)[0].astype(jnp.float32) ** 2)  # noqa: E731
+      return jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    x = jnp.zeros((0, h), dtype)
+    idx = jnp.zeros((0, k), jnp.int32)
+    w = jnp.zeros((0, k), jnp.float32)
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((e, h, h)).astype(np.float32) / 8,
+                    dtype)
+    (fwd_c, grad_c), (fwd_r, grad_r) = make("cuda"), make("reference")
+    got, want = fwd_c(x, idx, w, a), fwd_r(x, idx, w, a)
+    names = ("out", "x_rows", "weights", "group_sizes", "send_row", "recv_slot", "topk_idx",
+             "dropped", "invalid")
+    for n, g, wnt in zip(names, got, want):
+      assert_bitwise(f"t0/{dtype_name}/{n}", g, wnt)
+    c = config.capacity(1)
+    assert got[0].shape == (0, h) and got[1].shape == (c, h) and not np.any(np.asarray(got[1]))
+    assert np.asarray(got[5]).tolist() == [-1] * c and np.asarray(got[3]).tolist() == [0] * e
+    for n, g, wnt in zip(("dx", "dw", "da"), grad_c(x, w, a), grad_r(x, w, a)):
+      assert_bitwise(f"t0/{dtype_name}/grad {n}", g, wnt)
