@@ -171,7 +171,7 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: _Routing, config: 
     res = jaxep.dispatch(x, idx, w, axis_name=axis_name, config=config, backend=backend)
     rows = _experts(res.x, params["w_gate"], params["w_up"], params["w_down"], res.group_sizes,
                     routing.dtype)
-    y = jaxep.combine(rows, res.handle, axis_name=axis_name)
+    y = jaxep.combine(rows, res.handle, axis_name=axis_name, config=config)
     counts, prob_sum = _routing_stats(idx, probs, routing.num_experts)
     stats = dict(expert_counts=counts[None], prob_sum=prob_sum[None],
                  dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
