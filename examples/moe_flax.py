@@ -48,6 +48,7 @@ def _emulate_cpu_devices(count: int = 8) -> None:
 if __name__ == "__main__":
     _emulate_cpu_devices()
 
+import logging  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 
@@ -58,6 +59,8 @@ import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from rich import progress as rp  # noqa: E402
+from rich.console import Console  # noqa: E402
 
 import jaxep.nn  # noqa: E402
 
@@ -197,19 +200,29 @@ def moe_input_of_block0(model, tokens):
 # ----------------------------------------------------------------------------------------------
 
 class Progress:
-    """A one-line text progress bar (rewritten in place on a terminal, every 10% otherwise)."""
+    """The training progress: a rich progress bar on a terminal; in a pipe or a file (where a bar
+    cannot redraw) one plain line every 10% of the steps instead."""
 
     def __init__(self, total: int):
-        self.total, self.tty, self.last = total, sys.stdout.isatty(), -1
+        self.console = Console(highlight=False, markup=False)
+        self.total, self.last = total, -1
+        self.bar = rp.Progress(rp.TextColumn("train"), rp.BarColumn(), rp.MofNCompleteColumn(),
+                               rp.TextColumn("{task.fields[stats]}"), rp.TimeRemainingColumn(),
+                               console=self.console, disable=not self.console.is_terminal)
+        self.task = self.bar.add_task("train", total=total, stats="compiling")
+
+    def __enter__(self):
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.stop()
 
     def update(self, i: int, text: str):
-        done = int(30 * i / self.total)
-        line = f"[{'#' * done}{'.' * (30 - done)}] {i:>5}/{self.total} {text}"
-        if self.tty:
-            print("\r" + line, end="\n" if i == self.total else "", flush=True)
-        elif (10 * i) // self.total != self.last:
+        self.bar.update(self.task, completed=i, stats=text)
+        if not self.console.is_terminal and (10 * i) // self.total != self.last:
             self.last = (10 * i) // self.total
-            print(line, flush=True)
+            self.console.print(f"step {i:>5}/{self.total} {text}", soft_wrap=True)
 
 
 def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
@@ -252,8 +265,9 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
         return _train_and_check(model, optimizer, batch, steps, dtype)
 
 
-def _train_and_check(model, optimizer, batch, steps, dtype) -> dict:
-    bar, losses, drops, pending = Progress(steps), [], [], []
+def _train(model, optimizer, batch, steps, bar):
+    """The training loop; returns (losses, drop fractions, compile seconds, t0 after step 1)."""
+    losses, drops, pending = [], [], []
     t_compile = time.perf_counter()
     t0 = None
     for step in range(1, steps + 1):
@@ -271,6 +285,12 @@ def _train_and_check(model, optimizer, batch, steps, dtype) -> dict:
         tok_s = (step - 1) * _BATCH.value * _SEQ.value / (time.perf_counter() - t0) if step > 1 else 0
         bar.update(step, f"loss {losses[-1]:.3f}  lb {lb:.3f}  drop {100 * drops[-1]:.1f}%  "
                          f"{tok_s / 1e3:.1f}k tok/s")
+    return losses, drops, t_compile, t0
+
+
+def _train_and_check(model, optimizer, batch, steps, dtype) -> dict:
+    with Progress(steps) as bar:
+        losses, drops, t_compile, t0 = _train(model, optimizer, batch, steps, bar)
     tok_s = (steps - 1) * _BATCH.value * _SEQ.value / (time.perf_counter() - t0) if steps > 1 else 0
     first, last = losses[0], float(np.mean(losses[-min(10, steps):]))
     print(f"loss: first {first:.4f}, last (mean of last {min(10, steps)} steps) {last:.4f}; "
@@ -295,9 +315,20 @@ def _train_and_check(model, optimizer, batch, steps, dtype) -> dict:
     return dict(first=first, last=last, tokens_per_s=tok_s, dense_ok=ok, dense_err=err)
 
 
+def quiet_backend_probe() -> None:
+    """absl routes Python logging at INFO, so jax's backend probe prints "Unable to initialize
+    backend 'tpu'" on every machine without a TPU (logger jax._src.xla_bridge, INFO). This
+    application raises that one logger to WARNING before the backends start, unless the user asked
+    for more (--verbosity, JAX_LOGGING_LEVEL); a backend that was asked for and fails still raises."""
+    if flags.FLAGS["verbosity"].present or os.environ.get("JAX_LOGGING_LEVEL"):
+        return
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    quiet_backend_probe()
     short = _SHORT.value
     steps = min(_STEPS.value, 100) if short else _STEPS.value
     if _COMPARE.value:

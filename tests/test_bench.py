@@ -178,7 +178,10 @@ def test_json_schema(result, tmp_path):
         for c in ("nvlink", "rdma", "hbm"):
             assert LINK_KEYS <= set(o["links"][c])
         assert {"median", "min", "max", "inner", "samples"} <= set(o["time_s"])
-        assert set(o["baselines"]) == {"copy", "reference"}
+        assert set(o["baselines"]) == {"copy", "reference", "payload_copy"}
+        pc = o["baselines"]["payload_copy"]  # oriented like the others: op / baseline
+        assert pc["ratio"] == pytest.approx(o["time_s"]["median"] / pc["time_s"])
+        assert pc["ratio"] == pytest.approx(1 / o["payload"]["copy_over_op"])
     assert set(doc["peaks_gbps"]) == {"nvlink", "rdma", "hbm"}
     documented = open(os.path.join(os.path.dirname(__file__), "..", "docs", "benchmark.md")).read()
     for key in TOP_KEYS | OP_KEYS | LINK_KEYS:
@@ -187,10 +190,84 @@ def test_json_schema(result, tmp_path):
 
 def test_table_and_plot(result, tmp_path):
     from jaxep.bench import report
-    text = report.header(result) + "\n" + report.table(result)
-    assert "backend=reference EP=8" in text and "algorithm bandwidth" in text and "NOT link rates" in text
-    report.plot(result, str(tmp_path / "p.png"))
-    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    head = report.header(result)
+    text = head + "\n" + report.table(result)
+    assert "algorithm bandwidth" in text and "NOT link rates" in text
+    # The header says what ran: backend, platform, processes, layout, emulated links; no GPUs on CPU.
+    assert head.startswith("jaxep-bench: reference backend on cpu (1 process); EP=8 as 2 node(s) x "
+                           "4 device(s); emulated links (CPU devices"), head
+    assert "GPU" not in head and "\n" not in head
+    # Every ratio is named after its baseline and oriented the same way (op / baseline), with a legend.
+    for name in ("op/min-bytes copy", "op/payload copy", "op/reference", "legend: ratios are op median "
+                 "/ baseline median"):
+        assert name in text, name
+    assert "vs_copy" not in text and "copy/op" not in text
+    # The same-device class is named, not glued to the rank column; no NVLink/HBM on CPU.
+    assert "(no link)" not in text and "same device" in text and "intra-node (emulated)" in text
+    assert "NVLink" not in text and "HBM" not in text
+    lines = text.splitlines()
+    row = next(l for l in lines if l.startswith("dispatch") and "same device" in l).split()
+    assert row[:4] == ["dispatch", "same", "device", f"{result['ops']['dispatch']['links']['same_gpu']['bytes_per_rank_max'] / 1e6:.2f}"]
+    assert all(l == l.rstrip() for l in lines) and "\x1b" not in text  # plain text, no padding
+    # Each op's row carries its three ratios, as in the JSON.
+    for op, o in result["ops"].items():
+        row = next(l for l in lines if l.startswith(op) and "(itself)" in l)
+        assert f"{o['baselines']['copy']['ratio']:.2f}" in row
+        assert f"{o['baselines']['payload_copy']['ratio']:.2f}" in row
+    drawn = report.plot(result, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG" and drawn["emulated_note"]
+
+
+def test_tables_are_rich_tables(result):
+    from rich.table import Table
+    from jaxep.bench import report
+    for f in (report.time_table, report.link_table, report.baseline_table):
+        assert isinstance(f(result), Table)
+    t = report.time_table(result)
+    assert [c.header for c in t.columns][:4] == ["op", "median", "min", "max"]
+    assert "slowest process" not in [c.header for c in t.columns]  # one process: no such column
+
+
+def test_header_on_gpu_names_the_gpu_and_shared_gpus(result):
+    from jaxep.bench import report
+    r = dict(result, topology=dict(result["topology"], platform="gpu", device_kind="NVIDIA H200",
+                                   emulated=False, num_processes=8))
+    head = report.header(r)
+    assert "on NVIDIA H200 (8 processes); EP=8 as 2 node(s) x 4 GPU(s); T=" in head, head
+    assert "emulated" not in head
+    assert "NVLink" in report.table(r) and "same GPU" in report.table(r)
+    r["topology"].update(ranks_per_gpu=8, gpus_per_node=1, num_nodes=1, emulated=True)
+    head = report.header(r)
+    assert "x 8 ranks/GPU; emulated links (8 ranks share each GPU" in head, head
+    assert "NVLink (emulated)" in report.table(r)
+
+
+def test_progress_callback_counts_the_stages():
+    from jaxep.bench import BenchConfig, run
+    calls = []
+    run(BenchConfig(ep_size=2, **SMALL), emit=lambda *_: None,
+        progress=lambda done, total, what: calls.append((done, total, what)))
+    whats = [w for _, _, w in calls]
+    assert whats[0] == "checking correctness" and whats[-1] == "done"
+    assert {"timing dispatch", "timing combine", "timing both"} <= set(whats)
+    assert [d for d, _, _ in calls] == list(range(len(calls) - 1)) + [len(calls) - 1]
+    total = calls[0][1]
+    assert total == len(calls) - 1 and calls[-1][:2] == (total, total)
+
+
+def test_progress_bar_is_rich_on_a_terminal_and_silent_elsewhere():
+    import io
+    from rich.console import Console
+    from jaxep.bench import cli
+    buf = io.StringIO()
+    with cli.progress_bar(Console(file=buf, force_terminal=True, width=100)) as cb:
+        cb(1, 4, "timing dispatch")
+    assert "timing dispatch" in buf.getvalue() and "1/4" in buf.getvalue()
+    assert "\u2501" in buf.getvalue()  # rich's bar
+    buf = io.StringIO()
+    with cli.progress_bar(Console(file=buf, force_terminal=False)) as cb:
+        cb(1, 4, "timing dispatch")
+    assert buf.getvalue() == ""
 
 
 def test_wrong_answer_fails_loudly(monkeypatch):
@@ -219,7 +296,8 @@ def test_cli(tmp_path):
                         "--experts=8", "--iters=1", "--warmup=1", "--inner=1", f"--json={out}"],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "jaxep-bench backend=" in p.stdout and "median_ms" in p.stdout
+    assert "jaxep-bench: reference backend on cpu" in p.stdout and "time per op (ms)" in p.stdout
+    assert "\x1b" not in p.stdout  # not a terminal: plain text
     assert json.loads(out.read_text())["schema_version"] == 1
     bad = subprocess.run([sys.executable, "-m", "jaxep.bench", "--tokens=0"], capture_output=True,
                          text=True, timeout=300)
@@ -241,7 +319,8 @@ def test_multiprocess_reference_cpu(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env,
                        cwd=os.path.join(os.path.dirname(__file__), ".."))
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    assert "[rank 0] jaxep-bench backend=reference EP=2" in p.stdout
+    assert "[rank 0] jaxep-bench: reference backend on cpu (2 processes); EP=2" in p.stdout
+    assert "slowest process" in p.stdout
     assert "[rank 1] jaxep-bench" not in p.stdout  # the table comes from process 0 only
     doc = json.loads(out.read_text())
     assert doc["topology"]["num_processes"] == 2 and doc["topology"]["ep_size"] == 2
@@ -375,3 +454,72 @@ def test_sweep_points_cover_num_sms_and_kernels(monkeypatch):
     s = runner._sweep(BenchConfig(sweep_num_sms=(8,), combine_kernel="thread", **SMALL), None,  # pylint: disable=protected-access
                       None, None, None, "cuda", emit=lambda *_: None)
     assert [(p["num_sms"], p["combine_kernel"]) for p in s["points"]] == [(8, "thread")]
+
+
+def _bench_env():
+    """The environment of a CPU bench run that lets jax probe its backends as a user's would
+    (JAX_PLATFORMS unset: the TPU probe runs and fails, logging at INFO)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_LOGGING_LEVEL")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def test_help_lists_the_bench_flags_with_bounds():
+    """`--help` (absl's short help: the main module's key flags) lists jaxep's flags, both for
+    `python -m jaxep.bench` and for the `jaxep-bench` console script (main module = the script)."""
+    script = ("import sys; sys.argv[0] = 'jaxep-bench'; from jaxep.bench import console_main; "
+              "console_main()")
+    for cmd in ([sys.executable, "-m", "jaxep.bench", "--help"], [sys.executable, "-c", script, "--help"]):
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                           cwd=os.path.join(os.path.dirname(__file__), ".."))
+        out = p.stdout + p.stderr
+        for want in ("--tokens: Tokens per rank (T).", "(an integer in the range [1, 1048576])",
+                     "--hidden", "--topk", "--experts", "--routing: <uniform|zipf|imbalanced>",
+                     "--sweep_num_sms", "--plot", "--json", "(an integer in the range [1, 64])"):
+            assert want in out, (cmd[-2], want, out[-2000:])
+
+
+def test_cli_output_has_no_tpu_probe_line(tmp_path):
+    """absl's "Unable to initialize backend 'tpu'" (jax's probe, INFO) is not printed by the bench."""
+    p = subprocess.run([sys.executable, "-m", "jaxep.bench", "--tokens=16", "--hidden=32", "--topk=2",
+                        "--experts=8", "--iters=1", "--warmup=0", "--inner=1", "--nocheck"],
+                       capture_output=True, text=True, timeout=300, env=_bench_env(),
+                       cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "Unable to initialize backend" not in p.stdout + p.stderr, (p.stdout + p.stderr)[:2000]
+    assert "time per op" in p.stdout
+
+
+def run_in_pty(cmd, env=None, cwd=None, timeout=300):
+    """Runs `cmd` with a pseudo-terminal as stdin/stdout/stderr; (returncode, everything written)."""
+    pty = pytest.importorskip("pty")
+    import select
+    import time
+    master, slave = pty.openpty()
+    p = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([master], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif p.poll() is not None:
+            break
+    else:
+        p.kill()
+    os.close(master)
+    return p.wait(timeout=30), out.decode("utf-8", "replace")
+
+
+def test_cli_on_a_terminal_draws_a_rich_progress_bar():
+    rc, out = run_in_pty([sys.executable, "-m", "jaxep.bench", "--tokens=16", "--hidden=32",
+                          "--topk=2", "--experts=8", "--iters=1", "--warmup=0", "--inner=1"],
+                         env=_bench_env(), cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert rc == 0, out[-3000:]
+    assert "jaxep-bench: timing dispatch" in out and "\u2501" in out, out[-3000:]
+    assert "time per op (ms)" in out and "Unable to initialize backend" not in out

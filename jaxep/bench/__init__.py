@@ -8,10 +8,10 @@
 """
 
 
-def run(bench_config, emit=print):
+def run(bench_config, emit=print, progress=None):
     """See `jaxep.bench.runner.run`."""
     from jaxep.bench import runner
-    return runner.run(bench_config, emit=emit)
+    return runner.run(bench_config, emit=emit, progress=progress)
 
 
 def __getattr__(name):

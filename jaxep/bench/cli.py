@@ -1,7 +1,14 @@
-"""The `jaxep-bench` command line: absl flags -> BenchConfig -> run -> table, JSON, PNG."""
+"""The `jaxep-bench` command line: absl flags -> BenchConfig -> run -> table, JSON, PNG.
+
+`console_main` (the `jaxep-bench` script and `python -m jaxep.bench`) makes this module's flags
+the key flags of whatever the main module is, so `--help` lists them with their bounds.
+"""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 
 from absl import app, flags
 
@@ -94,28 +101,70 @@ def _sms(text: str) -> int:
     return v
 
 
+# INFO loggers that print on every run under absl (which routes Python logging at INFO): jax's
+# backend probe ("Unable to initialize backend 'tpu'" on every machine without a TPU) and
+# matplotlib's first-run font cache note ("generated new fontManager").
+NOISY_INFO_LOGGERS = ("jax._src.xla_bridge", "matplotlib.font_manager")
+
+
+def quiet_backend_probe() -> None:
+    """Raises NOISY_INFO_LOGGERS to WARNING, before the backends initialize; application entry
+    point only, and not when the user asked for more (`--verbosity`, JAX_LOGGING_LEVEL). A backend
+    that was asked for and fails raises an exception, not an INFO record: nothing useful is hidden.
+    """
+    if flags.FLAGS["verbosity"].present or os.environ.get("JAX_LOGGING_LEVEL"):
+        return
+    for name in NOISY_INFO_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def progress_bar(console, enabled: bool = True):
+    """A rich progress bar of the bench's stages on a terminal (transient: gone once the run ends;
+    nothing is drawn into a pipe or a file). Yields the `progress(done, total, what)` callback of
+    `runner.run`, or None when disabled."""
+    if not enabled:
+        yield None
+        return
+    from rich import progress as rp
+    with rp.Progress(rp.SpinnerColumn(), rp.TextColumn("jaxep-bench: {task.description}"),
+                     rp.BarColumn(), rp.MofNCompleteColumn(), rp.TimeElapsedColumn(),
+                     console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("starting", total=None)
+        yield lambda done, total, what: bar.update(task, completed=done, total=total,
+                                                   description=what)
+
+
 def main(argv):
     del argv
+    quiet_backend_probe()
     if CPU_DEVICES.value:  # asked for on the command line; must precede the first jax import
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={CPU_DEVICES.value}").strip()
     import jax
     from jaxep.bench import report, runner
+    lead = jax.process_index() == 0
+    console = report.console()
+    emit = (lambda text: console.print(text, soft_wrap=True)) if lead else (lambda *_: None)
     try:
-        result = runner.run(bench_config(), emit=print if jax.process_index() == 0 else (lambda *_: None))
+        with progress_bar(console, enabled=lead) as progress:
+            result = runner.run(bench_config(), emit=emit, progress=progress)
     except (ValueError, NotImplementedError) as e:  # a config that does not fit: say which
         raise app.UsageError(str(e)) from e
-    if jax.process_index() != 0:
+    if not lead:
         return
-    print(report.header(result))
-    print(report.table(result))
-    if result["sweep"] is not None:
-        print(report.sweep_table(result["sweep"]))
+    report.print_report(result, console)
     if JSON.value:
         report.write_json(result, JSON.value)
     if PLOT.value:
         report.plot(result, PLOT.value)
+        console.print(f"plot: {PLOT.value}", soft_wrap=True)
 
 
 def console_main():
+    """`jaxep-bench` / `python -m jaxep.bench`. absl's `--help` lists the main module's key flags;
+    the main module is the console script or jaxep/bench/__main__.py, so this module's flags are
+    registered as its key flags first (`--helpfull` lists every flag, absl's and jax's too)."""
+    for flag in flags.FLAGS.get_flags_for_module(__name__):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     app.run(main)

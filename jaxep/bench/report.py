@@ -1,9 +1,47 @@
-"""Text table, JSON file and PNG plot of a `run()` result (schema: docs/benchmark.md)."""
+"""Text report (rich tables), JSON file and PNG plot of a `run()` result (schema: docs/benchmark.md).
+
+`print_report(result, console)` prints the one-line header and the tables; `header`, `table` and
+`sweep_table` return the same as plain text. Every ratio in the tables is op time / baseline time
+of the same run (> 1: the op is slower than that baseline).
+"""
 from __future__ import annotations
 
+import io
 import json
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
 CLASSES = ("same_gpu", "nvlink", "rdma", "hbm")
+WIDTH = 200  # columns when not writing to a terminal: the tables never wrap in a log or a file
+
+# Baselines as named in the tables and the plot, in that order; each ratio = op / baseline.
+BASELINES = (("copy", "op/min-bytes copy"), ("payload_copy", "op/payload copy"),
+             ("reference", "op/reference"))
+LEGEND = ("ratios are op median / baseline median, same run (> 1: slower than the baseline). "
+          "min-bytes copy: a device copy of the op's least memory bytes (read the inputs once, write "
+          "the outputs once); payload copy: every rank copies 1/R of the unique (token, destination "
+          "rank) rows at once; reference: jaxep's reference backend on the same inputs. "
+          "efficiency = floor / median.")
+
+
+def console(file=None) -> Console:
+    """Plain text (no colours, no markup) unless a terminal; WIDTH columns when not a terminal."""
+    c = Console(file=file, markup=False, highlight=False, emoji=False)
+    if not c.is_terminal:
+        c = Console(file=file, markup=False, highlight=False, emoji=False, width=WIDTH,
+                    color_system=None)
+    return c
+
+
+def _text(*renderables) -> str:
+    buf = io.StringIO()
+    c = Console(file=buf, markup=False, highlight=False, emoji=False, width=WIDTH,
+                color_system=None, force_terminal=False)
+    for x in renderables:
+        c.print(x, soft_wrap=isinstance(x, str))
+    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").split("\n"))
 
 
 def _ms(s):
@@ -14,20 +52,59 @@ def _pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _g(x):
-    return f"{x:.3g}"
+def fmt(x) -> str:
+    """3 significant digits; no exponent from 1000 up (4,800 not 4.8e+03)."""
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
 
 
 def _x(x):
-    return "-" if x is None else f"{x:.2f}x"
+    return "-" if x is None else f"{x:.2f}"
+
+
+def emulated_reason(t: dict) -> str | None:
+    """Why the link classes are emulated, or None on real links."""
+    if not t.get("emulated"):
+        return None
+    if t["platform"] != "gpu":
+        return "CPU devices: every byte moves through host memory"
+    return f"{t['ranks_per_gpu']} ranks share each GPU: every byte moves through its memory"
+
+
+def class_names(r: dict) -> dict:
+    """Display names of the byte classes: no NVLink/HBM on a CPU run, '(emulated)' where the
+    links are (JSON keys stay same_gpu/nvlink/rdma/hbm)."""
+    t = r["topology"]
+    if t["platform"] != "gpu":
+        return dict(same_gpu="same device", nvlink="intra-node (emulated)",
+                    rdma="inter-node (emulated)", hbm="memory")
+    emu = " (emulated)" if t.get("emulated") else ""
+    return dict(same_gpu="same GPU", nvlink="NVLink" + emu, rdma="RDMA" + emu, hbm="HBM")
+
+
+def short_names(r: dict) -> dict:
+    """Class names for the `bound by` column."""
+    if r["topology"]["platform"] != "gpu":
+        return dict(nvlink="intra-node", rdma="inter-node", hbm="memory")
+    return dict(nvlink="NVLink", rdma="RDMA", hbm="HBM")
 
 
 def header(r: dict) -> str:
+    """One line: what ran (backend, platform, processes, layout, emulated links) and the config."""
     c, t = r["config"], r["topology"]
     cap = "no-drop" if c["capacity_factor"] is None else f"cf={c['capacity_factor']}"
-    return (f"jaxep-bench backend={c['backend_used']} EP={t['ep_size']} ({t['num_nodes']} node(s) x "
-            f"{t['gpus_per_node']} GPU x {t['ranks_per_gpu']} rank/GPU{', emulated' if t['emulated'] else ''}; "
-            f"{t['num_processes']} process(es), {t['device_kind']}) T={c['tokens']} H={c['hidden']} "
+    gpu = t["platform"] == "gpu"
+    unit = "GPU" if gpu else "device"
+    procs = t["num_processes"]
+    where = t["device_kind"] if gpu else "cpu"
+    layout = f"{t['num_nodes']} node(s) x {t['gpus_per_node']} {unit}(s)"
+    if t["ranks_per_gpu"] > 1:
+        layout += f" x {t['ranks_per_gpu']} ranks/{unit}"
+    why = emulated_reason(t)
+    return (f"jaxep-bench: {c['backend_used']} backend on {where} ({procs} process"
+            f"{'es' if procs > 1 else ''}); EP={t['ep_size']} as {layout}"
+            f"{f'; emulated links ({why})' if why else ''}; T={c['tokens']} H={c['hidden']} "
             f"K={c['topk']} E={c['experts']} {c['dtype']} {c['mode']} routing={c['routing']} "
             f"seed={c['seed']} capacity={c['capacity']} ({cap}) warmup={c['warmup']} iters={c['iters']}"
             f"{_knobs(c.get('jaxep_config'), t)}")
@@ -42,44 +119,87 @@ def _knobs(jc, t) -> str:
             f"{jc['combine_kernel']} zero_copy={zc}")
 
 
-def table(r: dict) -> str:
-    lines = []
-    w = f"{'op':<9}{'median_ms':>10}{'min_ms':>9}{'max_ms':>9}{'slowest':>8}{'floor_ms':>10}" \
-        f"{'bound':>8}{'eff':>7}{'vs_copy':>9}{'vs_ref':>8}"
-    lines.append(w)
+def _new_table(title: str) -> Table:
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                 pad_edge=False)
+
+
+def time_table(r: dict) -> Table:
+    """Per op: time, floor, bound, efficiency and the three same-run ratios."""
+    multi = r["topology"]["num_processes"] > 1
+    itself = r["config"]["backend_used"] == "reference"
+    tb = _new_table("time per op (ms)")
+    cols = ["op", "median", "min", "max"] + (["slowest process"] if multi else []) + [
+        "floor", "bound by", "efficiency"] + [name for _, name in BASELINES]
+    for i, name in enumerate(cols):
+        tb.add_column(name, justify="left" if i == 0 or name == "bound by" else "right")
+    short = short_names(r)
     for op, o in r["ops"].items():
-        t = o["time_s"]
-        slow = f"p{t['slowest_process']}" if "slowest_process" in t else "-"
-        ref = o["baselines"]["reference"]
-        lines.append(f"{op:<9}{_ms(t['median']):>10}{_ms(t['min']):>9}{_ms(t['max']):>9}{slow:>8}"
-                     f"{_ms(o['floor_s']):>10}{(o['bound_by'] or '-'):>8}{_pct(o['efficiency']):>7}"
-                     f"{_x(o['baselines']['copy']['ratio']):>9}{_x(ref['ratio'] if ref else None):>8}")
-    lines.append("")
-    lines.append(f"{'op':<9}{'class':<9}{'MB/rank':>10}{'rank':>5}{'GB/s':>9}{'peak':>9}"
-                 f"{'floor_ms':>10}  peak source")
+        t, b = o["time_s"], o["baselines"]
+        ratios = []
+        for key, _ in BASELINES:
+            if key == "reference" and itself:
+                ratios.append("1 (itself)")
+            else:
+                ratios.append(_x(b[key]["ratio"]) if b.get(key) else "-")
+        tb.add_row(op, _ms(t["median"]), _ms(t["min"]), _ms(t["max"]),
+                   *([f"p{t['slowest_process']}" if "slowest_process" in t else "-"] if multi else []),
+                   _ms(o["floor_s"]), short.get(o["bound_by"], "-"), _pct(o["efficiency"]), *ratios)
+    return tb
+
+
+def link_table(r: dict) -> Table:
+    """Per op and byte class: the busiest rank's bytes, its GB/s, the peak and the floor."""
+    names = class_names(r)
+    tb = _new_table("bytes per class (the busiest rank's max(sent, received); links are full duplex)")
+    for name, just in (("op", "left"), ("class", "left"), ("MB", "right"), ("busiest rank", "right"),
+                       ("GB/s at median", "right"), ("peak GB/s", "right"), ("floor ms", "right"),
+                       ("bounds op", "left"), ("peak source", "left")):
+        tb.add_column(name, justify=just)
     for op, o in r["ops"].items():
-        for c in CLASSES:
+        for i, c in enumerate(CLASSES):
             l = o["links"][c]
-            peak = l.get("peak_gbps") if c != "same_gpu" else None
-            gbps = "(no link)" if c == "same_gpu" else _g(l["gbps"])
-            lines.append(f"{op if c == 'same_gpu' else '':<9}{c:<9}{l['bytes_per_rank_max'] / 1e6:>10.2f}"
-                         f"{l['busiest_rank']:>5}{gbps:>9}{'-' if peak is None else _g(peak):>9}"
-                         f"{_ms(l.get('floor_s')) if c != 'same_gpu' else '-':>10}  "
-                         f"{l.get('peak_source') or ''}")
-    a = r["ops"]["dispatch"]["algbw_gbps"]
-    lines.append("")
-    lines.append(f"algorithm bandwidth (DeepEP-style bytes/time, NOT link rates): dispatch NVL "
-                 f"{_g(a['nvl'])} GB/s" + (f", RDMA {_g(a['rdma'])} GB/s (ratio {a['rdma'] / a['nvl']:.3f} "
-                                          f"= a byte ratio fixed by the routing)" if a["rdma"] else ""))
+            mb = f"{l['bytes_per_rank_max'] / 1e6:.2f}"
+            rank = str(l["busiest_rank"])
+            if c == "same_gpu":
+                tb.add_row(op, names[c], mb, rank, "-", "-", "-", "",
+                           "not a link: excluded from the floors")
+                continue
+            none = not l["bytes_per_rank_max"]
+            tb.add_row("", names[c], mb, "-" if none else rank, "-" if none else fmt(l["gbps"]),
+                       fmt(l.get("peak_gbps")), "-" if none else _ms(l.get("floor_s")),
+                       "yes" if o["bound_by"] == c else "", l.get("peak_source") or "",
+                       end_section=i == len(CLASSES) - 1)
+    return tb
+
+
+def baseline_table(r: dict) -> Table:
     cp = r["copy_baseline"]
-    lines.append(f"copy baseline: {cp['bytes_per_rank'] / 1e6:.2f} MB/rank in {_ms(cp['time_s']['median'])} ms "
-                 f"= {_g(cp['gbps'])} GB/s (read+write)")
+    tb = _new_table("same-run baselines")
+    for name, just in (("baseline", "left"), ("moves", "left"), ("median ms", "right"),
+                       ("GB/s", "right")):
+        tb.add_column(name, justify=just)
+    tb.add_row("min-bytes copy", f"{cp['bytes_per_rank'] / 1e6:.2f} MB/rank (read + write), the "
+               "op's least memory bytes", _ms(cp["time_s"]["median"]), fmt(cp["gbps"]))
     if "payload" in cp:
         pl = cp["payload"]
-        lines.append(f"payload: {pl['bytes_total'] / 1e6:.2f} MB of unique (token, destination rank) rows over all "
-                     f"ranks; every rank copying 1/R of it at once: {_ms(pl['time_s']['median'])} ms; copy/op: " +
-                     ", ".join(f"{op} {o['payload']['copy_over_op']:.2f}" for op, o in r["ops"].items()
-                               if "payload" in o) + " (> 1: faster than that copy)")
+        tb.add_row("payload copy", f"{pl['bytes_total'] / 1e6:.2f} MB of unique (token, destination "
+                   "rank) rows over all ranks, 1/R per rank at once", _ms(pl["time_s"]["median"]),
+                   fmt(pl["bytes_per_rank"] / pl["time_s"]["median"] / 1e9))
+    ref = [o["baselines"]["reference"] for o in r["ops"].values()]
+    if all(ref) and r["config"]["backend_used"] != "reference":
+        tb.add_row("reference", "the reference backend, same inputs (per op: " + ", ".join(
+            f"{op} {_ms(o['baselines']['reference']['time_s'])} ms" for op, o in r["ops"].items()) + ")",
+            "", "")
+    return tb
+
+
+def _lines(r: dict) -> list[str]:
+    lines = ["legend: " + LEGEND]
+    a = r["ops"]["dispatch"]["algbw_gbps"]
+    lines.append(f"algorithm bandwidth (DeepEP-style bytes/time, NOT link rates): dispatch DeepEP \"NVL\" "
+                 f"{fmt(a['nvl'])} GB/s" + (f", DeepEP \"RDMA\" {fmt(a['rdma'])} GB/s (ratio {a['rdma'] / a['nvl']:.3f} "
+                                          f"= a byte ratio fixed by the routing)" if a["rdma"] else ""))
     runs = {op: o["time_s"]["handler_runs_per_op"] for op, o in r["ops"].items()
             if "handler_runs_per_op" in o["time_s"]}
     if runs:
@@ -88,22 +208,49 @@ def table(r: dict) -> str:
     ro = r["routing"]
     lines.append(f"rows/rank {min(ro['rows_per_rank'])}..{max(ro['rows_per_rank'])}, dropped "
                  f"{sum(ro['dropped_rows'])}, invalid ids {sum(ro['invalid_ids'])}")
-    lines += [f"note: {n}" for n in r["notes"]]
-    return "\n".join(lines)
+    return lines + [f"note: {n}" for n in r["notes"]]
+
+
+def renderables(r: dict) -> list:
+    """What `print_report` prints, after the header."""
+    out = [time_table(r), "", link_table(r), "", baseline_table(r), ""] + _lines(r)
+    if r.get("sweep") is not None:
+        out += [""] + _sweep(r["sweep"])
+    return out
+
+
+def print_report(r: dict, con: Console | None = None) -> None:
+    """The header, then the tables: drawn by rich on a terminal, else plain text (no trailing
+    blanks) that never wraps."""
+    con = con or console()
+    con.print(header(r), soft_wrap=True)
+    if con.is_terminal:
+        for x in renderables(r):
+            con.print(x, soft_wrap=isinstance(x, str))
+    else:
+        con.print(_text(*renderables(r)), soft_wrap=True)
+
+
+def table(r: dict) -> str:
+    """The tables and lines under the header, as plain text (the sweep is `sweep_table`)."""
+    return _text(time_table(r), "", link_table(r), "", baseline_table(r), "", *_lines(r))
+
+
+def _sweep(s: dict) -> list:
+    if s.get("skipped"):
+        return [f"sweep: skipped: {s['skipped']}"]
+    tb = _new_table("sweep (median ms)")
+    for name in ("num_sms", "kernels", "dispatch", "combine", "both"):
+        tb.add_column(name, justify="left" if name == "kernels" else "right")
+    for p in s["points"]:
+        tb.add_row(str(p["num_sms"] or "no cap"), f"{p['dispatch_kernel']}/{p['combine_kernel']}",
+                   _ms(p["dispatch_median_s"]), _ms(p["combine_median_s"]), _ms(p["both_median_s"]))
+    out = [tb, f"best (both): {s['snippet']}  spread {100 * s['spread']:.1f}%"]
+    return out + ([f"note: {s['note']}"] if s.get("note") else [])
 
 
 def sweep_table(s: dict) -> str:
-    if s.get("skipped"):
-        return f"sweep: skipped: {s['skipped']}"
-    lines = [f"{'num_sms':>8}{'kernels':>14}{'dispatch_ms':>13}{'combine_ms':>12}{'both_ms':>9}"]
-    for p in s["points"]:
-        kernels = f"{p['dispatch_kernel']}/{p['combine_kernel']}"
-        lines.append(f"{p['num_sms'] or 'no cap':>8}{kernels:>14}{_ms(p['dispatch_median_s']):>13}"
-                     f"{_ms(p['combine_median_s']):>12}{_ms(p['both_median_s']):>9}")
-    lines.append(f"best (both): {s['snippet']}  spread {100 * s['spread']:.1f}%")
-    if s.get("note"):
-        lines.append(f"note: {s['note']}")
-    return "\n".join(lines)
+    return _text(*_sweep(s))
 
 
 def write_json(r: dict, path: str) -> None:
@@ -111,47 +258,7 @@ def write_json(r: dict, path: str) -> None:
         json.dump(r, f, indent=1, default=float)
 
 
-def plot(r: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ops = list(r["ops"])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    xs = range(len(ops))
-    med = [r["ops"][o]["time_s"]["median"] * 1e3 for o in ops]
-    lo = [m - r["ops"][o]["time_s"]["min"] * 1e3 for m, o in zip(med, ops)]
-    hi = [r["ops"][o]["time_s"]["max"] * 1e3 - m for m, o in zip(med, ops)]
-    a1.bar(xs, med, yerr=[lo, hi], color="C0", label=f"{r['config']['backend_used']} (median, min-max)")
-    for i, o in enumerate(ops):
-        b = r["ops"][o]["baselines"]
-        a1.plot([i - 0.4, i + 0.4], [b["copy"]["time_s"] * 1e3] * 2, "k--", label="copy of same bytes" if i == 0 else None)
-        if b["reference"]:
-            a1.plot([i - 0.4, i + 0.4], [b["reference"]["time_s"] * 1e3] * 2, "r:", label="reference backend" if i == 0 else None)
-        if r["ops"][o]["floor_s"]:
-            a1.plot([i - 0.4, i + 0.4], [r["ops"][o]["floor_s"] * 1e3] * 2, "g-",
-                    label="floor at peak" if i == 0 else None)
-    a1.set_xticks(list(xs), ops)
-    a1.set_ylabel("ms per op")
-    a1.set_title("time per op")
-    a1.legend(fontsize=8)
-    classes = ("nvlink", "rdma", "hbm")
-    width = 0.8 / len(classes)
-    for j, c in enumerate(classes):
-        vals = [r["ops"][o]["links"][c]["gbps"] for o in ops]
-        pos = [i + (j - 1) * width for i in xs]
-        a2.bar(pos, vals, width, color=f"C{j + 1}", label=f"{c} measured")
-        for p, o in zip(pos, ops):
-            pk = r["ops"][o]["links"][c]["peak_gbps"]
-            if pk:
-                a2.plot([p - width / 2, p + width / 2], [pk, pk], "k-", lw=2)
-    a2.plot([], [], "k-", lw=2, label="peak")
-    a2.set_yscale("log")
-    a2.set_xticks(list(xs), ops)
-    a2.set_ylabel("GB/s (busiest rank's bytes / median time)")
-    a2.set_title("per-link bandwidth vs peak")
-    a2.legend(fontsize=8)
-    fig.suptitle(header(r), fontsize=7, wrap=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def plot(r: dict, path: str) -> dict:
+    """Writes the PNG (jaxep/bench/plot.py); returns what it drew."""
+    from jaxep.bench import plot as plot_
+    return plot_.plot(r, path)

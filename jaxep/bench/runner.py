@@ -152,10 +152,11 @@ class _Ops:
         multi = backend == "cuda" and mesh.size > 1
         self.calls = {"dispatch": 1, "combine": 1, "both": 2} if multi else {op: 0 for op in OPS}
 
-    def time(self, bc, x, idx, w, res):
+    def time(self, bc, x, idx, w, res, stage=lambda what: None, name=""):
         args = {"dispatch": (x, idx, w), "combine": (res.x, res.handle), "both": (x, idx, w)}
         out = {}
         for op in OPS:
+            stage(f"timing {name}{op}")
             out[op] = timing.over_processes(timing.time_loop(
                 self.loops[op], args[op], warmup=bc.warmup, iters=bc.iters, inner=bc.inner,
                 markers=self.markers[op], calls_per_op=self.calls[op]))
@@ -266,7 +267,7 @@ def _time_copy(bc, mesh, R, hbm_bytes_per_rank):
                                                   inner=bc.inner))
 
 
-def _sweep(bc, mesh, x, idx, w, backend, emit):
+def _sweep(bc, mesh, x, idx, w, backend, emit, stage=lambda what: None):
     """Times every num_sms of `sweep_num_sms` (0: no cap), and with `sweep_kernels` every kernel
     pair, on the backend under test; the best point's Config as a snippet."""
     if backend == "reference":
@@ -284,7 +285,7 @@ def _sweep(bc, mesh, x, idx, w, backend, emit):
         knobs = dict(num_sms=sms or None, dispatch_kernel=dk, combine_kernel=ck)
         ops = _Ops(bc.jaxep_config(**knobs), backend, mesh)
         res = ops.dispatch_once(x, idx, w)
-        t = ops.time(bc, x, idx, w, res)
+        t = ops.time(bc, x, idx, w, res, stage, f"sweep num_sms={sms or 'no cap'} {dk}/{ck}: ")
         points.append(dict(**knobs, **{f"{op}_median_s": t[op]["median"] for op in OPS}))
         emit(f"sweep num_sms={sms or 'no cap'} kernels={dk}/{ck}: both "
              f"{t['both']['median'] * 1e3:.3f} ms")
@@ -314,13 +315,38 @@ def _runtime(bc: BenchConfig):
     jaxep.finalize()
 
 
-def run(bc: BenchConfig, emit=print) -> dict:
-    """Runs the benchmark described by `bc`; returns the JSON-able result (docs/benchmark.md)."""
+class _Stages:
+    """Counts the run's stages for a `progress(done, total, what)` callback (None: silent)."""
+
+    def __init__(self, progress):
+        self.progress, self.done, self.total = progress, 0, None
+
+    def __call__(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.total, what)
+        self.done += 1
+
+    def finish(self) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.done, "done")
+
+
+def run(bc: BenchConfig, emit=print, progress=None) -> dict:
+    """Runs the benchmark described by `bc`; returns the JSON-able result (docs/benchmark.md).
+
+    emit(text): one-line messages (correctness, sweep points). progress(done, total, what):
+    called as each stage (the check, each timed op and baseline) starts, and once at the end with
+    done == total; the CLI draws it with rich.progress.
+    """
+    stages = _Stages(progress)
     with _runtime(bc):
-        return _run(bc, emit)
+        out = _run(bc, emit, stages)
+    stages.finish()
+    return out
 
 
-def _run(bc: BenchConfig, emit) -> dict:
+def _run(bc: BenchConfig, emit, stage=None) -> dict:
+    stage = stage or _Stages(None)
     mesh, R = _mesh(bc)
     dev = mesh.devices.flat[0]
     platform = dev.platform
@@ -350,6 +376,10 @@ def _run(bc: BenchConfig, emit) -> dict:
              f"{'runs' if ref_runs else 'skipped (XLA collectives cannot run with ranks sharing a GPU)'}")
     ops = _Ops(cfg, backend, mesh)
     ref_ops = _Ops(cfg, "reference", mesh) if backend != "reference" and ref_runs else None
+    sweeps = (0 if not bc.sweep or backend == "reference" or jax.process_count() > 1 else
+              len(bc.sweep_num_sms) * (len(DISPATCH_KERNELS) * len(COMBINE_KERNELS)
+                                       if bc.sweep_kernels else 1))
+    stage.total = int(bc.check) + len(OPS) * (1 + (ref_ops is not None) + sweeps) + 2
     emulated = platform != "gpu" or topo.ranks_per_gpu > 1
     notes = []
     if emulated:
@@ -360,15 +390,16 @@ def _run(bc: BenchConfig, emit) -> dict:
 
     checked = []
     if bc.check:
+        stage("checking correctness")
         checked = _correctness(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R)
         emit("correctness: OK (" + "; ".join(checked) + ")")
     res = ops.dispatch_once(x, idx, w)
 
-    times = ops.time(bc, x, idx, w, res)
+    times = ops.time(bc, x, idx, w, res, stage)
     ref_times = None
     if ref_ops is not None:
         ref_res = ref_ops.dispatch_once(x, idx, w)
-        ref_times = ref_ops.time(bc, x, idx, w, ref_res)
+        ref_times = ref_ops.time(bc, x, idx, w, ref_res, stage, "reference baseline: ")
     elif backend == "reference":
         notes.append("backend is the reference: the reference baseline is the op itself (ratio 1)")
     if backend == "reference" or ref_times:
@@ -378,12 +409,14 @@ def _run(bc: BenchConfig, emit) -> dict:
         notes.append("reference baseline skipped: XLA collectives cannot run with ranks sharing a GPU")
 
     hbm = accounting.hbm_bytes(lay, T, H, dtype.itemsize)
+    stage("timing the copy baseline (the op's least memory bytes)")
     copy = _time_copy(bc, mesh, R, int(hbm.max()))
     # The payload: unique (token, destination rank) pairs x row bytes, all ranks together; its copy
     # baseline: every rank at once reads and writes 1/R of it (docs/performance.md's multi-rank
     # metric, formerly tools/bench_multirank.py's "copy_all").
     row_d = H * dtype.itemsize
     payload_total = int(tr.pairs.sum()) * row_d
+    stage("timing the payload copy baseline")
     payload_copy = _time_copy(bc, mesh, R, 2 * payload_total // R)
     copy_gbps = hbm.max() / copy["median"] / 1e9
     pk = peaks.resolve(dev.device_kind, platform, nvlink=bc.nvlink_gbps, rdma=bc.rdma_gbps, hbm=bc.hbm_gbps)
@@ -411,6 +444,10 @@ def _run(bc: BenchConfig, emit) -> dict:
             copy_over_op=payload_copy["median"] * n / times[op]["median"],
             note="unique (token, destination rank) pairs x H x itemsize over all ranks; copy: every "
                  "rank copies 1/R of it at once, same run; copy_over_op > 1: faster than that copy")
+        # The same copy as a baseline oriented like the others: ratio = op / baseline.
+        out_ops[op]["baselines"]["payload_copy"] = dict(
+            time_s=payload_copy["median"] * n, ratio=times[op]["median"] / (payload_copy["median"] * n),
+            note="every rank copies 1/R of the payload (unique (token, destination rank) rows) at once")
         runs = times[op].get("handler_runs_per_op")
         if runs is not None and runs != ops.calls[op]:
             notes.append(f"{op}: the multi-rank host handlers ran {runs:g} times per op, expected "
@@ -438,6 +475,6 @@ def _run(bc: BenchConfig, emit) -> dict:
         copy_baseline=dict(bytes_per_rank=int(hbm.max()), time_s=copy, gbps=float(copy_gbps),
                            payload=dict(bytes_total=payload_total, bytes_per_rank=2 * payload_total // R,
                                         time_s=payload_copy)),
-        ops=out_ops, sweep=_sweep(bc, mesh, x, idx, w, backend, emit) if bc.sweep else None,
+        ops=out_ops, sweep=_sweep(bc, mesh, x, idx, w, backend, emit, stage) if bc.sweep else None,
         notes=notes)
     return result

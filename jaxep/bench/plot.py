@@ -1,0 +1,164 @@
+"""The `--plot` PNG: per op, the measured time against each byte class's floor and the same-run
+baselines, on one log time axis, every bar labelled with its value (docs/benchmark.md, "--plot").
+
+One panel per op (dispatch, combine, both), one horizontal bar per row:
+- measured: the op's median, whiskers min..max;
+- baselines of the same run: the min-bytes copy, the payload copy, the reference backend (when it
+  is not the backend under test);
+- floors: one per link class and memory, the busiest rank's bytes at the class's peak; the class
+  that bounds the op is hatched and says so; a class without bytes gets a row that says so.
+Display names follow the run (`report.class_names`): no NVLink/HBM on CPU; on emulated links
+(CPU, ranks sharing a GPU) a red note under the title says the floors are only ratios.
+
+`figure(result)` returns (matplotlib Figure, drawn) where `drawn` lists what was drawn (titles,
+axis labels, rows); `plot(result, path)` writes the PNG and returns `drawn`.
+"""
+from __future__ import annotations
+
+import textwrap
+
+from jaxep.bench import report
+
+COLORS = dict(measured="#1f77b4", copy="#7f7f7f", payload_copy="#b0b0b0", reference="#9467bd",
+              nvlink="#2ca02c", rdma="#ff7f0e", hbm="#8c564b")
+TITLE_PT, SUB_PT, AX_TITLE_PT, LABEL_PT, VALUE_PT = 14, 11, 12, 10, 10
+
+
+def _fmt_ms(s: float) -> str:
+    ms = s * 1e3
+    return f"{ms:.3g} ms" if ms >= 0.01 else f"{ms * 1e3:.3g} us"
+
+
+def _rows(r: dict, op: str) -> list[dict]:
+    """The bars of one op's panel, top to bottom."""
+    o = r["ops"][op]
+    names = report.class_names(r)
+    backend = r["config"]["backend_used"]
+    t = o["time_s"]
+    rows = [dict(kind="measured", key="measured", label=f"measured: {backend} backend\n(median, min..max)",
+                 value_s=t["median"], lo_s=t["min"], hi_s=t["max"], bound=False,
+                 note=f"{_fmt_ms(t['median'])} (min..max {_fmt_ms(t['min'])}..{_fmt_ms(t['max'])})")]
+    b = o["baselines"]
+    pay = b.get("payload_copy") or (dict(time_s=o["payload"]["copy_time_s"]) if "payload" in o else None)
+    base = [("copy", "min-bytes copy\n(the op's least memory bytes)", b.get("copy")),
+            ("payload_copy", "payload copy\n(unique rows, 1/R per rank)", pay)]
+    if backend != "reference":
+        base.append(("reference", "reference backend\n(same inputs)", b.get("reference")))
+    for key, label, x in base:
+        if x:
+            ratio = t["median"] / x["time_s"]
+            rows.append(dict(kind="baseline", key=key, label="baseline: " + label, value_s=x["time_s"],
+                             bound=False, note=f"{_fmt_ms(x['time_s'])}  (op/this = {report.fmt(ratio)})"))
+    for c in ("nvlink", "rdma", "hbm"):
+        l = o["links"][c]
+        mb, peak = l["bytes_per_rank_max"] / 1e6, l.get("peak_gbps")
+        label = f"floor: {names[c]}\n{report.fmt(mb)} MB" + (f" at {report.fmt(peak)} GB/s" if peak else "")
+        row = dict(kind="floor", key=c, label=label, value_s=None, bound=o["bound_by"] == c)
+        if not l["bytes_per_rank_max"]:
+            row.update(label=f"floor: {names[c]}", note="no bytes cross it: no floor")
+        elif not l.get("floor_s"):
+            row.update(note="peak unknown: no floor")
+        else:
+            share = l["floor_s"] / t["median"]
+            row.update(value_s=l["floor_s"], note=f"{_fmt_ms(l['floor_s'])} = {100 * share:.3g}% of "
+                       "measured" + ("  <- BOUNDS THE OP" if row["bound"] else ""))
+        rows.append(row)
+    return rows
+
+
+def _titles(r: dict) -> tuple[str, str, str | None]:
+    c, t = r["config"], r["topology"]
+    where = t["device_kind"] if t["platform"] == "gpu" else "CPU"
+    unit = "GPU" if t["platform"] == "gpu" else "device"
+    layout = f"{t['num_nodes']} node(s) x {t['gpus_per_node']} {unit}(s)" + (
+        f" x {t['ranks_per_gpu']} ranks/{unit}" if t["ranks_per_gpu"] > 1 else "")
+    title = (f"jaxep-bench: {c['backend_used']} backend on {where}, EP={t['ep_size']} "
+             f"({layout}, {t['num_processes']} process{'es' if t['num_processes'] > 1 else ''})")
+    cap = "no-drop" if c["capacity_factor"] is None else f"cf={c['capacity_factor']}"
+    sub = (f"T={c['tokens']} H={c['hidden']} K={c['topk']} E={c['experts']} {c['dtype']}, routing "
+           f"{c['routing']}, capacity {c['capacity']} ({cap}).  Bars: time per op, log scale; floor = "
+           "busiest rank's bytes / peak; baselines timed in the same run.")
+    why = report.emulated_reason(t)
+    note = (f"EMULATED LINKS ({why}): the link floors use the measured copy rate, so read the "
+            "bars as ratios, not as link speeds." if why else None)
+    return title, sub, note
+
+
+def figure(r: dict):
+    """(Figure, drawn) for a `run()` result."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
+
+    ops = list(r["ops"])
+    per_op = {op: _rows(r, op) for op in ops}
+    title, sub, note = _titles(r)
+    heights = [1.1 if note else 0.7] + [0.55 * len(per_op[op]) + 0.6 for op in ops]
+    fig = plt.figure(figsize=(13, sum(heights) + 0.8), layout="constrained")
+    gs = fig.add_gridspec(len(heights), 1, height_ratios=heights)
+    fig.suptitle(title, fontsize=TITLE_PT, fontweight="bold")
+    head = fig.add_subplot(gs[0])
+    head.axis("off")
+    # Head texts are wrapped to the figure and kept out of the layout (the panels keep their width).
+    # x from the figure's left edge, y in the head axes: the lines use the figure's whole width.
+    at = blended_transform_factory(fig.transFigure, head.transAxes)
+    head.text(0.015, 0.95 if note else 0.7, textwrap.fill(sub, 150), fontsize=SUB_PT, va="top",
+              transform=at, in_layout=False)
+    if note:
+        head.text(0.015, 0.05, textwrap.fill(note, 135), fontsize=SUB_PT, color="#b00000",
+                  fontweight="bold", va="bottom", transform=at, in_layout=False,
+                  bbox=dict(boxstyle="round,pad=0.3", fc="#fff0f0", ec="#b00000"))
+    values = [x for rows in per_op.values() for row in rows
+              for x in (row["value_s"], row.get("lo_s"), row.get("hi_s")) if x]
+    lo, hi = min(values) * 1e3 / 2.5, max(values) * 1e3 * 20  # room right of the bars: labels
+    drawn = dict(title=title, subtitle=sub, emulated_note=note, axes={})
+    axes = []
+    for i, op in enumerate(ops):
+        ax = fig.add_subplot(gs[i + 1], sharex=axes[0] if axes else None)
+        axes.append(ax)
+        rows = per_op[op]
+        ys = list(range(len(rows)))[::-1]
+        for y, row in zip(ys, rows):
+            v = row["value_s"]
+            if v:
+                ms = v * 1e3
+                xerr = ([[ms - row["lo_s"] * 1e3], [row["hi_s"] * 1e3 - ms]]
+                        if row["kind"] == "measured" else None)
+                ax.barh(y, ms - lo, height=0.7, color=COLORS[row["key"]], xerr=xerr, capsize=4,
+                        edgecolor="black" if row["bound"] else "none", linewidth=2 if row["bound"] else 0,
+                        hatch="//" if row["bound"] else None, left=lo)
+                end = max(ms, row["hi_s"] * 1e3 if row["kind"] == "measured" else ms)
+                ax.text(end * 1.12, y, row["note"], va="center", fontsize=VALUE_PT, in_layout=False,
+                        fontweight="bold" if row["bound"] or row["kind"] == "measured" else "normal")
+            else:
+                ax.text(lo * 1.12, y, row["note"], va="center", fontsize=VALUE_PT, style="italic",
+                        color="#555555", in_layout=False)
+        o = r["ops"][op]
+        ax.axvline(o["time_s"]["median"] * 1e3, color=COLORS["measured"], ls=":", lw=1.2)
+        ax.set_yticks(ys, [row["label"] for row in rows], fontsize=LABEL_PT)
+        ax.set_xscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(-0.6, len(rows) - 0.4)
+        ax.tick_params(axis="x", labelsize=LABEL_PT)
+        ax.grid(axis="x", which="major", alpha=0.3)
+        bound = report.short_names(r).get(o["bound_by"])
+        ax_title = (f"{op}: measured {_fmt_ms(o['time_s']['median'])}" + (
+            f"; bound by {bound} (efficiency {100 * o['efficiency']:.3g}%)" if bound else ""))
+        ax.set_title(ax_title, fontsize=AX_TITLE_PT, loc="left", fontweight="bold")
+        xlabel = "time per op (ms, log scale)" if i == len(ops) - 1 else ""
+        ax.set_xlabel(xlabel, fontsize=LABEL_PT + 1)
+        if i < len(ops) - 1:
+            ax.tick_params(axis="x", labelbottom=False)
+        drawn["axes"][op] = dict(title=ax_title, xlabel=xlabel, xscale=ax.get_xscale(), rows=rows)
+    return fig, drawn
+
+
+def plot(r: dict, path: str) -> dict:
+    """Writes the PNG to `path`; returns `drawn` (see `figure`)."""
+    import matplotlib.pyplot as plt
+    fig, drawn = figure(r)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    drawn["path"] = path
+    return drawn
