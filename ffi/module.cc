@@ -6,6 +6,7 @@
 
 #include <iterator>
 #include <string>
+#include <string_view>
 
 #include <nanobind/nanobind.h>
 
@@ -15,6 +16,9 @@
 #include "cuda/sync.h"
 #include "xla/ffi/api/api.h"
 #include "xla/ffi/api/c_api.h"
+#ifdef JAXEP_HAVE_NVSHMEM
+#include "non_abi/nvshmem_version.h"  // NVSHMEM_VENDOR_{MAJOR,MINOR,PATCH}_VERSION of the build
+#endif
 
 namespace nb = nanobind;
 
@@ -29,8 +33,8 @@ void RegisterRuntime(nb::module_& m);  // ffi/runtime.cc
 #ifndef JAXEP_CUDA_ARCHS
 #define JAXEP_CUDA_ARCHS "unknown"
 #endif
-#ifndef JAXEP_NVSHMEM_ROOT_STR
-#define JAXEP_NVSHMEM_ROOT_STR ""
+#ifndef JAXEP_NVSHMEM_WHEEL
+#define JAXEP_NVSHMEM_WHEEL ""  // not from an nvidia-nvshmem-cuNN wheel (JAXEP_NVSHMEM_ROOT)
 #endif
 #ifndef JAXEP_CUDART
 #define JAXEP_CUDART "unknown"
@@ -106,10 +110,21 @@ NB_MODULE(_jaxep_cuda, m) {
         d["xla_ffi_api"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 #ifdef JAXEP_HAVE_NVSHMEM
         d["multi_rank"] = true;              // NVSHMEM runtime + multi-rank kernels
-        d["nvshmem"] = JAXEP_NVSHMEM_ROOT_STR;
+        // The NVSHMEM headers the kernels were compiled against, e.g. "3.8.0", and the wheel they
+        // came from, e.g. "nvidia-nvshmem-cu13" (None: not from a wheel). No build-time path: the
+        // build environment may be gone.
+        d["nvshmem"] = Str(std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." +
+                           std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + "." +
+                           std::to_string(NVSHMEM_VENDOR_PATCH_VERSION));
+        if (std::string_view(JAXEP_NVSHMEM_WHEEL).empty()) {
+          d["nvshmem_wheel"] = nb::none();
+        } else {
+          d["nvshmem_wheel"] = JAXEP_NVSHMEM_WHEEL;
+        }
 #else
         d["multi_rank"] = false;             // built without NVSHMEM: EP size 1 only
         d["nvshmem"] = "not found at build time";
+        d["nvshmem_wheel"] = nb::none();
 #endif
         return d;
       },

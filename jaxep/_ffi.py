@@ -51,7 +51,12 @@ _registered = False
 
 
 def _preload_nvshmem() -> str | None:
-  """Loads libnvshmem_host.so.3 from the nvidia.nvshmem wheel (RTLD_GLOBAL); its path or None."""
+  """Loads libnvshmem_host.so.3 from the nvidia.nvshmem wheel (RTLD_GLOBAL); its path or None.
+
+  The nvidia-nvshmem-cu12 and -cu13 wheels (3.x) both ship lib/libnvshmem_host.so.3, the soname
+  the extension links; which of the two it must be is the build's CUDA major (the doctor checks).
+  `nvidia` is a namespace package: every folder it spans is tried, in sys.path order.
+  """
   import ctypes  # pylint: disable=g-import-not-at-top
   import importlib.util  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
@@ -62,14 +67,16 @@ def _preload_nvshmem() -> str | None:
     return None
   if spec is None or not spec.submodule_search_locations:
     return None
-  path = os.path.join(list(spec.submodule_search_locations)[0], "lib", "libnvshmem_host.so.3")
-  if not os.path.exists(path):
-    return None
-  try:
-    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-  except OSError:
-    return None
-  return path
+  for root in spec.submodule_search_locations:
+    path = os.path.join(root, "lib", "libnvshmem_host.so.3")
+    if not os.path.exists(path):
+      continue
+    try:
+      ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+      continue
+    return path
+  return None
 
 
 def parse_constants(raw) -> dict:

@@ -8,7 +8,9 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
+import jax
 import pytest
 
 from jaxep import launch
@@ -165,11 +167,19 @@ def test_ctrl_c_or_sigterm_stops_everything(tmp_path, sig, code):
         time.sleep(120)
     """)
     env = _child_env()
-    # SIGINT must reach Python as KeyboardInterrupt even where the test runner ignores it.
-    cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", "2", "--no-init", script]
-    p = subprocess.Popen(cmd,
-                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # SIGINT must reach Python as KeyboardInterrupt even where the test runner ignores it (an
+    # ignored signal stays ignored across exec). The launcher's own interpreter installs the
+    # handler, then runs `python -m jaxep.launch`: no preexec_fn, whose fork of this JAX process
+    # (multithreaded) warned "os.fork() was called"; without it Popen spawns without a fork.
+    launcher = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "runpy.run_module('jaxep.launch', run_name='__main__', alter_sys=True)")
+    cmd = [sys.executable, "-c", launcher, "--nproc", "2", "--no-init", script]
+    jax.devices()  # JAX's backends up, as after any other test: a fork here would now warn
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    assert not [w for w in seen if "fork" in str(w.message)], [str(w.message) for w in seen]
     pids = []
     for line in p.stdout:
         pids += [int(x) for x in re.findall(r"RESULT pid=(\d+)", line)]

@@ -4,7 +4,8 @@
 #   OUT=/some/dir [STEPS="build mr bench8_64 ..."] BUDGET=560 bash tools/gpu_next.sh
 # Steps in order, each bounded so the whole call ends within BUDGET seconds (480 by default; a step
 # that no longer fits is reported as "skipped (time)"); STEPS= runs only the named ones:
-#   build      pip install --no-build-isolation --no-deps -e . (extension with NVSHMEM), ~20 s
+#   build      JAXEP_CUDA=<nvcc's major> pip install --no-build-isolation --no-deps -e .
+#              (extension with NVSHMEM, which that CUDA major then requires), ~20 s
 #   mr         pytest tests/gpu/test_multirank.py: N = 2/4/8 bitwise, alternative kernels, killed
 #              peer (~120 s; gputier runs it again: leave one of the two out of STEPS)
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
@@ -62,7 +63,11 @@ head -3 "$LOGS/machine.txt" | tee -a "$S"
 
 if [ "${BUILD:-1}" = 1 ]; then   # BUILD=0: use the extension already built (CPU dry runs of this script)
   python3 -m pip uninstall -y jaxep > /dev/null 2>&1   # a stale editable install would shadow ./jaxep
-  step build 240 120 "$LOGS/build.log" python3 -m pip install --no-build-isolation --no-deps -e .
+  # JAXEP_CUDA: pip runs CMake only when asked (docs/build.md); the major of the nvcc found, so a
+  # missing or other-major NVSHMEM wheel fails the build instead of a silent single-rank one.
+  CUDA_MAJOR=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+  step build 240 120 "$LOGS/build.log" env JAXEP_CUDA="${CUDA_MAJOR:-ON}" \
+    python3 -m pip install --no-build-isolation --no-deps -e .
 fi
 python3 -c "import jaxep._ffi as f; print('extension', f.is_available(), f.unavailable_reason(), f.build_info())" \
   2>&1 | tail -1 | tee -a "$S" "$LOGS/build_info.txt"
