@@ -121,8 +121,9 @@ def _load() -> None:
     if e.name != "jaxep._jaxep_cuda":
       _reason = f"jaxep CUDA extension failed to load: {e}"
       return
-    _reason = ("jaxep was installed without its CUDA extension jaxep._jaxep_cuda (no CUDA "
-               "compiler at build time?); build it where nvcc is available, see docs/build.md")
+    _reason = ("jaxep was installed without its CUDA extension jaxep._jaxep_cuda (a plain pip "
+               "install is pure Python); build it with JAXEP_CUDA=<CUDA major> pip install "
+               "'.[cu13]' (or cu12) where nvcc is available, see docs/build.md")
     return
   except ImportError as e:
     _reason = f"jaxep CUDA extension jaxep._jaxep_cuda is not loadable: {e}"
@@ -222,8 +223,9 @@ def runtime_limits(op: str, ep_size: int) -> dict:
   if not multi_rank_built():
     raise NotImplementedError(
         f"jaxep._ffi.{op}: ep_size = {ep_size} needs the multi-rank CUDA path, but this build of "
-        "the extension has no NVSHMEM (build_info()['multi_rank'] is False; install "
-        "nvidia-nvshmem-cu13 and rebuild, see docs/build.md), or use the reference backend")
+        "the extension has no NVSHMEM (build_info()['multi_rank'] is False; rebuild with "
+        "JAXEP_CUDA=<CUDA major> and the cu13/cu12 extra, see docs/build.md), or use the "
+        "reference backend")
   info = _module.runtime_info()
   if info is None:
     raise RuntimeError(

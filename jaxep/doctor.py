@@ -413,7 +413,7 @@ def _problems(f) -> list:
         add("error", "NVSHMEM wheel not installed", f"pip install {wheel}")
     if smi["available"] and not ext["available"]:
         add("warn", f"jaxep CUDA extension not available ({ext['reason']})",
-            "build on this machine: pip install --no-build-isolation --no-deps -e .")
+            "build on this machine: JAXEP_CUDA=<CUDA major> pip install --no-build-isolation --no-deps -e . (docs/build.md)")
     need = ext.get("nvshmem_host_needed")
     if need and not shm["found"]:
         add("error", f"extension links {need}, but no NVSHMEM wheel is installed",

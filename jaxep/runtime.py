@@ -129,8 +129,8 @@ def _init_multi_rank(config: Config) -> None:
               "CUDA_VISIBLE_DEVICES / jax.distributed.initialize(local_device_ids=[i]) per process")
     if not _ffi.multi_rank_built():
         _fail("this build of jaxep._jaxep_cuda has no NVSHMEM (build_info()['multi_rank'] is "
-              "False), so EP size > 1 cannot run on the CUDA backend; install nvidia-nvshmem-cu13 "
-              "and rebuild (docs/build.md), or pass backend='reference'")
+              "False), so EP size > 1 cannot run on the CUDA backend; rebuild with JAXEP_CUDA=<CUDA "
+              "major> and the cu13/cu12 extra (docs/build.md), or pass backend='reference'")
     max_ranks = _ffi.constant("max_ranks")
     if nproc > max_ranks:
         _fail(f"at most {max_ranks} ranks (one node) are supported, got {nproc} processes")

@@ -9,7 +9,7 @@ say() { echo "$1" | tee -a "$S"; }
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader >> "$S" 2>&1
 python3 -m pip uninstall -y jaxep > /dev/null 2>&1
-python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; say "build rc=$? ($(( $(date +%s)-t0 ))s)"
+JAXEP_CUDA=13 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; say "build rc=$? ($(( $(date +%s)-t0 ))s)"
 python3 -c "import jaxep._ffi as f; print(f.is_available(), f.unavailable_reason(), f.build_info())" 2>&1 | tee -a "$S"
 run() {  # name timeout cmd...
   local name=$1 to=$2; shift 2; local t=$(date +%s)

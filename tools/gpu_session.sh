@@ -8,7 +8,7 @@ summary() { echo "$1" | tee -a "$OUT/summary.txt"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$OUT/gpu.txt" 2>&1
 t0=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; summary "build rc=$? ($(( $(date +%s)-t0 ))s)"
+JAXEP_CUDA=13 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; summary "build rc=$? ($(( $(date +%s)-t0 ))s)"
 python3 -c "import jaxep._ffi as f; print(f.is_available(), f.unavailable_reason(), f.build_info())" >> "$OUT/build.log" 2>&1
 timeout 240 python3 -m pytest -q tests/gpu -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; summary "gpu tier rc=$? : $(tail -1 "$OUT/gpu_tests.log")"
 for E in 64 256; do
