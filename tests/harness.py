@@ -67,3 +67,32 @@ def run(cfg, xs, idxs, ws, *, backend=None, expert_fn=None):
              jnp.asarray(np.concatenate(ws)))
     names = ("x", "group_sizes", "weights", "send_row", "recv_slot", "y", "out", "dropped", "invalid")
     return {n: np.split(np.asarray(o), R) for n, o in zip(names, outs)}
+
+
+def run_in_pty(cmd, env=None, cwd=None, timeout=300):
+    """Runs `cmd` with a pseudo-terminal as stdin/stdout/stderr; (returncode, everything written)."""
+    import os  # pylint: disable=g-import-not-at-top
+    import select  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import time  # pylint: disable=g-import-not-at-top
+    import pytest  # pylint: disable=g-import-not-at-top
+    pty = pytest.importorskip("pty")
+    master, slave = pty.openpty()
+    p = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([master], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif p.poll() is not None:
+            break
+    else:
+        p.kill()
+    os.close(master)
+    return p.wait(timeout=30), out.decode("utf-8", "replace")

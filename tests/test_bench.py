@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import harness
 import jaxep
 from jaxep.bench import accounting as A
 from jaxep.bench import routing
@@ -490,34 +491,8 @@ def test_cli_output_has_no_tpu_probe_line(tmp_path):
     assert "time per op" in p.stdout
 
 
-def run_in_pty(cmd, env=None, cwd=None, timeout=300):
-    """Runs `cmd` with a pseudo-terminal as stdin/stdout/stderr; (returncode, everything written)."""
-    pty = pytest.importorskip("pty")
-    import select
-    import time
-    master, slave = pty.openpty()
-    p = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd)
-    os.close(slave)
-    out, deadline = b"", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([master], [], [], 0.5)[0]:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # the child closed the terminal
-                break
-            if not chunk:
-                break
-            out += chunk
-        elif p.poll() is not None:
-            break
-    else:
-        p.kill()
-    os.close(master)
-    return p.wait(timeout=30), out.decode("utf-8", "replace")
-
-
 def test_cli_on_a_terminal_draws_a_rich_progress_bar():
-    rc, out = run_in_pty([sys.executable, "-m", "jaxep.bench", "--tokens=16", "--hidden=32",
+    rc, out = harness.run_in_pty([sys.executable, "-m", "jaxep.bench", "--tokens=16", "--hidden=32",
                           "--topk=2", "--experts=8", "--iters=1", "--warmup=0", "--inner=1"],
                          env=_bench_env(), cwd=os.path.join(os.path.dirname(__file__), ".."))
     assert rc == 0, out[-3000:]

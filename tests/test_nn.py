@@ -15,6 +15,7 @@ nnx = pytest.importorskip("flax.nnx")
 import jaxep.nn  # noqa: E402
 from jaxep.nn import MoE, MoEShardingConfig, moe_reference  # noqa: E402
 
+import harness  # noqa: E402  (tests/harness.py: run_in_pty)
 import oracle  # noqa: E402  (tests/oracle.py: the NumPy layout oracle written from the spec)
 
 H, F, E, K = 16, 32, 8, 2
@@ -197,35 +198,13 @@ def test_example_on_a_terminal_rich_progress_and_no_tpu_probe_line():
     passes, and no absl "Unable to initialize backend 'tpu'" line (JAX_PLATFORMS unset, as a user
     runs it). Short: 12 steps, the loss is reported, not enforced."""
     import os
-    import select
-    import subprocess
     import sys
-    import time
-    pty = pytest.importorskip("pty")
     root = os.path.join(os.path.dirname(__file__), "..")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_LOGGING_LEVEL")}
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
         [os.path.abspath(root)] + [p for p in [env.get("PYTHONPATH")] if p]))
-    master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, os.path.join(root, "examples", "moe_flax.py"), "--short",
-                          "--steps", "12"], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=root)
-    os.close(slave)
-    out, deadline = b"", time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if select.select([master], [], [], 0.5)[0]:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # the child closed the terminal
-                break
-            if not chunk:
-                break
-            out += chunk
-        elif p.poll() is not None:
-            break
-    else:
-        p.kill()
-    os.close(master)
-    rc, text = p.wait(timeout=30), out.decode("utf-8", "replace")
+    rc, text = harness.run_in_pty([sys.executable, os.path.join(root, "examples", "moe_flax.py"),
+                                   "--short", "--steps", "12"], env=env, cwd=root, timeout=300)
     assert rc == 0, text[-4000:]
     assert "\u2501" in text and "12/12" in text, text[-3000:]  # rich's bar, drawn to the end
     assert ": PASS" in text and "moe_flax: OK" in text, text[-3000:]
