@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -39,14 +38,6 @@ template <typename... Args>
 std::string StrCat(const Args&... args) {
   std::ostringstream os;
   (os << ... << args);
-  return os.str();
-}
-
-inline std::string DimsToString(ffi::AnyBuffer::Dimensions dims) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << "]";
   return os.str();
 }
 
