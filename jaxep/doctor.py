@@ -1,8 +1,12 @@
 """`python -m jaxep.doctor`: what this machine has for jaxep, and what is wrong or slow.
 
 `facts()` returns a JSON-able dict (also logged by `jaxep.initialize` at INFO when asked); `problems`
-in it lists {"level", "what", "hint"}. Every probe tolerates a missing tool, file or device: on a
-machine without GPU, NVSHMEM or NICs the doctor says so and carries on. Nothing is changed.
+in it lists {"level", "what", "hint"}. Its "topology" key (jaxep.topology.summary) holds the NIC
+NVSHMEM would give each GPU, the NVSHMEM transport settings and the internode findings (GPUs
+sharing a NIC, a NIC far from its GPU, a bond at half rate, IBGDA off, no GDRCopy for the proxy,
+no transport to other nodes), each with the NVSHMEM setting that fixes it; they join `problems`.
+Every probe tolerates a missing tool, file or device: on a machine without GPU, NVSHMEM or NICs
+the doctor says so and carries on. Nothing is changed.
 
 Sources: GPUs from NVML (nvidia-ml-py, the `cu12`/`cu13` extras) where it loads, else nvidia-smi;
 processes from psutil; the extension from its import spec (so an editable install is found where
@@ -27,7 +31,7 @@ import sys
 
 import psutil
 
-from jaxep import _jax_private
+from jaxep import _jax_private, topology
 
 _ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
              "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
@@ -431,7 +435,7 @@ def _problems(f) -> list:
         add("info", "no RDMA NICs in /sys/class/infiniband", "single-node only; multi-node EP needs IB/RoCE")
     if any(not p["active"] for p in f["infiniband"]):
         add("warn", "some IB ports are not ACTIVE", "check cabling/subnet manager: ibstat")
-    for a in f["gpu_nic_affinity"]:
+    for a in [] if f["topology"]["gpus"] else f["gpu_nic_affinity"]:  # topology's finer check wins
         if a["numa_node"] not in (None, "-1") and a["nic_numa_node"] not in (None, "-1") \
                 and a["numa_node"] != a["nic_numa_node"]:
             add("warn", f"GPU {a['gpu']} nearest NIC {a['nearest_nic']} is on another NUMA node",
@@ -445,11 +449,14 @@ def _problems(f) -> list:
     if smi["available"] and not f["mps"]["daemon_running"]:
         add("info", "CUDA MPS is not running",
             "needed only for several ranks on one GPU (jaxep.launch --share-gpu starts it)")
+    for p in f["topology"]["findings"]:
+        add(**p)
     return out
 
 
-def facts() -> dict:
-    """Everything the doctor knows, as a JSON-able dict (see module docstring)."""
+def facts(nodes: int | None = None) -> dict:
+    """Everything the doctor knows, as a JSON-able dict (see module docstring). `nodes`: how many
+    nodes the job spans, for the internode checks that depend on it (None: unknown)."""
     smi = nvidia_smi()
     ports = infiniband_ports()
     ext = extension()
@@ -461,6 +468,7 @@ def facts() -> dict:
                             smi.get("cuda_driver_version")),
         "infiniband": ports,
         "gpu_nic_affinity": gpu_nic_affinity(smi["gpus"], ports), "mps": mps(), "env": environment(),
+        "topology": topology.summary(nodes=nodes),
     }
     f["problems"] = _problems(f)
     return f
@@ -515,6 +523,8 @@ def format_report(f: dict) -> str:
                  f", pipe {m['pipe_directory']}")
     lines.append("memory: XLA_PYTHON_CLIENT_PREALLOCATE=" + str(f["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"])
                  + " XLA_PYTHON_CLIENT_MEM_FRACTION=" + str(f["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
+    lines.append("GPU-NIC, as NVSHMEM would pick (jaxep.topology):")
+    lines += [f"  {line}" for line in f["topology"]["report"]]
     nv = {k: v for k, v in f["env"].items() if k.startswith("NVSHMEM_")}
     lines.append(f"NVSHMEM env: {nv or 'none'}")
     lines.append("problems:" if f["problems"] else "problems: none")
@@ -529,12 +539,17 @@ def parser() -> argparse.ArgumentParser:
                     "NICs, MPS, environment) and what is wrong or slow. Changes nothing.",
         epilog="Exit status: 1 when a problem of level 'error' was found, else 0.")
     p.add_argument("--json", action="store_true", help="print every fact as JSON, not the report")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="nodes the job spans: 1 skips the internode checks, more adds the ones "
+                        "that need it (e.g. NVSHMEM_REMOTE_TRANSPORT=none); default: unknown")
     return p
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    f = facts()
+    if args.nodes is not None and args.nodes < 1:
+        parser().error(f"--nodes must be at least 1, got {args.nodes}")
+    f = facts(nodes=args.nodes)
     print(json.dumps(f, indent=1, default=str) if args.json else format_report(f))
     return 1 if any(p["level"] == "error" for p in f["problems"]) else 0
 

@@ -17,7 +17,7 @@ import pytest
 from jaxep import _ffi, doctor
 
 KEYS = {"python", "os", "machine", "packages", "jax", "nvidia_smi", "nvshmem", "extension", "cuda",
-        "infiniband", "gpu_nic_affinity", "mps", "env", "problems"}
+        "infiniband", "gpu_nic_affinity", "mps", "env", "topology", "problems"}
 
 
 def test_facts_keys_and_json():
@@ -51,6 +51,30 @@ def test_help_exits_0_and_unknown_flags_exit_2(capsys):
 def test_json_flag(capsys):
     doctor.main(["--json"])
     assert set(json.loads(capsys.readouterr().out)) == KEYS
+
+
+def test_topology_section_from_the_seed_fixture(monkeypatch, capsys):
+    """The seed's recorded topo -m and sysfs through the doctor: the per-GPU NIC lines in the
+    report, the topology findings among the problems, the --json key."""
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "topology", "seed")
+    with open(os.path.join(fixture, "topo.txt")) as fh:
+        text = fh.read()
+    real = doctor.topology.summary
+    monkeypatch.setattr(doctor.topology, "summary", lambda nodes=None: real(
+        {"NVSHMEM_REMOTE_TRANSPORT": "none"}, os.path.join(fixture, "root"), text, nodes))
+    assert doctor.main(["--nodes", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "GPU-NIC, as NVSHMEM would pick (jaxep.topology):" in out
+    assert "  GPU 7: NIC mlx5_7 port 1, 800 Gb/s RoCE, PXB from the GPU (closest)" in out
+    assert "[error] NVSHMEM_REMOTE_TRANSPORT=none and IBGDA off on 2 nodes" in out
+    doctor.main(["--nodes", "1"])  # one node: NVSHMEM uses no NIC, nothing internode to check
+    assert "] IBGDA off" not in capsys.readouterr().out
+    doctor.main(["--json"])
+    topo = json.loads(capsys.readouterr().out)["topology"]
+    assert topo["gpus"][3]["nic"] == "mlx5_3" and topo["findings"][0]["what"].startswith("IBGDA off")
+    with pytest.raises(SystemExit) as e:
+        doctor.main(["--nodes", "0"])
+    assert e.value.code == 2 and "--nodes must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_affinity_without_sysfs():

@@ -1,0 +1,649 @@
+"""GPU-NIC topology and the NVSHMEM settings that decide internode speed.
+
+Pure Python (no jax): every function reads recorded text, a sysfs tree under `root` and an environ
+mapping, so the tests feed fixtures (tests/fixtures/topology/) and nothing here needs a GPU. Nothing
+here writes os.environ: the settings jaxep recommends are printed in hints.
+
+  parse_topo(text)         `nvidia-smi topo -m` -> Topo: for each GPU, each NIC's path class
+  read_nics(root)          /sys/class/infiniband (+ bonds in /sys/class/net) -> {name: Nic}
+  read_settings(environ)   the NVSHMEM variables below -> Settings
+  assign(topo, nics, s)    the NIC NVSHMEM would give each local GPU -> {gpu: Choice}
+  nic_for_gpu(gpu, ...)    one GPU's Choice
+  findings(...)            what is wrong or slow, each with the NVSHMEM setting that fixes it
+  gpu_report(local_gpu)    lines for `jaxep.initialize` to log at INFO, one GPU
+  summary(...)             all of it as a JSON-able dict (the doctor's "topology" key)
+
+NVSHMEM's rules modelled here (its env_defs.h and transport.cpp, 3.x):
+- NVSHMEM_ENABLE_NIC_PE_MAPPING unset or 0: each PE gets the NIC closest to its GPU, PEs spread
+  over equally close NICs; NVSHMEM_HCA_LIST and NVSHMEM_HCA_PE_MAPPING are ignored.
+- NVSHMEM_ENABLE_NIC_PE_MAPPING=1: local PE i gets entry i of NVSHMEM_HCA_PE_MAPPING, else the
+  NICs NVSHMEM_HCA_LIST leaves round-robin (HCA_LIST wins when both are set), else all NICs
+  round-robin. Ports that are not ACTIVE are skipped.
+- A boolean is true when set and not starting with 0, N, n, F or f (the OpenSHMEM rule).
+Assumed: one PE per GPU, local PE i on GPU i. Not read: NVSHMEM's config files (/etc/nvshmem.conf,
+~/.nvshmem.conf, NVSHMEM_CONF_FILE), which newer releases let override the environment.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+from typing import Mapping, NamedTuple
+
+# The NVSHMEM variables read here: meaning [default]. The one place jaxep documents them.
+VARIABLES = {
+    "NVSHMEM_IB_ENABLE_IBGDA": "GPU-initiated transport (IBGDA) instead of the CPU proxy [false]",
+    "NVSHMEM_IBGDA_NIC_HANDLER": "who rings the NIC doorbell under IBGDA: auto, gpu, cpu, "
+                                 "cpu_host_memory [auto: the GPU, the CPU where it cannot]",
+    "NVSHMEM_ENABLE_NIC_PE_MAPPING": "1: NICs from HCA_PE_MAPPING, HCA_LIST or round-robin, not "
+                                     "the closest [false]",
+    "NVSHMEM_HCA_LIST": "name:port,... NICs to use, a leading ^ excludes them; needs "
+                        "NVSHMEM_ENABLE_NIC_PE_MAPPING=1 []",
+    "NVSHMEM_HCA_PE_MAPPING": "name:port:count,... NIC of each local PE in order; needs "
+                              "NVSHMEM_ENABLE_NIC_PE_MAPPING=1 []",
+    "NVSHMEM_IB_TRAFFIC_CLASS": "RoCE traffic class [0]",
+    "NVSHMEM_IB_GID_INDEX": "RoCE source GID index [-1: NVSHMEM picks a RoCE v2 GID]",
+    "NVSHMEM_REMOTE_TRANSPORT": "proxy transport to other nodes: ibrc, ucx, libfabric, ibdevx, "
+                                "gpunetio, none [ibrc]",
+    "NVSHMEM_DISABLE_GDRCOPY": "no GDRCopy in the IBRC transport [false]",
+}
+
+CLASSES = ("PIX", "PXB", "PHB", "NODE", "SYS")  # GPU-NIC path classes, closest first
+_FAR = {  # the classes whose RDMA path leaves the GPU's PCIe switch tree, and where it goes
+    "PHB": "through a PCIe host bridge (the CPU)",
+    "NODE": "across PCIe host bridges within the NUMA node",
+    "SYS": "across the socket interconnect to another NUMA node",
+}
+TOPO_TIMEOUT_S = 5.0  # nvidia-smi topo -m takes well under a second; a hung driver must not stall
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi underlines the header on a terminal
+_TAIL = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
+
+
+class Finding(NamedTuple):
+    level: str  # "info", "warn" or "error", as the doctor's problems
+    what: str
+    hint: str
+
+
+# --- nvidia-smi topo -m ------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Topo:
+    """`nvidia-smi topo -m`: link[gpu][nic] is the GPU-NIC path class ("PXB", ...) for every GPU
+    row and NIC column; nics holds the NIC names in column order (NIC0 first, named by the NIC
+    Legend); numa_affinity / cpu_affinity hold each GPU row's tail columns, None where absent."""
+    gpus: tuple[int, ...]
+    nics: tuple[str, ...]
+    link: Mapping[int, Mapping[str, str]]
+    numa_affinity: Mapping[int, str | None]
+    cpu_affinity: Mapping[int, str | None]
+
+
+def read_topo_text(timeout: float = TOPO_TIMEOUT_S) -> str | None:
+    """`nvidia-smi topo -m` output, or None where nvidia-smi is missing, fails or hangs."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        p = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                           timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
+def parse_topo(text: str | None) -> Topo | None:
+    """The matrix of `nvidia-smi topo -m` (tab- or space-separated), or None without one.
+
+    The header is the line that starts with blanks (the empty corner cell) and then GPU0; each GPU
+    row holds one cell per GPU/NIC column, then the tail columns the header names."""
+    if not text:
+        return None
+    lines = _ANSI.sub("", text).splitlines()
+    header = next((ln for ln in lines if ln[:1].isspace() and ln.split()[:1] == ["GPU0"]), None)
+    if header is None:
+        return None
+    columns = re.findall(r"\b(GPU|NIC)(\d+)\b", header)
+    tail = sorted((t for t in _TAIL if t in header), key=header.index)
+    legend = {int(m.group(1)): m.group(2)
+              for m in (re.match(r"\s*NIC(\d+):\s*(\S+)\s*$", ln) for ln in lines) if m}
+    names = [legend.get(int(i), f"NIC{i}") if kind == "NIC" else None for kind, i in columns]
+    gpus, link, numa, cpu = [], {}, {}, {}
+    for ln in lines:
+        tok = ln.split()
+        m = re.fullmatch(r"GPU(\d+)", tok[0]) if tok and not ln[:1].isspace() else None
+        if m is None:
+            continue
+        g = int(m.group(1))
+        gpus.append(g)
+        link[g] = {n: c for n, c in zip(names, tok[1:1 + len(columns)]) if n is not None}
+        rest = dict(zip(tail, tok[1 + len(columns):]))
+        numa[g], cpu[g] = rest.get("NUMA Affinity"), rest.get("CPU Affinity")
+    return Topo(tuple(gpus), tuple(n for n in names if n is not None), link, numa, cpu)
+
+
+# --- sysfs ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+    """/sys/class/infiniband/<nic>/ports/<number>; gids maps index -> (GID, type such as
+    "RoCE v2"), the all-zero (unused) entries left out."""
+    number: int
+    state: str | None       # "4: ACTIVE"
+    rate_text: str | None   # "800 Gb/sec (4X XDR)"
+    rate_gbps: float | None
+    link_layer: str | None  # "InfiniBand", or "Ethernet" (RoCE)
+    gids: Mapping[int, tuple[str, str | None]]
+
+    @property
+    def active(self) -> bool:
+        return self.state is not None and "ACTIVE" in self.state
+
+
+@dataclasses.dataclass(frozen=True)
+class Nic:
+    """One RDMA device. bond is the bonding master (/sys/class/net/<bond>/bonding) one of its
+    netdevs is, or is a slave of; slave_gbps the link speeds of that bond's slaves that are up."""
+    name: str
+    numa_node: int | None  # None when unknown (absent or -1)
+    ports: tuple[Port, ...]
+    bond: str | None
+    slaves: tuple[str, ...]
+    slave_gbps: tuple[float, ...]
+
+    @property
+    def bonded(self) -> bool:
+        return self.bond is not None or "bond" in self.name
+
+    @property
+    def port(self) -> Port | None:
+        """The port NVSHMEM uses: the first ACTIVE one, else the first."""
+        return next((p for p in self.ports if p.active), self.ports[0] if self.ports else None)
+
+
+def _read(path) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _listdir(path) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _int(text) -> int | None:
+    try:
+        return int(text, 0)
+    except (TypeError, ValueError):
+        return None
+
+
+def _port(path, number) -> Port:
+    rate = _read(os.path.join(path, "rate"))
+    m = re.match(r"\s*([\d.]+)\s*Gb/sec", rate or "")
+    gids = {}
+    for i in filter(str.isdigit, _listdir(os.path.join(path, "gids"))):
+        gid = _read(os.path.join(path, "gids", i))
+        if gid and not re.fullmatch(r"[0:]+", gid):
+            gids[int(i)] = (gid, _read(os.path.join(path, "gid_attrs", "types", i)))
+    return Port(number, _read(os.path.join(path, "state")), rate,
+                float(m.group(1)) if m else None, _read(os.path.join(path, "link_layer")), gids)
+
+
+def _netdevs(dev) -> set[str]:
+    """The network interfaces of an RDMA device: its PCI function's, and those its GIDs name."""
+    names = set(_listdir(os.path.join(dev, "device", "net")))
+    for p in _listdir(os.path.join(dev, "ports")):
+        ndevs = os.path.join(dev, "ports", p, "gid_attrs", "ndevs")
+        names |= {n for n in (_read(os.path.join(ndevs, i)) for i in _listdir(ndevs)) if n}
+    return names
+
+
+def _bonds(root) -> dict[str, tuple[str, ...]]:
+    """{bonding master: its slaves}: every /sys/class/net/<name>/bonding/slaves."""
+    net = os.path.join(root, "sys", "class", "net")
+    out = {}
+    for name in _listdir(net):
+        slaves = _read(os.path.join(net, name, "bonding", "slaves"))
+        if slaves is not None:
+            out[name] = tuple(slaves.split())
+    return out
+
+
+def read_nics(root: str = "/") -> dict[str, Nic]:
+    """Every RDMA device under root/sys/class/infiniband, by name; {} where there is none."""
+    ib = os.path.join(root, "sys", "class", "infiniband")
+    net = os.path.join(root, "sys", "class", "net")
+    bonds = _bonds(root)
+    out = {}
+    for name in _listdir(ib):
+        dev = os.path.join(ib, name)
+        ports = tuple(_port(os.path.join(dev, "ports", p), int(p))
+                      for p in sorted(filter(str.isdigit, _listdir(os.path.join(dev, "ports"))),
+                                      key=int))
+        netdevs = _netdevs(dev)
+        bond = next((b for b, s in bonds.items() if b in netdevs or netdevs & set(s)), None)
+        slaves = bonds.get(bond, ())
+        speeds = (_int(_read(os.path.join(net, s, "speed"))) for s in slaves)  # Mb/s, -1 when down
+        numa = _int(_read(os.path.join(dev, "device", "numa_node")))
+        out[name] = Nic(name, numa if numa is not None and numa >= 0 else None, ports, bond,
+                        slaves, tuple(v / 1000 for v in speeds if v and v > 0))
+    return out
+
+
+def gdrcopy(root: str = "/") -> bool:
+    """GDRCopy's kernel module is loaded: /dev/gdrdrv exists."""
+    return os.path.exists(os.path.join(root, "dev", "gdrdrv"))
+
+
+# --- NVSHMEM settings ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The NVSHMEM variables of VARIABLES, parsed as NVSHMEM does; traffic_class and gid_index
+    stay as given (None when unset). hca_pe_mapping is expanded: entry i is local PE i's."""
+    ibgda: bool
+    nic_handler: str
+    nic_pe_mapping: bool
+    hca_list: tuple[tuple[str, int | None], ...]
+    hca_exclude: bool
+    hca_pe_mapping: tuple[tuple[str, int | None], ...]
+    remote_transport: str
+    disable_gdrcopy: bool
+    traffic_class: str | None
+    gid_index: str | None
+    nccl_traffic_class: str | None  # NCCL_IB_TC, to compare
+    nccl_gid_index: str | None      # NCCL_IB_GID_INDEX, to compare
+
+    @property
+    def proxy(self) -> bool:
+        """A CPU thread carries the internode traffic (or rings its doorbells)."""
+        return not self.ibgda or self.nic_handler in ("cpu", "cpu_host_memory")
+
+
+def _bool(value: str | None) -> bool:
+    return value is not None and value[:1] not in ("0", "N", "n", "F", "f")
+
+
+def _hcas(value: str | None) -> list[tuple[str, int | None, int]]:
+    """"mlx5_0:1,mlx5_1:1:2" -> [(name, port, count)]; a missing port is None, a missing count 1."""
+    out = []
+    for entry in (value or "").lstrip("^").split(","):
+        parts = entry.strip().split(":")
+        if parts[0]:
+            port = _int(parts[1]) if len(parts) > 1 else None
+            count = _int(parts[2]) if len(parts) > 2 else 1
+            out.append((parts[0], port, count if count and count > 0 else 1))
+    return out
+
+
+def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if environ is None else environ
+    hca_list = env.get("NVSHMEM_HCA_LIST")
+    return Settings(
+        ibgda=_bool(env.get("NVSHMEM_IB_ENABLE_IBGDA")),
+        nic_handler=(env.get("NVSHMEM_IBGDA_NIC_HANDLER") or "auto").strip().lower(),
+        nic_pe_mapping=_bool(env.get("NVSHMEM_ENABLE_NIC_PE_MAPPING")),
+        hca_list=tuple((n, p) for n, p, _ in _hcas(hca_list)),
+        hca_exclude=(hca_list or "").startswith("^"),
+        hca_pe_mapping=tuple((n, p) for n, p, c in _hcas(env.get("NVSHMEM_HCA_PE_MAPPING"))
+                             for _ in range(c)),
+        remote_transport=(env.get("NVSHMEM_REMOTE_TRANSPORT") or "ibrc").strip().lower(),
+        disable_gdrcopy=_bool(env.get("NVSHMEM_DISABLE_GDRCOPY")),
+        traffic_class=env.get("NVSHMEM_IB_TRAFFIC_CLASS"),
+        gid_index=env.get("NVSHMEM_IB_GID_INDEX"),
+        nccl_traffic_class=env.get("NCCL_IB_TC"),
+        nccl_gid_index=env.get("NCCL_IB_GID_INDEX"))
+
+
+# --- the NIC of each GPU -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The NIC NVSHMEM would give a local GPU: link is the GPU-NIC class (None when topo -m does
+    not say), how the rule that picked it."""
+    gpu: int
+    nic: str
+    port: int | None
+    link: str | None
+    how: str
+
+
+def _usable(topo: Topo | None, nics: Mapping[str, Nic]) -> list[str]:
+    """NIC names NVSHMEM enumerates: topo -m's order, then sysfs-only ones; a NIC sysfs shows
+    without an ACTIVE port is skipped, as NVSHMEM skips it."""
+    names = list(topo.nics if topo else ()) + [n for n in nics if not topo or n not in topo.nics]
+    return [n for n in names if n not in nics or any(p.active for p in nics[n].ports)]
+
+
+def _port_of(nics, name) -> int | None:
+    port = nics[name].port if name in nics else None
+    return port.number if port else None
+
+
+def _closest(topo: Topo, names: list[str], nics) -> dict[int, Choice]:
+    """Each GPU in order takes its closest NIC; among equally close ones the least taken so far,
+    then the lowest column (NVSHMEM spreads PEs over equally close NICs)."""
+    taken = collections.Counter()
+    out = {}
+    for g in topo.gpus:
+        ranked = [(CLASSES.index(c), taken[n], i, n) for i, n in enumerate(names)
+                  if (c := topo.link[g].get(n)) in CLASSES]
+        if ranked:
+            n = min(ranked)[3]
+            taken[n] += 1
+            out[g] = Choice(g, n, _port_of(nics, n), topo.link[g][n], "closest")
+    return out
+
+
+def _mapped_slots(names, nics, s: Settings) -> tuple[list[tuple[str, int | None]], str]:
+    """Under NVSHMEM_ENABLE_NIC_PE_MAPPING=1: the (NIC, port) slots PEs take in turn, and why."""
+    if s.hca_list:
+        listed = {n for n, _ in s.hca_list}
+        if s.hca_exclude:
+            return [(n, _port_of(nics, n)) for n in names if n not in listed], "NVSHMEM_HCA_LIST"
+        ports = dict(s.hca_list)
+        return ([(n, ports[n] or _port_of(nics, n)) for n in names if n in listed],
+                "NVSHMEM_HCA_LIST, round-robin")
+    if s.hca_pe_mapping:
+        return [(n, p or _port_of(nics, n)) for n, p in s.hca_pe_mapping], "NVSHMEM_HCA_PE_MAPPING"
+    return [(n, _port_of(nics, n)) for n in names], "NVSHMEM_ENABLE_NIC_PE_MAPPING round-robin"
+
+
+def assign(topo: Topo | None, nics: Mapping[str, Nic], s: Settings) -> dict[int, Choice]:
+    """{GPU: the NIC NVSHMEM would give it} for the GPUs topo -m lists; {} without topo -m."""
+    if topo is None:
+        return {}
+    names = _usable(topo, nics)
+    if not s.nic_pe_mapping:
+        return _closest(topo, names, nics)
+    slots, how = _mapped_slots(names, nics, s)
+    if not slots:
+        return {}
+    picks = [(g, slots[i % len(slots)]) for i, g in enumerate(topo.gpus)]
+    return {g: Choice(g, n, p, topo.link[g].get(n), how) for g, (n, p) in picks}
+
+
+def nic_for_gpu(gpu: int, topo: Topo | None, nics: Mapping[str, Nic],
+                s: Settings) -> Choice | None:
+    """The NIC NVSHMEM would give `gpu` (index as in nvidia-smi), or None when unknown."""
+    return assign(topo, nics, s).get(gpu)
+
+
+def _own_nic_mapping(topo: Topo, names, nics) -> list[Choice] | None:
+    """Each GPU in order takes its closest NIC no earlier GPU took; None with fewer NICs than
+    GPUs."""
+    free = [n for n in names if any(topo.link[g].get(n) in CLASSES for g in topo.gpus)]
+    if len(free) < len(topo.gpus):
+        return None
+    out = []
+    for g in topo.gpus:
+        n = min(free, key=lambda m: (CLASSES.index(topo.link[g].get(m, "SYS")), free.index(m)))
+        free.remove(n)
+        out.append(Choice(g, n, _port_of(nics, n), topo.link[g].get(n), "own NIC"))
+    return out
+
+
+def _mapping_env(choices) -> str:
+    return ("NVSHMEM_ENABLE_NIC_PE_MAPPING=1 NVSHMEM_HCA_PE_MAPPING="
+            + ",".join(f"{c.nic}:{c.port or 1}:1" for c in choices))
+
+
+# --- findings ------------------------------------------------------------------------------------
+
+def _rate(nics, name) -> str:
+    port = nics[name].port if name in nics else None
+    return f"{port.rate_gbps:g} Gb/s" if port and port.rate_gbps else "rate unknown"
+
+
+def _shared(choices, topo, names, nics) -> list[Finding]:
+    by_nic = collections.defaultdict(list)
+    for c in choices.values():
+        by_nic[c.nic].append(c.gpu)
+    shared = {n: gs for n, gs in by_nic.items() if len(gs) > 1}
+    if not shared:
+        return []
+    what = "GPUs share a NIC, each getting a fraction of its bandwidth: " + "; ".join(
+        f"GPUs {', '.join(map(str, gs))} on {n} ({_rate(nics, n)})" for n, gs in shared.items())
+    own = _own_nic_mapping(topo, names, nics)
+    if own is None:
+        hint = (f"{len(names)} usable NICs for {len(topo.gpus)} GPUs: the hardware shares them, "
+                "no NVSHMEM setting gives each GPU its own")
+    else:
+        moved = ", ".join(f"GPU {c.gpu} -> {c.nic} ({c.link})" for c in own
+                          if c.nic != choices.get(c.gpu, c).nic)
+        hint = f"{_mapping_env(own)} gives each GPU its own NIC ({moved}); measure both"
+    return [Finding("warn", what, hint)]
+
+
+def _far(choices, topo, names, nics) -> list[Finding]:
+    far = [c for c in choices.values() if c.link in _FAR]
+    if not far:
+        return []
+    what = "NIC far from its GPU, RDMA leaves the PCIe switch: " + "; ".join(
+        f"GPU {c.gpu} -> {c.nic} is {c.link} ({_FAR[c.link]})" for c in far)
+    near = [c.gpu for c in far if any(topo.link[c.gpu].get(n) in ("PIX", "PXB") for n in names)]
+    own = _own_nic_mapping(topo, names, nics)
+    if not near:
+        hint = ("no usable NIC shares a PCIe switch with these GPUs, so no NVSHMEM setting helps: "
+                "move the NIC next to the GPU, or run the internode ranks on GPUs that have one")
+    elif own is not None and all(o.link not in _FAR for o in own if o.gpu in near):
+        hint = f"a nearer NIC is free: {_mapping_env(own)}"
+    else:
+        hint = (f"the near NICs of GPUs {', '.join(map(str, near))} serve other GPUs: unset "
+                "NVSHMEM_ENABLE_NIC_PE_MAPPING to share the near NIC instead; measure both")
+    return [Finding("warn", what, hint)]
+
+
+def _half_rate_bonds(used: list[Nic]) -> list[Finding]:
+    out = []
+    for nic in used:
+        port = nic.port
+        if not (nic.bonded and len(nic.slave_gbps) > 1 and port and port.rate_gbps):
+            continue
+        if port.rate_gbps <= max(nic.slave_gbps):  # one slave's rate, not the bond's sum
+            out.append(Finding(
+                "warn",
+                f"bonded NIC {nic.name} at half rate: {nic.bond} bonds {len(nic.slaves)} ports "
+                f"({', '.join(nic.slaves)}; {sum(nic.slave_gbps):g} Gb/s together) but RDMA sees "
+                f"{port.rate_gbps:g} Gb/s, one port's: each queue pair runs on one port",
+                "spread queue pairs over the ports (with IBGDA: NVSHMEM_IBGDA_NUM_RC_PER_PE=4 or "
+                "more), or undo the RoCE bond so each port is its own RDMA device and give each "
+                "GPU one: NVSHMEM_ENABLE_NIC_PE_MAPPING=1 NVSHMEM_HCA_PE_MAPPING=<dev>:1:1,..."))
+    return out
+
+
+def _transport(s: Settings, gdr: bool, nodes: int | None) -> list[Finding]:
+    out = []
+    fix = "NVSHMEM_IB_ENABLE_IBGDA=1 NVSHMEM_IBGDA_NIC_HANDLER=gpu"
+    if not s.ibgda and s.remote_transport == "none" and nodes and nodes > 1:
+        out.append(Finding(
+            "error", f"NVSHMEM_REMOTE_TRANSPORT=none and IBGDA off on {nodes} nodes: no NVSHMEM "
+            "transport reaches the other nodes (jaxep recommends none for one node only)",
+            f"{fix}, or unset NVSHMEM_REMOTE_TRANSPORT (ibrc: the CPU proxy)"))
+    elif not s.ibgda:
+        out.append(Finding(
+            "warn", f"IBGDA off (NVSHMEM_IB_ENABLE_IBGDA not set to 1): internode puts fall back "
+            f"to the CPU proxy thread of the {s.remote_transport} transport, which posts every "
+            "GPU-issued put to the NIC", fix))
+    elif s.proxy:
+        out.append(Finding(
+            "warn", f"IBGDA with NVSHMEM_IBGDA_NIC_HANDLER={s.nic_handler}: a CPU proxy rings the "
+            "NIC doorbell for every GPU-issued put",
+            "NVSHMEM_IBGDA_NIC_HANDLER=gpu (or auto, the default: the GPU where it can)"))
+    # GDRCopy serves the IBRC proxy and IBGDA's cpu doorbell handler.
+    needs_gdr = ((not s.ibgda and s.remote_transport == "ibrc")
+                 or (s.ibgda and s.nic_handler == "cpu"))
+    if needs_gdr and (s.disable_gdrcopy or not gdr):
+        why = "NVSHMEM_DISABLE_GDRCOPY is set" if s.disable_gdrcopy else "/dev/gdrdrv is missing"
+        out.append(Finding(
+            "warn", f"no GDRCopy with the CPU proxy ({why}): the proxy's atomics and flag "
+            "updates in GPU memory take a slower path",
+            f"load GDRCopy's gdrdrv module and unset NVSHMEM_DISABLE_GDRCOPY; better: {fix}"))
+    return out
+
+
+def _roce(choices, nics, s: Settings) -> list[Finding]:
+    ports = {c.nic: nics[c.nic].port for c in choices.values() if c.nic in nics}
+    roce = sorted(n for n, p in ports.items() if p and p.link_layer == "Ethernet")
+    if not roce:
+        return []
+    out = []
+    tc = s.traffic_class or "0"
+    if s.nccl_traffic_class is not None and _int(s.nccl_traffic_class) != _int(tc):
+        out.append(Finding(
+            "warn", f"RoCE traffic class: NCCL uses {s.nccl_traffic_class} (NCCL_IB_TC), NVSHMEM "
+            f"{tc}: NVSHMEM's traffic may miss the lossless (PFC/ECN) priority",
+            f"NVSHMEM_IB_TRAFFIC_CLASS={s.nccl_traffic_class}"))
+    if s.nccl_gid_index is not None and s.gid_index is not None \
+            and _int(s.nccl_gid_index) != _int(s.gid_index):
+        out.append(Finding(
+            "warn", f"RoCE GID index: NCCL uses {s.nccl_gid_index} (NCCL_IB_GID_INDEX), NVSHMEM "
+            f"{s.gid_index}", f"NVSHMEM_IB_GID_INDEX={s.nccl_gid_index}"))
+    index = _int(s.gid_index)
+    if index is not None and index >= 0:
+        known = [n for n in roce if nics[n].port.gids]  # a port sysfs shows no GID of is unknown
+        bad = [f"{n}: {nics[n].port.gids[index][1] if index in nics[n].port.gids else 'no GID'}"
+               for n in known if nics[n].port.gids.get(index, (None, None))[1] != "RoCE v2"]
+        if bad:
+            v2 = sorted({i for n in known for i, (_, t) in nics[n].port.gids.items()
+                         if t == "RoCE v2"})
+            out.append(Finding(
+                "warn", f"NVSHMEM_IB_GID_INDEX={index} is not a RoCE v2 GID ({'; '.join(bad)})",
+                f"NVSHMEM_IB_GID_INDEX=<one of {v2}> (show_gids lists them), or unset it: "
+                "NVSHMEM then picks a RoCE v2 GID itself"))
+    return out
+
+
+def _hca_settings(s: Settings, names) -> list[Finding]:
+    out = []
+    if (s.hca_list or s.hca_pe_mapping) and not s.nic_pe_mapping:
+        out.append(Finding(
+            "info", "NVSHMEM_HCA_LIST / NVSHMEM_HCA_PE_MAPPING is set without "
+            "NVSHMEM_ENABLE_NIC_PE_MAPPING=1: recent NVSHMEM ignores it and picks the closest NIC",
+            "NVSHMEM_ENABLE_NIC_PE_MAPPING=1 to apply it, or unset it"))
+    missing = sorted({n for n, _ in s.hca_list + s.hca_pe_mapping if n not in names})
+    if missing and names:
+        out.append(Finding("warn", f"NVSHMEM names NICs this machine lacks or has down: "
+                           f"{', '.join(missing)} (usable: {', '.join(names)})",
+                           "fix NVSHMEM_HCA_LIST / NVSHMEM_HCA_PE_MAPPING"))
+    return out
+
+
+def findings(topo: Topo | None, nics: Mapping[str, Nic], s: Settings, gdr: bool,
+             nodes: int | None = None) -> list[Finding]:
+    """What is wrong or slow for internode traffic, each with the NVSHMEM setting that fixes it.
+
+    `nodes`: how many nodes the job spans; None (unknown) checks only where RDMA NICs exist, 1
+    checks nothing (NVSHMEM uses no NIC on one node)."""
+    if nodes == 1 or (nodes is None and not nics):
+        return []
+    choices = assign(topo, nics, s)
+    names = _usable(topo, nics)
+    used = [nics[n] for n in dict.fromkeys(c.nic for c in choices.values()) if n in nics] \
+        if choices else list(nics.values())
+    out = _hca_settings(s, names)
+    if topo is not None:
+        out += _shared(choices, topo, names, nics) + _far(choices, topo, names, nics)
+    return out + _half_rate_bonds(used) + _transport(s, gdr, nodes) + _roce(choices, nics, s)
+
+
+# --- reports -------------------------------------------------------------------------------------
+
+def _transport_line(s: Settings, gdr: bool) -> str:
+    if s.ibgda:
+        doorbell = {"auto": "auto = the GPU, the CPU where it cannot", "gpu": "the GPU"}.get(
+            s.nic_handler, f"{s.nic_handler}: a CPU proxy")
+        mode = f"IBGDA (NIC doorbell: {doorbell})"
+    else:
+        mode = f"CPU proxy ({s.remote_transport}; IBGDA off)"
+    gdr_text = "no (NVSHMEM_DISABLE_GDRCOPY)" if s.disable_gdrcopy else ("yes" if gdr else "no")
+    line = f"NVSHMEM {mode}; GDRCopy {gdr_text}"
+    if s.traffic_class is not None:
+        line += f"; RoCE traffic class {s.traffic_class}"
+    if s.gid_index is not None:
+        line += f"; GID index {s.gid_index}"
+    return line
+
+
+def _nic_line(gpu: int, topo: Topo | None, nics, s: Settings) -> str:
+    if topo is None:
+        known = ", ".join(f"{n} {_rate(nics, n)}" for n in nics) or "none in /sys/class/infiniband"
+        return f"GPU {gpu}: NIC unknown (no `nvidia-smi topo -m`); RDMA NICs: {known}"
+    c = nic_for_gpu(gpu, topo, nics, s)
+    if c is None:
+        return f"GPU {gpu}: no NIC (`nvidia-smi topo -m` lists none usable for GPU {gpu})"
+    nic = nics.get(c.nic)
+    port = nic.port if nic else None
+    layer = {"Ethernet": " RoCE", "InfiniBand": " InfiniBand"}.get(port and port.link_layer, "")
+    text = (f"GPU {gpu}: NIC {c.nic} port {c.port if c.port is not None else '?'}, "
+            f"{_rate(nics, c.nic)}{layer}, {c.link or 'distance unknown'} from the GPU ({c.how})")
+    if s.gid_index is not None and port and _int(s.gid_index) in port.gids:
+        text += f", GID {s.gid_index} is {port.gids[_int(s.gid_index)][1]}"
+    gpu_numa = topo.numa_affinity.get(gpu)
+    nic_numa = nic.numa_node if nic and nic.numa_node is not None else "unknown"
+    return text + f"; NUMA node: GPU {gpu_numa or 'unknown'}, NIC {nic_numa}"
+
+
+def _gather(environ, root, topo_text):
+    text = read_topo_text() if topo_text is None else topo_text
+    return parse_topo(text), read_nics(root), read_settings(environ), gdrcopy(root)
+
+
+def _physical(local_gpu: int, environ: Mapping[str, str]) -> int:
+    """nvidia-smi's index of CUDA device `local_gpu`: through CUDA_VISIBLE_DEVICES when it lists
+    indices (UUIDs are not mapped: the local index is taken as is)."""
+    visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if all(v.isdigit() for v in visible) and local_gpu < len(visible):
+        return int(visible[local_gpu])
+    return local_gpu
+
+
+def gpu_report(local_gpu: int, environ: Mapping[str, str] | None = None, root: str = "/",
+               topo_text: str | None = None) -> list[str]:
+    """Lines for `jaxep.initialize` to log at INFO for this process's GPU: the NIC NVSHMEM would
+    use, its rate and link layer, its PCIe/NUMA distance to the GPU, IBGDA or CPU proxy, GDRCopy,
+    and the RoCE traffic class / GID index when set. Never raises for a missing nvidia-smi or
+    sysfs: the line says what is unknown.
+
+    local_gpu: the CUDA device ordinal (mapped through CUDA_VISIBLE_DEVICES when it lists
+    indices); environ: default os.environ (only read); root: where /sys and /dev are (tests pass
+    a fixture tree); topo_text: `nvidia-smi topo -m` output, default: run it (5 s timeout).
+
+    The seed (two nodes of 8 B300, one CX-8 per GPU), IBGDA on, GPU 3:
+      GPU 3: NIC mlx5_3 port 1, 800 Gb/s RoCE, PXB from the GPU (closest); NUMA node: GPU 0, NIC 0
+      GPU 3: NVSHMEM IBGDA (NIC doorbell: the GPU); GDRCopy yes; RoCE traffic class 106
+    """
+    env = os.environ if environ is None else environ
+    topo, nics, s, gdr = _gather(env, root, topo_text)
+    gpu = _physical(local_gpu, env)
+    return [_nic_line(gpu, topo, nics, s), f"GPU {gpu}: {_transport_line(s, gdr)}"]
+
+
+def summary(environ: Mapping[str, str] | None = None, root: str = "/",
+            topo_text: str | None = None, nodes: int | None = None) -> dict:
+    """Everything above as a JSON-able dict: the NVSHMEM variables as set, the NICs, each GPU's
+    NIC, the report lines and the findings ({level, what, hint}, as the doctor's problems)."""
+    env = os.environ if environ is None else environ
+    topo, nics, s, gdr = _gather(env, root, topo_text)
+    choices = assign(topo, nics, s)
+    return {
+        "topo_available": topo is not None,
+        "settings": {k: env.get(k) for k in VARIABLES},
+        "gdrcopy": gdr,
+        "nics": [dict(name=n.name, numa_node=n.numa_node, bond=n.bond, slaves=list(n.slaves),
+                      rate_gbps=n.port.rate_gbps if n.port else None,
+                      link_layer=n.port.link_layer if n.port else None,
+                      state=n.port.state if n.port else None) for n in nics.values()],
+        "gpus": [dataclasses.asdict(c) for c in choices.values()],
+        "report": [_nic_line(g, topo, nics, s) for g in (topo.gpus if topo else ())]
+                  + [_transport_line(s, gdr)],
+        "findings": [f._asdict() for f in findings(topo, nics, s, gdr, nodes)],
+    }

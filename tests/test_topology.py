@@ -1,0 +1,259 @@
+"""CPU tier: jaxep.topology on recorded `nvidia-smi topo -m` text and sysfs trees.
+
+Fixtures (tests/fixtures/topology/<case>/topo.txt and <case>/root, a /sys + /dev tree):
+  seed    8 x B300, mlx5_i PXB to GPU i and SYS to the others, CX-8 800 Gb/s RoCE, GDRCopy
+  shared  4 GPUs, GPUs 0 and 1 under mlx5_0's switch, mlx5_1 on another host bridge (NODE)
+  far     2 GPUs, both NICs on the other socket (SYS only), InfiniBand NDR
+  bond    mlx5_bond_0, a RoCE bond of two 400G ports seen at 400 Gb/s, and a plain mlx5_2
+Each detection fires on its fixture and on no other; the seed is clean once IBGDA is on."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from jaxep import topology
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "topology")
+CASES = ("seed", "shared", "far", "bond")
+IBGDA = {"NVSHMEM_IB_ENABLE_IBGDA": "1", "NVSHMEM_IBGDA_NIC_HANDLER": "gpu"}
+
+
+def _text(case):
+    with open(os.path.join(FIXTURES, case, "topo.txt")) as f:
+        return f.read()
+
+
+def _root(case):
+    return os.path.join(FIXTURES, case, "root")
+
+
+def _findings(case, environ, nodes=2):
+    return [topology.Finding(**f) for f in
+            topology.summary(environ, _root(case), _text(case), nodes)["findings"]]
+
+
+def _kinds(found):
+    """Which detection each finding is, by the words its message starts with."""
+    starts = {"GPUs share a NIC": "shared", "NIC far from its GPU": "far",
+              "bonded NIC": "bond", "IBGDA off": "ibgda_off", "no GDRCopy": "gdrcopy",
+              "NVSHMEM_REMOTE_TRANSPORT=none": "no_transport", "IBGDA with": "cpu_doorbell",
+              "RoCE traffic class": "tc", "RoCE GID index": "gid_vs_nccl",
+              "NVSHMEM_IB_GID_INDEX": "gid_type"}
+    return sorted(next(k for s, k in starts.items() if f.what.startswith(s)) for f in found)
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+def test_parse_the_seed_matrix_and_legend():
+    t = topology.parse_topo(_text("seed"))
+    assert t.gpus == tuple(range(8)) and t.nics == tuple(f"mlx5_{i}" for i in range(8))
+    assert t.link[3] == {f"mlx5_{i}": "PXB" if i == 3 else "SYS" for i in range(8)}
+    assert t.numa_affinity[5] == "1" and t.cpu_affinity[0] == "0-55,112-167"
+
+
+def test_parse_tolerates_ansi_underline_spaces_and_no_tail_columns():
+    underlined = _text("far").replace("\tGPU0", "\t\x1b[4mGPU0").replace("GPU NUMA ID", "GPU NUMA ID\x1b[0m")
+    assert topology.parse_topo(underlined) == topology.parse_topo(_text("far"))
+    spaced = "        GPU0    NIC0\nGPU0     X      PIX\nNIC0    PIX      X \n\nNIC Legend:\n\n  NIC0: mlx5_4\n"
+    t = topology.parse_topo(spaced)
+    assert t.link == {0: {"mlx5_4": "PIX"}} and t.numa_affinity == {0: None}
+    assert topology.parse_topo("") is None and topology.parse_topo("No devices were found") is None
+
+
+def test_sysfs_of_the_seed():
+    nics = topology.read_nics(_root("seed"))
+    assert list(nics) == [f"mlx5_{i}" for i in range(8)]
+    n = nics["mlx5_5"]
+    assert n.numa_node == 1 and not n.bonded and n.port.active
+    assert (n.port.rate_text, n.port.rate_gbps, n.port.link_layer) == (
+        "800 Gb/sec (4X XDR)", 800.0, "Ethernet")
+    assert n.port.gids[3] == ("0000:0000:0000:0000:0000:ffff:0a00:0105", "RoCE v2")
+    assert 4 not in nics["mlx5_0"].port.gids  # the all-zero entry is unused
+    assert topology.gdrcopy(_root("seed")) and not topology.gdrcopy("/nonexistent")
+    assert topology.read_nics("/nonexistent") == {}
+
+
+def test_sysfs_bond_through_its_gid_netdevs():
+    nics = topology.read_nics(_root("bond"))
+    b = nics["mlx5_bond_0"]
+    assert b.bonded and b.bond == "bond0" and b.slaves == ("enp24s0f0np0", "enp24s0f1np1")
+    assert b.slave_gbps == (400.0, 400.0)
+    assert not nics["mlx5_2"].bonded
+
+
+def test_settings_parse_as_nvshmem_does():
+    s = topology.read_settings({"NVSHMEM_IB_ENABLE_IBGDA": "true", "NVSHMEM_DISABLE_GDRCOPY": "0",
+                                "NVSHMEM_HCA_PE_MAPPING": "mlx5_0:1:2,mlx5_1:1",
+                                "NVSHMEM_HCA_LIST": "^mlx5_2:1"})
+    assert s.ibgda and not s.disable_gdrcopy and s.nic_handler == "auto"
+    assert s.remote_transport == "ibrc" and not s.proxy
+    assert s.hca_pe_mapping == (("mlx5_0", 1), ("mlx5_0", 1), ("mlx5_1", 1))
+    assert s.hca_exclude and s.hca_list == (("mlx5_2", 1),)
+    for off in ("0", "no", "False", None):
+        assert not topology.read_settings({} if off is None else
+                                          {"NVSHMEM_IB_ENABLE_IBGDA": off}).ibgda
+
+
+# --- which NIC NVSHMEM picks ---------------------------------------------------------------------
+
+def test_closest_nic_for_each_seed_gpu():
+    t, nics = topology.parse_topo(_text("seed")), topology.read_nics(_root("seed"))
+    for g in range(8):
+        c = topology.nic_for_gpu(g, t, nics, topology.read_settings({}))
+        assert (c.nic, c.port, c.link, c.how) == (f"mlx5_{g}", 1, "PXB", "closest")
+
+
+def test_mapping_rules():
+    t, nics = topology.parse_topo(_text("seed")), topology.read_nics(_root("seed"))
+
+    def nic(gpu, **env):
+        return topology.nic_for_gpu(gpu, t, nics, topology.read_settings(
+            {"NVSHMEM_ENABLE_NIC_PE_MAPPING": "1", **env}))
+    assert nic(5).nic == "mlx5_5"  # round-robin over 8 NICs
+    m = nic(1, NVSHMEM_HCA_PE_MAPPING="mlx5_7:1:2,mlx5_0:1:6")
+    assert (m.nic, m.link, m.how) == ("mlx5_7", "SYS", "NVSHMEM_HCA_PE_MAPPING")
+    assert nic(3, NVSHMEM_HCA_LIST="mlx5_2:1,mlx5_6:1").nic == "mlx5_6"  # PE 3 % 2 listed
+    assert nic(0, NVSHMEM_HCA_LIST="^mlx5_0,mlx5_1").nic == "mlx5_2"
+    # Without NVSHMEM_ENABLE_NIC_PE_MAPPING=1 the list is ignored: the closest NIC.
+    assert topology.nic_for_gpu(1, t, nics, topology.read_settings(
+        {"NVSHMEM_HCA_PE_MAPPING": "mlx5_7:1:8"})).nic == "mlx5_1"
+
+
+def test_equally_close_nics_are_spread():
+    text = ("\tGPU0\tGPU1\tNIC0\tNIC1\nGPU0\t X \tNV18\tPIX\tPIX\nGPU1\tNV18\t X \tPIX\tPIX\n"
+            "\nNIC Legend:\n\n  NIC0: mlx5_0\n  NIC1: mlx5_1\n")
+    choices = topology.assign(topology.parse_topo(text), {}, topology.read_settings({}))
+    assert [c.nic for c in choices.values()] == ["mlx5_0", "mlx5_1"]
+
+
+# --- findings ------------------------------------------------------------------------------------
+
+def test_seed_is_clean_with_ibgda_and_warns_once_without():
+    assert _findings("seed", IBGDA) == []
+    (f,) = _findings("seed", {})
+    assert f.level == "warn" and _kinds([f]) == ["ibgda_off"] and "CPU proxy" in f.what
+    assert "NVSHMEM_IB_ENABLE_IBGDA=1" in f.hint
+
+
+@pytest.mark.parametrize("case", CASES[1:])
+def test_each_detection_fires_on_its_fixture_only(case):
+    assert _kinds(_findings(case, IBGDA)) == [case]
+
+
+def test_shared_nic_hint_gives_each_gpu_its_own():
+    (f,) = _findings("shared", IBGDA)
+    assert "GPUs 0, 1 on mlx5_0 (800 Gb/s)" in f.what
+    mapping = "mlx5_0:1:1,mlx5_1:1:1,mlx5_2:1:1,mlx5_3:1:1"
+    assert f"NVSHMEM_ENABLE_NIC_PE_MAPPING=1 NVSHMEM_HCA_PE_MAPPING={mapping}" in f.hint
+    # Applying the hint ends the sharing; GPU 1's own NIC is then NODE, which is reported.
+    after = _findings("shared", {**IBGDA, "NVSHMEM_ENABLE_NIC_PE_MAPPING": "1",
+                                 "NVSHMEM_HCA_PE_MAPPING": mapping})
+    assert _kinds(after) == ["far"] and "GPU 1 -> mlx5_1 is NODE" in after[0].what
+    assert "serve other GPUs" in after[0].hint
+
+
+def test_far_nic_says_no_setting_helps():
+    (f,) = _findings("far", IBGDA)
+    assert "GPU 0 -> mlx5_0 is SYS" in f.what and "GPU 1 -> mlx5_1 is SYS" in f.what
+    assert "no NVSHMEM setting helps" in f.hint
+
+
+def test_far_nic_chosen_by_a_mapping_points_to_the_near_one():
+    swapped = ",".join(f"mlx5_{i ^ 1}:1:1" for i in range(8))  # GPU 0 -> mlx5_1, GPU 1 -> mlx5_0, ...
+    (f,) = _findings("seed", {**IBGDA, "NVSHMEM_ENABLE_NIC_PE_MAPPING": "1",
+                              "NVSHMEM_HCA_PE_MAPPING": swapped})
+    assert _kinds([f]) == ["far"] and "GPU 0 -> mlx5_1 is SYS" in f.what
+    assert f.hint == ("a nearer NIC is free: NVSHMEM_ENABLE_NIC_PE_MAPPING=1 NVSHMEM_HCA_PE_MAPPING="
+                      + ",".join(f"mlx5_{i}:1:1" for i in range(8)))
+
+
+def test_half_rate_bond_names_the_bond_and_its_ports():
+    (f,) = _findings("bond", IBGDA)
+    assert "mlx5_bond_0" in f.what and "bond0 bonds 2 ports" in f.what
+    assert "800 Gb/s together" in f.what and "RDMA sees 400 Gb/s" in f.what
+    assert "NVSHMEM_IBGDA_NUM_RC_PER_PE" in f.hint and "NVSHMEM_HCA_PE_MAPPING" in f.hint
+
+
+def test_transport_findings():
+    none = {"NVSHMEM_REMOTE_TRANSPORT": "none"}
+    (f,) = [f for f in _findings("seed", none) if f.level == "error"]
+    assert _kinds([f]) == ["no_transport"] and "2 nodes" in f.what
+    assert _findings("seed", {**IBGDA, **none}) == []  # IBGDA is its own transport
+    assert _findings("seed", {}, nodes=1) == []        # one node uses no NIC
+    assert _kinds(_findings("seed", {"NVSHMEM_DISABLE_GDRCOPY": "1"})) == ["gdrcopy", "ibgda_off"]
+    cpu = _findings("seed", {**IBGDA, "NVSHMEM_IBGDA_NIC_HANDLER": "cpu",
+                             "NVSHMEM_DISABLE_GDRCOPY": "1"})
+    assert _kinds(cpu) == ["cpu_doorbell", "gdrcopy"]
+    assert "NVSHMEM_IBGDA_NIC_HANDLER=gpu" in cpu[0].hint
+
+
+def test_roce_settings_against_nccl_and_the_gid_table():
+    (f,) = _findings("seed", {**IBGDA, "NCCL_IB_TC": "106"})
+    assert _kinds([f]) == ["tc"] and f.hint == "NVSHMEM_IB_TRAFFIC_CLASS=106"
+    assert _findings("seed", {**IBGDA, "NCCL_IB_TC": "106", "NVSHMEM_IB_TRAFFIC_CLASS": "106"}) == []
+    assert _findings("seed", {**IBGDA, "NVSHMEM_IB_GID_INDEX": "3"}) == []
+    (f,) = _findings("seed", {**IBGDA, "NVSHMEM_IB_GID_INDEX": "2"})
+    assert _kinds([f]) == ["gid_type"] and "mlx5_0: IB/RoCE v1" in f.what
+    assert "<one of [1, 3]>" in f.hint
+    (f,) = _findings("seed", {**IBGDA, "NVSHMEM_IB_GID_INDEX": "3", "NCCL_IB_GID_INDEX": "1"})
+    assert _kinds([f]) == ["gid_vs_nccl"] and f.hint == "NVSHMEM_IB_GID_INDEX=1"
+
+
+def test_hca_settings_that_do_nothing():
+    (f,) = _findings("seed", {**IBGDA, "NVSHMEM_HCA_LIST": "mlx5_0:1"})
+    assert f.level == "info" and "NVSHMEM_ENABLE_NIC_PE_MAPPING=1" in f.hint
+    found = _findings("seed", {**IBGDA, "NVSHMEM_ENABLE_NIC_PE_MAPPING": "1",
+                               "NVSHMEM_HCA_PE_MAPPING": "mlx5_9:1:8"})
+    assert any("lacks or has down: mlx5_9" in f.what for f in found)
+
+
+# --- the per-GPU report --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gpu", range(8))
+def test_seed_report_names_each_gpus_nic(gpu):
+    nic, transport = topology.gpu_report(gpu, {**IBGDA, "NVSHMEM_IB_TRAFFIC_CLASS": "106"},
+                                         _root("seed"), _text("seed"))
+    assert nic.startswith(f"GPU {gpu}: NIC mlx5_{gpu} port 1, 800 Gb/s RoCE, PXB from the GPU")
+    assert nic.endswith(f"NUMA node: GPU {gpu // 4}, NIC {gpu // 4}")
+    assert transport == (f"GPU {gpu}: NVSHMEM IBGDA (NIC doorbell: the GPU); GDRCopy yes; "
+                         "RoCE traffic class 106")
+
+
+def test_report_follows_cuda_visible_devices_and_the_gid():
+    nic, transport = topology.gpu_report(1, {"CUDA_VISIBLE_DEVICES": "6,7", "NVSHMEM_IB_GID_INDEX": "3"},
+                                         _root("seed"), _text("seed"))
+    assert nic.startswith("GPU 7: NIC mlx5_7") and "GID 3 is RoCE v2" in nic
+    assert transport == "GPU 7: NVSHMEM CPU proxy (ibrc; IBGDA off); GDRCopy yes; GID index 3"
+
+
+def test_report_without_nvidia_smi_or_sysfs(monkeypatch):
+    monkeypatch.setattr(topology.shutil, "which", lambda name: None)
+    nic, transport = topology.gpu_report(0, {}, "/nonexistent")
+    assert nic == ("GPU 0: NIC unknown (no `nvidia-smi topo -m`); RDMA NICs: none in "
+                   "/sys/class/infiniband")
+    assert transport == "GPU 0: NVSHMEM CPU proxy (ibrc; IBGDA off); GDRCopy no"
+    nic, _ = topology.gpu_report(0, {}, _root("far"), "")
+    assert nic == "GPU 0: NIC unknown (no `nvidia-smi topo -m`); RDMA NICs: mlx5_0 400 Gb/s, mlx5_1 400 Gb/s"
+
+
+def test_nvidia_smi_is_read_with_a_timeout(monkeypatch):
+    calls = []
+
+    def hang(cmd, **kw):
+        calls.append((cmd, kw["timeout"]))
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+    monkeypatch.setattr(topology.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(topology.subprocess, "run", hang)
+    assert topology.read_topo_text() is None
+    assert calls == [(["nvidia-smi", "topo", "-m"], topology.TOPO_TIMEOUT_S)]
+
+
+def test_summary_is_json_and_writes_no_environment():
+    before = dict(os.environ)
+    s = topology.summary({}, _root("bond"), _text("bond"), nodes=2)
+    json.dumps(s)
+    assert os.environ == before
+    assert s["gpus"][0] == dict(gpu=0, nic="mlx5_bond_0", port=1, link="PXB", how="closest")
+    assert {n["name"]: n["bond"] for n in s["nics"]} == {"mlx5_2": None, "mlx5_bond_0": "bond0"}
+    assert s["settings"]["NVSHMEM_IB_ENABLE_IBGDA"] is None
