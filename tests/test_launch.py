@@ -15,8 +15,10 @@ import pytest
 
 from jaxep import launch
 # The modules where the patched names are looked up: cli (main's visible_gpus, run_group,
-# free_port), env (visible_gpus' shutil/subprocess), mps (the daemon's, and its private helpers).
-from jaxep.launch import cli as launch_cli, env as launch_env, mps as launch_mps
+# free_port), env (visible_gpus' shutil/subprocess), mps (the daemon's, and its private helpers),
+# group (its output writer).
+from jaxep.launch import cli as launch_cli, env as launch_env, group as launch_group
+from jaxep.launch import mps as launch_mps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = re.compile(r"^\[rank (\d+)\] RESULT (.*)$", re.M)
@@ -517,3 +519,151 @@ def test_mps_pids_skips_processes_it_cannot_read(monkeypatch):
              Proc(5, cmdline=("python",)), Proc(6)]
     monkeypatch.setattr(psutil, "process_iter", lambda *a, **kw: iter(procs))
     assert launch_mps._mps_pids("/p") == [6]  # pylint: disable=protected-access
+
+
+# ----------------------------------------------------------------------------- several nodes
+
+def test_plan_of_node_1_of_2():
+    """Node 1 of 2 with 4 ranks each: global ranks 4-7 of 8, its own GPUs 0-3 by local rank."""
+    environ = {"PATH": "/usr/bin"}
+    plan = launch.make_plan(4, "node0:29500", environ, nnodes=2, node_rank=1,
+                            gpus=["0", "1", "2", "3"])
+    envs = [plan.env(environ, r) for r in range(4)]
+    assert [e["JAXEP_PROCESS_ID"] for e in envs] == ["4", "5", "6", "7"]
+    assert [e["JAXEP_LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "2", "3"]
+    for e in envs:
+        assert e["JAXEP_NUM_PROCESSES"] == "8" and e["JAXEP_COORDINATOR"] == "node0:29500"
+        assert e["JAXEP_LOCAL_DEVICE_IDS"] == "0"
+    assert plan.first_rank == 4
+    text = "\n".join(plan.describe())
+    assert "rank 4: JAXEP_PROCESS_ID=4 JAXEP_LOCAL_RANK=0" in text
+    assert "rank 7: JAXEP_PROCESS_ID=7 JAXEP_LOCAL_RANK=3" in text and "rank 0:" not in text
+    assert "served by rank 0, on node 0" in text and "(2 nodes x 4)" in text
+    # One node, as before: the local rank is the global one.
+    one = launch.make_plan(2, "127.0.0.1:1", environ)
+    assert [one.env(environ, r)["JAXEP_PROCESS_ID"] for r in range(2)] == ["0", "1"]
+    assert one.first_rank == 0
+
+
+@pytest.mark.parametrize("kw,text", [
+    (dict(nnodes=2, node_rank=2), "0 <= node_rank < nnodes, got nproc=4, nnodes=2, node_rank=2"),
+    (dict(nnodes=0), "nnodes >= 1"),
+    (dict(nnodes=2, share_gpu=True, mps_pipe_dir="/p"), "cannot be combined with --nnodes 2"),
+])
+def test_plan_rejects_bad_node_settings(kw, text):
+    with pytest.raises(launch.LaunchError) as e:
+        launch.make_plan(4, "h:1", {}, **kw)
+    assert text in str(e.value)
+
+
+@pytest.mark.parametrize("args,text", [
+    (["--nnodes", "2"], "--nnodes 2 needs --coordinator HOST:PORT"),
+    (["--nnodes", "0"], "--nnodes must be >= 1, got 0"),
+    (["--nnodes", "2", "--node_rank", "2", "--coordinator", "h:1"],
+     "--node_rank must be in 0..1 (--nnodes 2), got 2"),
+    (["--node-rank", "1"], "--node_rank must be in 0..0 (--nnodes 1), got 1"),
+    (["--nnodes", "2", "--coordinator", "h:1", "--share-gpu"],
+     "--share-gpu puts all ranks on one GPU of one machine; it cannot be combined with --nnodes 2"),
+    (["--coordinator", "h:1", "--port", "2"], "--port and --coordinator both name"),
+    (["--nnodes", "2", "--coordinator", "node0"], "--coordinator must be HOST:PORT"),
+    (["--nnodes", "2", "--coordinator", "node0:0"], "a port in 1..65535, got 'node0:0'"),
+    (["--nnodes", "2", "--coordinator", ":29500"], "--coordinator must be HOST:PORT"),
+])
+def test_bad_node_arguments(capsys, args, text):
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--nproc", "4", *args, "x.py"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and text in err, err
+
+
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_main_on_node_of_two(monkeypatch, capsys, node_rank):
+    """Each node's launcher runs its own ranks with global ids and the given coordinator, and
+    never retries on another port (the other node's ranks would not follow)."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    seen = []
+
+    def fake_group(commands, envs, failure=None, first_rank=0, **kw):
+        seen.append((len(commands), first_rank, envs))
+        failure.append((0, ["Address already in use"]))
+        return 139
+
+    monkeypatch.setattr(launch_cli, "run_group", fake_group)
+    monkeypatch.setattr(launch_cli, "free_port", lambda: pytest.fail("no port is picked"))
+    code = launch.main(["--nnodes", "2", "--node_rank", str(node_rank), "--nproc", "2",
+                        "--coordinator", "node0.example:29500", "x.py"])
+    assert code == 139 and len(seen) == 1
+    n, first, envs = seen[0]
+    assert n == 2 and first == 2 * node_rank
+    assert [e["JAXEP_PROCESS_ID"] for e in envs] == [str(2 * node_rank), str(2 * node_rank + 1)]
+    assert {e["JAXEP_COORDINATOR"] for e in envs} == {"node0.example:29500"}
+    assert {e["JAXEP_NUM_PROCESSES"] for e in envs} == {"4"}
+    first_last = f"{2 * node_rank}-{2 * node_rank + 1}"
+    assert (f"node {node_rank} of 2: ranks {first_last} of 4, coordinator node0.example:29500"
+            in capsys.readouterr().err)
+
+
+def test_one_node_with_a_coordinator_address(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    seen = []
+    monkeypatch.setattr(launch_cli, "run_group",
+                        lambda commands, envs, **kw: seen.append(envs[0]["JAXEP_COORDINATOR"]) or 0)
+    assert launch.main(["--nproc", "2", "--coordinator", "10.0.0.5:7000", "x.py"]) == 0
+    assert seen == ["10.0.0.5:7000"]
+
+
+def test_run_group_names_global_ranks(tmp_path):
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as o, open(err, "w") as e:
+        output = launch_group._Output(o, e)  # pylint: disable=protected-access
+        code = launch.run_group([[sys.executable, "-c", "print('hi')"]] * 2,
+                                [dict(os.environ)] * 2, output=output, first_rank=6)
+    assert code == 0
+    assert sorted(out.read_text().splitlines()) == ["[rank 6] hi", "[rank 7] hi"]
+
+
+# ----------------------------------------------------------------------------- plain variables
+
+@pytest.fixture
+def fake_distributed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    return calls
+
+
+def test_initialize_distributed_reads_the_plain_variables(fake_distributed):
+    env = {"JAXEP_COORDINATOR": "node0:29500", "JAXEP_NUM_PROCESSES": "16",
+           "JAXEP_PROCESS_ID": "9", "JAXEP_LOCAL_DEVICE_IDS": "1"}
+    assert launch.initialize_distributed(env, initialization_timeout=60) is True
+    assert fake_distributed == [dict(coordinator_address="node0:29500", num_processes=16,
+                                     process_id=9, local_device_ids=[1],
+                                     initialization_timeout=60)]
+
+
+def test_initialize_distributed_falls_back_to_jax_names(fake_distributed):
+    # jax's own name for the coordinator; the process count and id left to jax's cluster
+    # detection (SLURM, Open MPI), the device ids to jax's JAX_LOCAL_DEVICE_IDS.
+    env = {"JAX_COORDINATOR_ADDRESS": "node0:1234", "JAX_LOCAL_DEVICE_IDS": "3"}
+    assert launch.initialize_distributed(env) is True
+    assert fake_distributed == [dict(coordinator_address="node0:1234", num_processes=None,
+                                     process_id=None, local_device_ids=None)]
+    # JAXEP_COORDINATOR wins over jax's name; no coordinator at all: nothing happens.
+    launch.initialize_distributed({"JAXEP_COORDINATOR": "a:1", "JAX_COORDINATOR_ADDRESS": "b:2"})
+    assert fake_distributed[-1]["coordinator_address"] == "a:1"
+    assert launch.initialize_distributed({"JAXEP_NUM_PROCESSES": "2"}) is False
+    assert len(fake_distributed) == 2
+
+
+@pytest.mark.parametrize("env,text", [
+    ({"JAXEP_NUM_PROCESSES": "eight"}, "JAXEP_NUM_PROCESSES must be an integer, got "
+                                       "JAXEP_NUM_PROCESSES='eight'"),
+    ({"JAXEP_PROCESS_ID": "1,2"}, "JAXEP_PROCESS_ID must be an integer"),
+    ({"JAXEP_LOCAL_DEVICE_IDS": "0,x"}, "JAXEP_LOCAL_DEVICE_IDS must be comma-separated integers"),
+])
+def test_distributed_args_name_a_bad_variable(env, text):
+    with pytest.raises(launch.LaunchError) as e:
+        launch.distributed_args(env)
+    assert text in str(e.value)
+    assert launch.distributed_args({"JAXEP_LOCAL_DEVICE_IDS": "0,2"})["local_device_ids"] == [0, 2]

@@ -2,6 +2,11 @@
 and its checks, `main`), and `_launch`, which starts the MPS daemon when asked, plans the
 children's environment and runs the group, again on a new port when rank 0 could not bind the
 one picked. `main(["--_child", ...])` is the children's bootstrap (group._child_main).
+
+Several nodes (docs/multinode.md), like torchrun: on each node
+`python -m jaxep.launch --nnodes N --node_rank i --nproc P --coordinator <node 0>:<port> ...`
+starts that node's P ranks, global ranks i*P .. i*P+P-1 of N*P; rank 0 (node 0) serves the
+coordinator at --coordinator, as jax.distributed does.
 """
 from __future__ import annotations
 
@@ -20,7 +25,18 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxep.launch",
         description="Start N local processes with jax.distributed set up (like torchrun).")
-    p.add_argument("--nproc", type=int, required=True, help="number of processes (ranks)")
+    p.add_argument("--nproc", type=int, required=True,
+                   help="number of processes (ranks) on this node")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="number of nodes, each running this launcher with the same --nproc "
+                        "(default 1)")
+    p.add_argument("--node_rank", "--node-rank", dest="node_rank", type=int, default=0,
+                   help="this node's index in 0..nnodes-1; its ranks are node_rank*nproc + "
+                        "0..nproc-1 (default 0)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="jax.distributed coordinator address, reachable from every node; rank 0 "
+                        "(on node 0) serves it. Required with --nnodes > 1 (default: "
+                        "127.0.0.1 and --port)")
     p.add_argument("--share-gpu", action="store_true",
                    help="run all ranks on one GPU under CUDA MPS (the launcher starts and stops "
                         "the MPS control daemon)")
@@ -54,6 +70,9 @@ def main(argv=None) -> int:
         p.error(f"--timeout must be > 0, got {a.timeout}")
     if a.grace < 0:
         p.error(f"--grace must be >= 0, got {a.grace}")
+    problem = _multinode_problem(a)
+    if problem:
+        p.error(problem)
     output = _Output()
     environ = dict(os.environ)
     try:
@@ -61,6 +80,28 @@ def main(argv=None) -> int:
     except LaunchError as e:
         output.log(f"error: {e}")
         return 2
+
+
+def _multinode_problem(a) -> str | None:
+    """What is wrong with --nnodes / --node_rank / --coordinator (and their mix with --port and
+    --share-gpu), or None."""
+    if a.nnodes < 1:
+        return f"--nnodes must be >= 1, got {a.nnodes}"
+    if not 0 <= a.node_rank < a.nnodes:
+        return f"--node_rank must be in 0..{a.nnodes - 1} (--nnodes {a.nnodes}), got {a.node_rank}"
+    if a.nnodes > 1 and a.coordinator is None:
+        return (f"--nnodes {a.nnodes} needs --coordinator HOST:PORT, an address of node 0 that "
+                "every node reaches (rank 0 serves jax.distributed's coordinator there)")
+    if a.nnodes > 1 and a.share_gpu:
+        return (f"--share-gpu puts all ranks on one GPU of one machine; it cannot be combined "
+                f"with --nnodes {a.nnodes}")
+    if a.coordinator is not None:
+        if a.port is not None:
+            return "--port and --coordinator both name the coordinator's port: pass one"
+        host, _, port = a.coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"--coordinator must be HOST:PORT with a port in 1..65535, got {a.coordinator!r}"
+    return None
 
 
 def _launch(a, environ, output) -> int:
@@ -86,19 +127,23 @@ def _launch(a, environ, output) -> int:
                                         ("CUDA_VISIBLE_DEVICES", daemon.gpu)) if v))
         # A port picked free here may be taken before rank 0 binds it (seen once on the GPU
         # machine): then the group is started again on a new port, up to PORT_ATTEMPTS times.
-        attempts = 1 if a.port else PORT_ATTEMPTS
+        # A port the user named (--port, --coordinator) is never changed.
+        attempts = 1 if a.port or a.coordinator else PORT_ATTEMPTS
         for attempt in range(1, attempts + 1):
-            coordinator = f"127.0.0.1:{a.port or free_port()}"
-            plan = make_plan(a.nproc, coordinator, environ, share_gpu=a.share_gpu, gpus=gpus,
+            coordinator = a.coordinator or f"127.0.0.1:{a.port or free_port()}"
+            plan = make_plan(a.nproc, coordinator, environ, nnodes=a.nnodes,
+                             node_rank=a.node_rank, share_gpu=a.share_gpu, gpus=gpus,
                              mps_pipe_dir=daemon and daemon.pipe_dir,
                              mps_log_dir=daemon and daemon.log_dir,
                              mps_owned=bool(daemon and daemon.owned))
             cmd = child_command(a.target, a.args, module=a.module, init=not a.no_init)
-            output.log(f"{a.nproc} ranks, coordinator {coordinator}, each running: {' '.join(cmd)}")
+            output.log(f"{_group_text(a)}, coordinator {coordinator}, each running: "
+                       f"{' '.join(cmd)}")
             output.log("\n".join(plan.describe()))
             failure = []
             code = run_group([cmd] * a.nproc, [plan.env(environ, r) for r in range(a.nproc)],
-                             timeout=a.timeout, grace=a.grace, output=output, failure=failure)
+                             timeout=a.timeout, grace=a.grace, output=output, failure=failure,
+                             first_rank=plan.first_rank)
             if code != 0 and attempt < attempts and coordinator_port_taken(failure):
                 output.log(f"rank 0 could not bind the coordinator port {coordinator} (taken "
                            f"after the launcher picked it); starting all ranks again on a new "
@@ -120,6 +165,15 @@ def _launch(a, environ, output) -> int:
                                    "left the user's MPS control daemon running"))
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _group_text(a) -> str:
+    """'4 ranks', or across nodes 'node 1 of 2: ranks 4-7 of 8'."""
+    if a.nnodes == 1:
+        return f"{a.nproc} ranks"
+    first = a.node_rank * a.nproc
+    return (f"node {a.node_rank} of {a.nnodes}: ranks {first}-{first + a.nproc - 1} of "
+            f"{a.nnodes * a.nproc}")
 
 
 def _raise_interrupted(signum, frame):

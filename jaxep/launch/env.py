@@ -3,13 +3,22 @@ GPU, the `--share-gpu` settings) and `initialize_distributed`, which sets up jax
 from those variables in a child (the bootstrap, or a `--no-init` script).
 
 Children's environment (the launcher prints every variable it sets; its own stays untouched):
-  JAXEP_COORDINATOR=127.0.0.1:<port>  JAXEP_NUM_PROCESSES=N  JAXEP_PROCESS_ID=i  JAXEP_LOCAL_RANK=i
+  JAXEP_COORDINATOR=127.0.0.1:<port>  (--coordinator host:port across nodes)
+  JAXEP_NUM_PROCESSES=nnodes*nproc    JAXEP_PROCESS_ID=node_rank*nproc+i  JAXEP_LOCAL_RANK=i
   JAXEP_LOCAL_DEVICE_IDS=0            only where the launcher chose the child's GPU
   CUDA_VISIBLE_DEVICES=<gpu i>        with >= N visible GPUs and no --share-gpu
   PYTHONUNBUFFERED=1                  so output streams live (unless set)
   JAX_ENABLE_PREEMPTION_SERVICE=false jax's preemption notifier swallows SIGTERM otherwise, and the
                                       launcher could only stop a rank with SIGKILL (unless set)
 `--share-gpu` adds the CUDA MPS settings of `share_gpu_env` (see there and docs/launch.md).
+
+Without the launcher (docs/multinode.md, "plain environment variables") a process may get the same
+variables from its own launcher or job script and call `initialize_distributed()`. Where
+jax.distributed has a name of its own, that one is read too: the coordinator from
+JAX_COORDINATOR_ADDRESS when JAXEP_COORDINATOR is unset, and the device from JAX_LOCAL_DEVICE_IDS
+(read by jax itself) when JAXEP_LOCAL_DEVICE_IDS is unset. jax has no variables for the process
+count and id: JAXEP_NUM_PROCESSES and JAXEP_PROCESS_ID, else jax's cluster detection (SLURM, Open
+MPI) fills them in.
 """
 from __future__ import annotations
 
@@ -25,6 +34,8 @@ ENV_NUM_PROCESSES = "JAXEP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXEP_PROCESS_ID"
 ENV_LOCAL_RANK = "JAXEP_LOCAL_RANK"
 ENV_LOCAL_DEVICE_IDS = "JAXEP_LOCAL_DEVICE_IDS"
+# jax.distributed.initialize's own name for the coordinator (it reads it when given None).
+JAX_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 
 # XLA's pools of all ranks sharing a GPU together take this share of its memory; the rest is for
 # what allocates outside XLA's pool: NVSHMEM symmetric heaps (jaxep sizes them from the config,
@@ -39,27 +50,47 @@ class LaunchError(RuntimeError):
 # ----------------------------------------------------------------------------- script-side helper
 
 def initialize_distributed(environ=None, **kwargs) -> bool:
-    """`jax.distributed.initialize` from the JAXEP_* variables the launcher sets.
+    """`jax.distributed.initialize` from the JAXEP_* variables the launcher sets (or the user sets
+    instead; jax's own JAX_COORDINATOR_ADDRESS / JAX_LOCAL_DEVICE_IDS where those are unset).
 
-    A no-op returning False outside the launcher (no JAXEP_COORDINATOR); returns True when
-    jax.distributed is set up, including when it already was (the bootstrap did it). `kwargs` go to
+    A no-op returning False when no coordinator is named (neither JAXEP_COORDINATOR nor
+    JAX_COORDINATOR_ADDRESS); returns True when jax.distributed is set up, including when it
+    already was (the bootstrap did it). JAXEP_NUM_PROCESSES / JAXEP_PROCESS_ID unset: None, which
+    jax's cluster detection (SLURM, Open MPI) fills in or rejects. `kwargs` go to
     `jax.distributed.initialize` (e.g. `initialization_timeout=60`).
     """
     env = os.environ if environ is None else environ
-    if ENV_COORDINATOR not in env:
+    coordinator = env.get(ENV_COORDINATOR) or env.get(JAX_COORDINATOR_ADDRESS)
+    if not coordinator:
         return False
     import jax
 
     if jax.distributed.is_initialized():
         return True
-    ids = env.get(ENV_LOCAL_DEVICE_IDS)
-    jax.distributed.initialize(
-        coordinator_address=env[ENV_COORDINATOR],
-        num_processes=int(env[ENV_NUM_PROCESSES]),
-        process_id=int(env[ENV_PROCESS_ID]),
-        local_device_ids=[int(i) for i in ids.split(",")] if ids else None,
-        **kwargs)
+    jax.distributed.initialize(coordinator_address=coordinator, **distributed_args(env), **kwargs)
     return True
+
+
+def distributed_args(environ) -> dict:
+    """num_processes, process_id, local_device_ids for jax.distributed.initialize from the JAXEP_*
+    variables; None for an unset one (jax then reads JAX_LOCAL_DEVICE_IDS or detects the cluster).
+    Raises LaunchError naming a variable that is set but not an integer (a list of them for the
+    device ids)."""
+    def ints(name, one):
+        text = environ.get(name)
+        if not text:
+            return None
+        try:
+            vals = [int(v) for v in text.split(",")]
+        except ValueError:
+            vals = []
+        if not vals or (one and len(vals) != 1):
+            what = "an integer" if one else "comma-separated integers"
+            raise LaunchError(f"{name} must be {what}, got {name}={text!r}")
+        return vals[0] if one else vals
+    return {"num_processes": ints(ENV_NUM_PROCESSES, True),
+            "process_id": ints(ENV_PROCESS_ID, True),
+            "local_device_ids": ints(ENV_LOCAL_DEVICE_IDS, False)}
 
 
 # ----------------------------------------------------------------------------- environment plans
@@ -150,10 +181,12 @@ def visible_gpus(environ) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What every child gets: `common` and `per_rank[i]` settings, variables removed (`unset`)."""
+    """What every child gets: `common` and `per_rank[i]` settings, variables removed (`unset`).
+    per_rank[i] is local rank i of this node, global rank `first_rank + i`."""
     common: list
     per_rank: list
     unset: tuple = ()
+    first_rank: int = 0
 
     def env(self, environ, rank: int) -> dict:
         env = {k: v for k, v in environ.items() if k not in self.unset}
@@ -168,26 +201,38 @@ class Plan:
         lines += [f"  unset {name}  # MPS clients reach the GPU through the daemon"
                   for name in self.unset]
         lines.append("environment per rank:")
-        for r, settings in enumerate(self.per_rank):
+        for r, settings in enumerate(self.per_rank, start=self.first_rank):
             lines.append(f"  rank {r}: " + " ".join(
                 f"{s.name}={s.value}" + (" (kept)" if s.kept else "") for s in settings))
         return lines
 
 
-def make_plan(nproc: int, coordinator: str, environ, *, share_gpu: bool = False,
-              gpus: list | None = None, mps_pipe_dir: str | None = None,
+def make_plan(nproc: int, coordinator: str, environ, *, nnodes: int = 1, node_rank: int = 0,
+              share_gpu: bool = False, gpus: list | None = None, mps_pipe_dir: str | None = None,
               mps_log_dir: str | None = None, mps_owned: bool = True) -> Plan:
-    """The children's environment. `gpus` are the visible GPUs (visible_gpus()); ignored when
-    JAX_PLATFORMS names no GPU platform."""
+    """The environment of this node's `nproc` children, node `node_rank` of `nnodes` (each node
+    runs the same nproc): local rank i is global rank node_rank * nproc + i of nnodes * nproc, so
+    the ranks of one node are contiguous (what jaxep.node_layout expects). `gpus` are the visible
+    GPUs (visible_gpus()); ignored when JAX_PLATFORMS names no GPU platform."""
+    if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise LaunchError(f"expected nproc >= 1, nnodes >= 1 and 0 <= node_rank < nnodes, got "
+                          f"nproc={nproc}, nnodes={nnodes}, node_rank={node_rank}")
+    if share_gpu and nnodes > 1:
+        raise LaunchError(f"--share-gpu puts all ranks on one GPU of one machine; it cannot be "
+                          f"combined with --nnodes {nnodes}")
+    first = node_rank * nproc
+    served = "rank 0, on node 0" if nnodes > 1 else "rank 0"
     common = [
-        EnvSetting(ENV_COORDINATOR, coordinator, "jax.distributed coordinator, served by rank 0"),
-        EnvSetting(ENV_NUM_PROCESSES, str(nproc), "jax.distributed num_processes"),
+        EnvSetting(ENV_COORDINATOR, coordinator,
+                   f"jax.distributed coordinator, served by {served}"),
+        EnvSetting(ENV_NUM_PROCESSES, str(nnodes * nproc), "jax.distributed num_processes"
+                   + (f" ({nnodes} nodes x {nproc})" if nnodes > 1 else "")),
         _setting(environ, "PYTHONUNBUFFERED", 1, "stream the ranks' output live"),
         _setting(environ, "JAX_ENABLE_PREEMPTION_SERVICE", "false",
                  "jax's preemption notifier would swallow the launcher's SIGTERM"),
     ]
-    per_rank = [[EnvSetting(ENV_PROCESS_ID, str(r), ""), EnvSetting(ENV_LOCAL_RANK, str(r), "")]
-                for r in range(nproc)]
+    per_rank = [[EnvSetting(ENV_PROCESS_ID, str(first + r), ""),
+                 EnvSetting(ENV_LOCAL_RANK, str(r), "")] for r in range(nproc)]
     unset = ()
     gpus = list(gpus or []) if _wants_gpu(environ) else []
     if share_gpu:
@@ -206,4 +251,4 @@ def make_plan(nproc: int, coordinator: str, environ, *, share_gpu: bool = False,
         for r in range(nproc):
             per_rank[r] += [EnvSetting("CUDA_VISIBLE_DEVICES", gpus[r], ""),
                             EnvSetting(ENV_LOCAL_DEVICE_IDS, "0", "")]
-    return Plan(common, per_rank, unset)
+    return Plan(common, per_rank, unset, first_rank=first)

@@ -149,9 +149,10 @@ def _stop(ranks, grace, output):
 
 
 def run_group(commands, envs, *, timeout=None, grace=5.0, output=None, poll_s=0.05,
-              failure=None) -> int:
+              failure=None, first_rank=0) -> int:
     """Runs one child per command; returns 0 when all exit 0, else the first failure's code
     (128 + signal for a signal), 124 on timeout, 130/143 when the launcher is interrupted.
+    Child i is named rank `first_rank + i` (its global rank) in its output prefix and reports.
     `failure` (a list): receives (rank, last output lines) of the first failing rank."""
     output = output or _Output()
     ranks = []
@@ -160,7 +161,7 @@ def run_group(commands, envs, *, timeout=None, grace=5.0, output=None, poll_s=0.
         for i, (cmd, env) in enumerate(zip(commands, envs)):
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True)
-            ranks.append(_Rank(i, proc, output))
+            ranks.append(_Rank(first_rank + i, proc, output))
         while True:
             codes = [r.proc.poll() for r in ranks]
             failed = next((r for r, c in zip(ranks, codes) if c not in (None, 0)), None)
