@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -12,127 +11,9 @@ import pytest
 
 import harness
 import jaxep
-from jaxep.bench import accounting as A
-from jaxep.bench import routing
 
 
-def _one_token(R, K, ids_by_rank):
-    """[R,1,K] ids: rank r's single token goes to ids_by_rank.get(r, all masked)."""
-    idx = np.full((R, 1, K), -1, np.int32)
-    for r, ids in ids_by_rank.items():
-        idx[r, 0, : len(ids)] = ids
-    return idx
-
-
-def _traffic(idx, E, topo, capacity=10**6):
-    lay = A.layout(idx, E, capacity)
-    return lay, A.traffic(lay, topo)
-
-
-def test_hierarchical_two_nodes_by_hand():
-    # 4 ranks, 2 GPUs per node -> node 0 = {0,1}, node 1 = {2,3}; E=4 so expert e lives on rank e.
-    # Rank 0's token goes to experts 1, 2, 3: NVLink 0->1; RDMA once to node 1, landing on the relay
-    # with rank 0's local index (rank 2, which keeps its copy: same GPU), then NVLink 2->3.
-    topo = A.Topology(4, gpus_per_node=2)
-    _, tr = _traffic(_one_token(4, 3, {0: [1, 2, 3]}), 4, topo)
-    np.testing.assert_array_equal(tr.nvlink_tx, [1, 0, 1, 0])
-    np.testing.assert_array_equal(tr.nvlink_rx, [0, 1, 0, 1])
-    np.testing.assert_array_equal(tr.rdma_tx, [1, 0, 0, 0])
-    np.testing.assert_array_equal(tr.rdma_rx, [0, 0, 1, 0])
-    np.testing.assert_array_equal(tr.same_gpu, [0, 0, 1, 0])
-    np.testing.assert_array_equal(tr.rdma_flat_tx, [2, 0, 0, 0])  # a flat kernel sends to 2 and 3
-    # DeepEP's numerators: received (token, rank) rows 1+1+1; (token, node) pairs 2 (own node too).
-    assert tr.deepep_nvl_recv.sum() == 3 and tr.deepep_rdma_send.tolist() == [2, 0, 0, 0]
-    # Combine is the reverse: the same pairs with sent and received swapped.
-    rv = tr.reversed()
-    np.testing.assert_array_equal(rv.rdma_tx, [0, 0, 1, 0])
-    np.testing.assert_array_equal(rv.nvlink_rx, [1, 0, 1, 0])
-    b = A.link_bytes(tr, row_bytes=10)
-    assert b["nvlink"]["max"] == 10 and b["nvlink"]["total_sent"] == 20
-    assert b["rdma"]["total_sent"] == 10 and b["rdma_flat_total_sent"] == 20
-
-
-def test_relay_on_other_local_index_and_dedup():
-    # Rank 1 (local index 1) sends to experts 4,5 of rank 2 (L=2, E=8) and 6 of rank 3: RDMA lands
-    # on rank 3 (node 1, local index 1); 3 keeps its own copy, forwards to 2 over NVLink. Two slots
-    # to rank 2 are one token on every link (dedup per (token, rank)).
-    topo = A.Topology(4, gpus_per_node=2)
-    _, tr = _traffic(_one_token(4, 3, {1: [4, 5, 6]}), 8, topo)
-    np.testing.assert_array_equal(tr.rdma_tx, [0, 1, 0, 0])
-    np.testing.assert_array_equal(tr.rdma_rx, [0, 0, 0, 1])
-    np.testing.assert_array_equal(tr.nvlink_tx, [0, 0, 0, 1])
-    np.testing.assert_array_equal(tr.nvlink_rx, [0, 0, 1, 0])
-    np.testing.assert_array_equal(tr.same_gpu, [0, 0, 0, 1])
-
-
-def test_ranks_sharing_a_gpu_use_no_link():
-    # 4 ranks, 2 per GPU, one node: 0->1 is same GPU, 0->2 and 0->3 are NVLink.
-    topo = A.Topology(4, gpus_per_node=2, ranks_per_gpu=2)
-    _, tr = _traffic(_one_token(4, 4, {0: [0, 1, 2, 3]}), 4, topo)
-    np.testing.assert_array_equal(tr.same_gpu, [1, 1, 0, 0])
-    np.testing.assert_array_equal(tr.nvlink_tx, [2, 0, 0, 0])
-    assert tr.rdma_tx.sum() == 0 and topo.num_nodes == 1
-
-
-def test_drops_invalid_and_masked_move_nothing():
-    # 2 ranks, E=2 (L=1), capacity 1 row per rank. Rank 0: token 0 -> expert 1, token 1 -> expert 1:
-    # rank 1 keeps the first in layout order (source 0, t 0) and drops the second. Invalid id 7 and
-    # masked -1 are not sent; 7 is counted on its source.
-    idx = np.array([[[1, -1], [1, 7]], [[-1, -1], [-1, -1]]], np.int32)
-    lay, tr = _traffic(idx, 2, A.Topology(2, gpus_per_node=2), capacity=1)
-    assert lay.kept.tolist() == [[[True, False], [False, False]], [[False, False], [False, False]]]
-    assert lay.dropped.tolist() == [0, 1] and lay.invalid.tolist() == [1, 0]
-    assert lay.group_sizes.tolist() == [[0], [1]]
-    np.testing.assert_array_equal(tr.nvlink_tx, [1, 0])  # only token 0 moves
-
-
-def test_topology_validation():
-    with pytest.raises(ValueError, match="ranks_per_gpu"):
-        A.Topology(6, gpus_per_node=2, ranks_per_gpu=4)
-    with pytest.raises(ValueError, match="ranks per node"):
-        A.Topology(12, gpus_per_node=8)
-
-
-def test_seed_case_two_nodes_uniform():
-    """The seed's shape: 2 nodes x 8 GPUs, 4096 tokens/rank, H=7168, top-8 of 128 experts, uniform.
-
-    Closed form. A token picks 8 distinct experts out of 128, uniformly; each rank holds 8 experts,
-    each node 64. P(token misses a given rank) p0 = C(120,8)/C(128,8) ~ 0.5877; P(misses a given
-    node) q0 = C(64,8)/C(128,8) ~ 0.0031. Per source token, in row units (H*2 bytes):
-      RDMA   = P(touches the other node)                      = 1 - q0          ~ 0.997
-      NVLink = 7 own-node peers + 7 remote ranks off the relay = 14 * (1 - p0)   ~ 5.772
-      same-GPU = itself + the relay's own copy                  = 2 * (1 - p0)   ~ 0.825
-    so RDMA carries (1-q0) / ((1-q0) + 14(1-p0)) ~ 14.7% of the bytes that cross a link, and a
-    rank's NIC moves ~0.997 rows per token while its NVLink moves ~5.8 (each way).
-    DeepEP's printout divides two *other* byte counts by one time: "RDMA" = (token, node) pairs incl.
-    the own node = 2(1 - q0) per token; "NVL" = (token, rank) rows received incl. from itself =
-    16(1 - p0) per token. Their ratio is 2(1-q0) / (16(1-p0)) ~ 0.302 whatever the time: the seed's
-    "44 GB/s RDMA vs 149 GB/s NVL" (0.295) is this byte ratio, not a property of the links.
-    """
-    R, T, K, E, H = 16, 4096, 8, 128, 7168
-    p0 = math.comb(120, 8) / math.comb(128, 8)
-    q0 = math.comb(64, 8) / math.comb(128, 8)
-    idx = routing.topk_ids("uniform", R, T, K, E, seed=1)
-    assert all(len(set(row)) == K for row in idx[0, :50].tolist())  # distinct experts per token
-    lay, tr = _traffic(idx, E, A.Topology(R, gpus_per_node=8), capacity=R * T * K)
-    n = R * T
-    assert tr.rdma_tx.sum() / n == pytest.approx(1 - q0, rel=0.01)
-    assert tr.nvlink_tx.sum() / n == pytest.approx(14 * (1 - p0), rel=0.01)
-    assert tr.same_gpu.sum() / n == pytest.approx(2 * (1 - p0), rel=0.01)
-    rdma_share = tr.rdma_tx.sum() / (tr.rdma_tx.sum() + tr.nvlink_tx.sum())
-    assert rdma_share == pytest.approx((1 - q0) / ((1 - q0) + 14 * (1 - p0)), rel=0.01)
-    assert 0.14 < rdma_share < 0.155
-
-    alg = A.deepep_algbw_bytes(tr, H * 2)
-    byte_ratio = alg["rdma"].sum() / alg["nvl"].sum()
-    assert byte_ratio == pytest.approx(2 * (1 - q0) / (16 * (1 - p0)), rel=0.01)
-    for t in (1e-3, 2.7e-3, 10.0):  # "GB/s RDMA / GB/s NVL" for any common time t
-        assert (alg["rdma"].sum() / t) / (alg["nvl"].sum() / t) == pytest.approx(byte_ratio)
-    assert byte_ratio == pytest.approx(44 / 149, abs=0.01)
-    # The real bottleneck: per rank, NVLink moves ~5.8x the bytes the NIC does, at ~9x the peak
-    # (450 vs 50 GB/s on H100/H200): the NIC bounds dispatch, by a factor ~1.6 over NVLink.
-    b = A.link_bytes(tr, H * 2)
-    assert b["rdma"]["max"] / 50 > b["nvlink"]["max"] / 450
+# The byte model's hand-computed and closed-form cases: tests/test_accounting.py.
 
 
 # ---------------------------------------------------------------- end to end on the reference backend
@@ -147,9 +28,15 @@ def result():
 
 
 TOP_KEYS = {"schema_version", "tool", "jaxep_version", "jax_version", "time_utc", "config", "topology",
-            "peaks_gbps", "correctness", "routing", "copy_baseline", "ops", "sweep", "notes"}
-OP_KEYS = {"time_s", "links", "bound_by", "floor_s", "efficiency", "algbw_gbps", "baselines"}
-LINK_KEYS = {"bytes_per_rank_max", "busiest_rank", "gbps", "peak_gbps", "peak_source", "floor_s"}
+            "peaks_gbps", "correctness", "routing", "copy_baseline", "ops", "sweep", "notes", "model"}
+OP_KEYS = {"time_s", "links", "bound_by", "floor_s", "efficiency", "algbw_gbps", "baselines",
+           "logical", "metadata"}
+LINK_KEYS = {"bytes_per_rank_max", "busiest_rank", "gbps", "peak_gbps", "peak_source", "floor_s",
+             "bytes_per_rank"}
+NEW_KEYS = {"node_layout", "row_bytes_combine_nvlink", "row_bytes_metadata",
+            "metadata_bytes_per_rank_max", "ratio_uniform_model", "true_gbps_at_seed_time",
+            "rdma_true_gbps_at_floor", "fp8_dispatch", "combine_wire_dtype", "preset",
+            "ranks_per_node"}
 
 
 def test_run_end_to_end_reference(result):
@@ -164,6 +51,14 @@ def test_run_end_to_end_reference(result):
         assert o["baselines"]["reference"]["ratio"] == 1.0
     d, c = result["ops"]["dispatch"]["links"], result["ops"]["combine"]["links"]
     assert c["rdma"]["bytes_total_sent"] == 2 * d["rdma"]["bytes_total_sent"]  # f32 partials vs bf16
+    # Combine's NVLink rows are y rows per kept slot (payload dtype): at least dispatch's per token.
+    assert c["nvlink"]["bytes_total_sent"] >= d["nvlink"]["bytes_total_sent"]
+    assert result["routing"]["row_bytes_combine"] == 64 * 4
+    assert result["routing"]["row_bytes_combine_nvlink"] == 64 * 2
+    o = result["ops"]["dispatch"]
+    assert o["logical"]["rdma"]["bytes_per_rank_max"] > o["links"]["rdma"]["bytes_per_rank_max"]
+    assert o["metadata"]["bytes_per_rank_max"] == 32 * 2 * 12 + 16 * 4 + 32 * 4
+    assert result["ops"]["combine"]["metadata"] is None
 
 
 def test_json_schema(result, tmp_path):
@@ -185,8 +80,11 @@ def test_json_schema(result, tmp_path):
         assert pc["ratio"] == pytest.approx(1 / o["payload"]["copy_over_op"])
     assert set(doc["peaks_gbps"]) == {"nvlink", "rdma", "hbm"}
     documented = open(os.path.join(os.path.dirname(__file__), "..", "docs", "benchmark.md")).read()
-    for key in TOP_KEYS | OP_KEYS | LINK_KEYS:
+    for key in TOP_KEYS | OP_KEYS | LINK_KEYS | NEW_KEYS:
         assert f"`{key}`" in documented, key
+    assert doc["model"] is None  # no preset: no modeled hardware
+    assert doc["topology"]["node_layout"] == "Config.ranks_per_node"
+    assert doc["config"]["jaxep_config"]["ranks_per_node"] == 4
 
 
 def test_table_and_plot(result, tmp_path):
@@ -237,9 +135,10 @@ def test_header_on_gpu_names_the_gpu_and_shared_gpus(result):
     assert "on NVIDIA H200 (8 processes); EP=8 as 2 node(s) x 4 GPU(s); T=" in head, head
     assert "emulated" not in head
     assert "NVLink" in report.table(r) and "same GPU" in report.table(r)
-    r["topology"].update(ranks_per_gpu=8, gpus_per_node=1, num_nodes=1, emulated=True)
+    r["topology"].update(ranks_per_gpu=8, gpus_per_node=1, ranks_per_node=8, num_nodes=1,
+                         emulated=True)
     head = report.header(r)
-    assert "x 8 ranks/GPU; emulated links (8 ranks share each GPU" in head, head
+    assert "EP=8 as 1 node(s) x 8 ranks, 8 ranks/GPU; emulated links (8 ranks share each GPU" in head, head
     assert "NVLink (emulated)" in report.table(r)
 
 
@@ -498,3 +397,43 @@ def test_cli_on_a_terminal_draws_a_rich_progress_bar():
     assert rc == 0, out[-3000:]
     assert "jaxep-bench: timing dispatch" in out and "\u2501" in out, out[-3000:]
     assert "time per op (ms)" in out and "Unable to initialize backend" not in out
+
+
+def test_preset_seed_2x8_on_cpu(tmp_path):
+    """--preset=seed_2x8 with small explicit overrides on 16 emulated CPU devices (reference
+    backend, 2 nodes x 8 from Config.ranks_per_node): the explicit flags win, the preset fills the
+    rest; the text names the true cross-node bytes, the logical figure and the seed's reading."""
+    out = tmp_path / "seed.json"
+    p = subprocess.run([sys.executable, "-m", "jaxep.bench", "--preset=seed_2x8", "--tokens=8",
+                        "--hidden=256", "--cpu_devices=16", "--iters=1", "--warmup=1", "--inner=1",
+                        "--combine_wire_dtype=payload", f"--json={out}"],
+                       capture_output=True, text=True, timeout=300, env=_bench_env(),
+                       cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = p.stdout
+    assert "correctness: OK" in text and "EP=16 as 2 node(s) x 8 device(s)" in text, text[:800]
+    for want in ("inter-node (emulated): true cross-node", "RDMA logical (DeepEP/HybridEP count)",
+                 "NVL logical (DeepEP count)", "RDMA metadata", "link model (B300 NVLink",
+                 "fp8 dispatch:", "model only: fp8 dispatch is not built",
+                 'seed: "NVL 149 GB/s, RDMA 44 GB/s" are DeepEP-style bytes / one time, so '
+                 "RDMA/NVL = 44/149 = 0.295 is the routing's byte ratio (uniform model at 2x8 "
+                 "E=128 K=8: 0.302", "of a 100 GB/s NIC (the seed's HybridEP run: ~22 GB/s)",
+                 "combine_wire_dtype=bfloat16", "preset=seed_2x8"):
+        assert want in text, (want, text[-3000:])
+    doc = json.loads(out.read_text())
+    c, t = doc["config"], doc["topology"]
+    assert (c["tokens"], c["hidden"], c["topk"], c["experts"], c["ep_size"]) == (8, 256, 8, 128, 16)
+    assert c["preset"] == "seed_2x8" and c["jaxep_config"]["ranks_per_node"] == 8
+    assert c["jaxep_config"]["combine_wire_dtype"] == "bfloat16"
+    assert (t["num_nodes"], t["ranks_per_node"], t["node_layout"]) == (2, 8, "Config.ranks_per_node")
+    assert doc["routing"]["row_bytes_combine"] == 256 * 2  # bf16 partials on the wire
+    m = doc["model"]
+    assert m["hardware"]["nvlink_gbps"] == 900 and m["hardware"]["rdma_gbps"] == 100
+    assert set(m["ops"]) == {"dispatch", "combine", "both"} and m["fp8_dispatch"]["row_bytes"] == 264
+    for o in m["ops"].values():
+        assert o["bound_by"] in ("nvlink", "rdma") and o["floor_s"] > 0
+    assert m["seed"]["seed_ratio"] == pytest.approx(44 / 149)
+    assert m["seed"]["ratio_uniform_model"] == pytest.approx(0.30225, abs=1e-4)
+    d = doc["ops"]["dispatch"]
+    assert len(d["links"]["rdma"]["bytes_per_rank"]) == 16
+    assert d["logical"]["rdma"]["bytes_per_rank_max"] > 0 and d["metadata"]["bytes_per_rank_max"] > 0

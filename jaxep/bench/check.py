@@ -65,18 +65,32 @@ def oracle_rows(lay: Layout, idx_all, w_all, rank, capacity, hidden, dtype, seed
     return rows, weights
 
 
-def oracle_combine_of_rows(lay: Layout, w_all, rank, x_src) -> np.ndarray:
-    """Expected combine(y = dispatched rows) on source `rank`: y[row(t,k)] == x_src[t], so
-    out[t] = sum_r asc (sum_k asc, dest r, kept: f32(w) * f32(x[t])), in f32 without FMA."""
+def _round_to(a32: np.ndarray, dtype) -> np.ndarray:
+    """f32 values rounded once to `dtype` (round to nearest even) and held in f32 again."""
+    return a32 if np.dtype(dtype) == np.float32 else a32.astype(dtype).astype(np.float32)
+
+
+def oracle_combine_of_rows(lay: Layout, w_all, rank, x_src, ranks_per_node=None,
+                           wire_dtype=np.float32) -> np.ndarray:
+    """Expected combine(y = dispatched rows) on source `rank`: y[row(t,k)] == x_src[t], so with
+    partial_r[t] = sum_k asc (dest r, kept) of f32(w) * f32(x[t]) and G = ranks_per_node (None:
+    one node), out[t] = sum_n asc P_n[t], P_n = sum_{r on node n} asc partial_r, where the P_n of
+    every node but `rank`'s own is rounded once to `wire_dtype`; all in f32 without FMA, cast
+    once (SPEC.md section 3). Ranks without a kept slot of t add +0.0 (no partial is -0.0)."""
     T, K = lay.kept.shape[1:]
+    R = lay.kept.shape[0]
+    G = ranks_per_node or R
     x = x_src.astype(np.float32)
-    out = np.zeros(x.shape, np.float32)
     dest, kept, w = lay.dest[rank], lay.kept[rank], w_all[rank]
-    for r in np.unique(dest[kept]):
-        toks = np.nonzero((kept & (dest == r)).any(1))[0]
-        partial = np.zeros((toks.size, x.shape[1]), np.float32)
-        for k in range(K):
-            m = kept[toks, k] & (dest[toks, k] == r)
-            partial[m] = partial[m] + w[toks[m], k][:, None] * x[toks[m]]
-        out[toks] = out[toks] + partial
+    out = np.zeros(x.shape, np.float32)
+    for n in range(R // G):
+        p_n = np.zeros(x.shape, np.float32)
+        for r in range(n * G, (n + 1) * G):  # tokens without a slot on r add +0.0: skipped
+            toks = np.nonzero((kept & (dest == r)).any(1))[0]
+            partial = np.zeros((toks.size, x.shape[1]), np.float32)
+            for k in range(K):
+                m = kept[toks, k] & (dest[toks, k] == r)
+                partial[m] = partial[m] + w[toks[m], k][:, None] * x[toks[m]]
+            p_n[toks] = p_n[toks] + partial
+        out = out + (p_n if n == rank // G else _round_to(p_n, wire_dtype))
     return out.astype(x_src.dtype)

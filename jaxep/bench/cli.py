@@ -12,6 +12,7 @@ import sys
 
 from absl import app, flags
 
+from jaxep.bench import presets
 from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS, MODES, PAYLOAD_DTYPES
 
 _ROUTINGS = ("uniform", "zipf", "imbalanced")
@@ -50,11 +51,23 @@ EP_SIZE = flags.DEFINE_integer("ep_size", 0, "EP size; 0 = all devices.", lower_
 CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Emulated host devices on CPU (sets "
                                    "--xla_force_host_platform_device_count in XLA_FLAGS); 0 = leave as is.",
                                    lower_bound=0, upper_bound=512)
-GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", 0, "Node layout override; 0 = from the machine.",
-                                     lower_bound=0, upper_bound=1024)
-RANKS_PER_GPU = flags.DEFINE_integer("ranks_per_gpu", 0, "Ranks sharing one GPU (emulated links); 0 = "
-                                     "auto: all processes under jaxep.launch --share-gpu (CUDA MPS), "
-                                     "else 1.", lower_bound=0, upper_bound=64)
+PRESET = flags.DEFINE_enum("preset", None, list(presets.NAMES), "A named setup: seed_2x8 = the "
+                           "seed's 2 nodes x 8 GPUs (T=4096 H=7168 K=8 E=128 bf16, EP 16, "
+                           "ranks_per_node 8) and its link model (B300 NVLink, CX8 NIC). Flags given "
+                           "explicitly win over the preset.")
+RANKS_PER_NODE = flags.DEFINE_integer("ranks_per_node", 0, "jaxep.Config.ranks_per_node: the node "
+                                      "layout the kernels run and the bytes are counted in (e.g. 16 "
+                                      "ranks on one GPU as 2 nodes x 8); 0 = the machine's.",
+                                      lower_bound=0, upper_bound=1 << 16)
+GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", 0, "Older spelling of --ranks_per_node (one "
+                                     "rank per GPU); 0 = unset.", lower_bound=0, upper_bound=1024)
+RANKS_PER_GPU = flags.DEFINE_integer("ranks_per_gpu", 0, "Ranks sharing one physical GPU (then the "
+                                     "links are emulated); 0 = auto: all processes under "
+                                     "jaxep.launch --share-gpu (CUDA MPS), else 1.",
+                                     lower_bound=0, upper_bound=64)
+COMBINE_WIRE_DTYPE = flags.DEFINE_enum("combine_wire_dtype", "float32", ["float32", "payload"],
+                                       "jaxep.Config.combine_wire_dtype: the dtype combine's "
+                                       "per-(token, node) partials cross the network in.")
 NVLINK_GBPS = flags.DEFINE_float("nvlink_gbps", 0.0, "NVLink peak GB/s per GPU per direction; 0 = table.",
                                  lower_bound=0.0, upper_bound=1e5)
 RDMA_GBPS = flags.DEFINE_float("rdma_gbps", 0.0, "RDMA peak GB/s per GPU (NIC); 0 = sysfs or 50.",
@@ -75,20 +88,32 @@ JSON = flags.DEFINE_string("json", None, "Write the result as JSON here (docs/be
 PLOT = flags.DEFINE_string("plot", None, "Write a PNG plot here.")
 
 
+# BenchConfig field -> the flag holder that sets it (a preset fills the ones not given).
+_FIELDS = dict(tokens=TOKENS, hidden=HIDDEN, topk=TOPK, experts=EXPERTS, dtype=DTYPE, ep_size=EP_SIZE,
+               ranks_per_node=RANKS_PER_NODE)
+
+
 def bench_config():
     from jaxep.bench.runner import BenchConfig
     nz = lambda v: v or None
-    return BenchConfig(
+    kw = dict(
         tokens=TOKENS.value, hidden=HIDDEN.value, topk=TOPK.value, experts=EXPERTS.value, mode=MODE.value,
         dtype=DTYPE.value, routing=ROUTING.value, seed=SEED.value, zipf_alpha=ZIPF_ALPHA.value,
         imbalance=IMBALANCE.value, capacity_factor=nz(CAPACITY_FACTOR.value), num_sms=nz(NUM_SMS.value),
         dispatch_kernel=DISPATCH_KERNEL.value, combine_kernel=COMBINE_KERNEL.value,
         zero_copy=ZERO_COPY.value, backend=None if BACKEND.value == "auto" else BACKEND.value,
         warmup=WARMUP.value, iters=ITERS.value, inner=INNER.value, ep_size=nz(EP_SIZE.value),
-        gpus_per_node=nz(GPUS_PER_NODE.value), ranks_per_gpu=nz(RANKS_PER_GPU.value),
+        ranks_per_node=nz(RANKS_PER_NODE.value), gpus_per_node=nz(GPUS_PER_NODE.value),
+        ranks_per_gpu=nz(RANKS_PER_GPU.value), combine_wire_dtype=COMBINE_WIRE_DTYPE.value,
         nvlink_gbps=nz(NVLINK_GBPS.value), rdma_gbps=nz(RDMA_GBPS.value), hbm_gbps=nz(HBM_GBPS.value),
         check=CHECK.value, timeout_s=TIMEOUT_S.value, sweep=SWEEP.value,
         sweep_num_sms=tuple(_sms(v) for v in SWEEP_NUM_SMS.value), sweep_kernels=SWEEP_KERNELS.value)
+    if PRESET.value:
+        given = {k: kw[k] for k, holder in _FIELDS.items() if flags.FLAGS[holder.name].present}
+        if GPUS_PER_NODE.present and not RANKS_PER_NODE.present:  # its older spelling: given too
+            given["ranks_per_node"] = None
+        return presets.bench_config(PRESET.value, **{**kw, **presets.fields(PRESET.value), **given})
+    return BenchConfig(**kw)
 
 
 def _sms(text: str) -> int:

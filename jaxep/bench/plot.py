@@ -69,9 +69,7 @@ def _rows(r: dict, op: str) -> list[dict]:
 def _titles(r: dict) -> tuple[str, str, str | None]:
     c, t = r["config"], r["topology"]
     where = t["device_kind"] if t["platform"] == "gpu" else "CPU"
-    unit = "GPU" if t["platform"] == "gpu" else "device"
-    layout = f"{t['num_nodes']} node(s) x {t['gpus_per_node']} {unit}(s)" + (
-        f" x {t['ranks_per_gpu']} ranks/{unit}" if t["ranks_per_gpu"] > 1 else "")
+    layout = report.layout_text(t)
     title = (f"jaxep-bench: {c['backend_used']} backend on {where}, EP={t['ep_size']} "
              f"({layout}, {t['num_processes']} process{'es' if t['num_processes'] > 1 else ''})")
     cap = "no-drop" if c["capacity_factor"] is None else f"cf={c['capacity_factor']}"

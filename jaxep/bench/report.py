@@ -90,23 +90,29 @@ def short_names(r: dict) -> dict:
     return dict(nvlink="NVLink", rdma="RDMA", hbm="HBM")
 
 
+def layout_text(t: dict) -> str:
+    """'2 node(s) x 4 GPU(s)', or with ranks sharing a GPU '2 node(s) x 8 ranks, 16 ranks/GPU'."""
+    unit = "GPU" if t["platform"] == "gpu" else "device"
+    if t["ranks_per_gpu"] == 1:
+        return f"{t['num_nodes']} node(s) x {t['ranks_per_node']} {unit}(s)"
+    return (f"{t['num_nodes']} node(s) x {t['ranks_per_node']} ranks, {t['ranks_per_gpu']} "
+            f"ranks/{unit}")
+
+
 def header(r: dict) -> str:
     """One line: what ran (backend, platform, processes, layout, emulated links) and the config."""
     c, t = r["config"], r["topology"]
     cap = "no-drop" if c["capacity_factor"] is None else f"cf={c['capacity_factor']}"
     gpu = t["platform"] == "gpu"
-    unit = "GPU" if gpu else "device"
     procs = t["num_processes"]
     where = t["device_kind"] if gpu else "cpu"
-    layout = f"{t['num_nodes']} node(s) x {t['gpus_per_node']} {unit}(s)"
-    if t["ranks_per_gpu"] > 1:
-        layout += f" x {t['ranks_per_gpu']} ranks/{unit}"
+    layout = layout_text(t)
     why = emulated_reason(t)
     return (f"jaxep-bench: {c['backend_used']} backend on {where} ({procs} process"
             f"{'es' if procs > 1 else ''}); EP={t['ep_size']} as {layout}"
             f"{f'; emulated links ({why})' if why else ''}; T={c['tokens']} H={c['hidden']} "
             f"K={c['topk']} E={c['experts']} {c['dtype']} {c['mode']} routing={c['routing']} "
-            f"seed={c['seed']} capacity={c['capacity']} ({cap}) warmup={c['warmup']} iters={c['iters']}"
+            f"seed={c['seed']}{' preset=' + c['preset'] if c.get('preset') else ''} capacity={c['capacity']} ({cap}) warmup={c['warmup']} iters={c['iters']}"
             f"{_knobs(c.get('jaxep_config'), t)}")
 
 
@@ -115,8 +121,9 @@ def _knobs(jc, t) -> str:
     if not jc:
         return ""
     zc = "off" if not jc["zero_copy"] else ("on" if t.get("zero_copy_enabled") else "unused")
+    wire = f" combine_wire_dtype={jc['combine_wire_dtype']}" if "combine_wire_dtype" in jc else ""
     return (f" num_sms={jc['num_sms'] or 'no-cap'} kernels={jc['dispatch_kernel']}/"
-            f"{jc['combine_kernel']} zero_copy={zc}")
+            f"{jc['combine_kernel']} zero_copy={zc}{wire}")
 
 
 def _new_table(title: str) -> Table:
@@ -148,8 +155,13 @@ def time_table(r: dict) -> Table:
     return tb
 
 
+# What each link row is, after its class name in the link table.
+ROW_WHAT = dict(rdma="true cross-node", nvlink="")
+
+
 def link_table(r: dict) -> Table:
-    """Per op and byte class: the busiest rank's bytes, its GB/s, the peak and the floor."""
+    """Per op and byte class: the busiest rank's bytes, its GB/s, the peak and the floor; then the
+    RDMA metadata and the logical DeepEP/HybridEP figures, which are no link's bytes."""
     names = class_names(r)
     tb = _new_table("bytes per class (the busiest rank's max(sent, received); links are full duplex)")
     for name, just in (("op", "left"), ("class", "left"), ("MB", "right"), ("busiest rank", "right"),
@@ -157,20 +169,89 @@ def link_table(r: dict) -> Table:
                        ("bounds op", "left"), ("peak source", "left")):
         tb.add_column(name, justify=just)
     for op, o in r["ops"].items():
-        for i, c in enumerate(CLASSES):
+        rows = []
+        for c in CLASSES:
             l = o["links"][c]
             mb = f"{l['bytes_per_rank_max'] / 1e6:.2f}"
             rank = str(l["busiest_rank"])
             if c == "same_gpu":
-                tb.add_row(op, names[c], mb, rank, "-", "-", "-", "",
-                           "not a link: excluded from the floors")
+                rows.append((names[c], mb, rank, "-", "-", "-", "", "not a link: excluded from the floors"))
                 continue
             none = not l["bytes_per_rank_max"]
-            tb.add_row("", names[c], mb, "-" if none else rank, "-" if none else fmt(l["gbps"]),
-                       fmt(l.get("peak_gbps")), "-" if none else _ms(l.get("floor_s")),
-                       "yes" if o["bound_by"] == c else "", l.get("peak_source") or "",
-                       end_section=i == len(CLASSES) - 1)
+            label = names[c] + (f": {ROW_WHAT[c]}" if ROW_WHAT.get(c) else "")
+            rows.append((label, mb, "-" if none else rank, "-" if none else fmt(l["gbps"]),
+                         fmt(l.get("peak_gbps")), "-" if none else _ms(l.get("floor_s")),
+                         "yes" if o["bound_by"] == c else "", l.get("peak_source") or ""))
+        rows += _extra_rows(o)
+        for i, row in enumerate(rows):
+            tb.add_row(op if i == 0 else "", *row, end_section=i == len(rows) - 1)
     return tb
+
+
+def _extra_rows(o: dict) -> list[tuple]:
+    """Metadata and logical rows of one op (old JSON files without them: none)."""
+    out = []
+    m = o.get("metadata")
+    if m:
+        out.append(("RDMA metadata", f"{m['bytes_per_rank_max'] / 1e6:.2f}", str(m["busiest_rank"]),
+                    fmt(m["gbps"]), "-", "-", "", "ids/weights/counts, not in the floor"))
+    for key, name in (("rdma", "RDMA logical (DeepEP/HybridEP count)"), ("nvl", "NVL logical (DeepEP count)")):
+        l = (o.get("logical") or {}).get(key)
+        if not l:
+            continue
+        none = not l["bytes_per_rank_max"]
+        what = ("(token, node) pairs incl. own node: not link bytes" if key == "rdma" else
+                "(token, rank) rows incl. own rank: not link bytes")
+        out.append((name, f"{l['bytes_per_rank_max'] / 1e6:.2f}", "-" if none else str(l["busiest_rank"]),
+                    "-" if none else fmt(l["gbps"]), "-", "-", "", what))
+    return out
+
+
+def model_lines(r: dict) -> list[str]:
+    """The link model on the modeled hardware and the seed's reading (a preset's run only)."""
+    m = r.get("model")
+    if not m:
+        return []
+    hw = m["hardware"]
+    lines = [f"link model ({hw['name']}; NVLink {fmt(hw['nvlink_gbps'])} GB/s, NIC {fmt(hw['rdma_gbps'])} "
+             f"GB/s per GPU; from {hw['source']}): MODELED from this run's byte counts, not measured"]
+    for op, o in list(m["ops"].items()) + [("fp8 dispatch", m["fp8_dispatch"])]:
+        b = o["bytes_per_rank_max"]
+        fl = ", ".join(f"{c} {_t(v)}" for c, v in o["floors_s"].items())
+        line = (f"  {op}: NVLink {b['nvlink'] / 1e6:.2f} MB, RDMA true cross-node {b['rdma'] / 1e6:.2f} MB "
+                f"(busiest rank); floors {fl or '-'}; floor {_t(o['floor_s'])} bound by "
+                f"{o['bound_by'] or '-'}")
+        if o["rdma_true_gbps_at_floor"]:
+            line += (f"; true cross-node {fmt(o['rdma_true_gbps_at_floor'])} GB/s per GPU at the floor = "
+                     f"{_pct(o['line_rate_fraction_at_floor'])} of line rate (target >= "
+                     f"{_pct(o['target_line_fraction'])}: <= {_t(o['time_for_target_s'])})")
+        if "note" in o:
+            line += f" [{o['note']}, rows {o['row_bytes']:,} B]"
+        lines.append(line)
+    s = m["seed"]
+    lines.append(
+        f"seed: \"NVL {fmt(s['seed_nvl_gbps'])} GB/s, RDMA {fmt(s['seed_rdma_gbps'])} GB/s\" are DeepEP-style "
+        f"bytes / one time, so RDMA/NVL = {fmt(s['seed_rdma_gbps'])}/{fmt(s['seed_nvl_gbps'])} = "
+        f"{s['seed_ratio']:.3f} is the routing's byte ratio (uniform model at 2x8 E=128 K=8: "
+        f"{s['ratio_uniform_model']:.3f}; this run's routing: {_r3(s['ratio_this_routing'])}), not link speed")
+    if s["seed_time_s"]:
+        lines.append(
+            f"seed: at the seed's time (this routing's NVL logical bytes / {fmt(s['seed_nvl_gbps'])} GB/s = "
+            f"{_t(s['seed_time_s'])}) the true cross-node bytes move at "
+            f"{fmt(s['true_gbps_at_seed_time'])} GB/s per GPU = {_pct(s['line_rate_fraction_at_seed_time'])} "
+            f"of a {fmt(s['nic_gbps'])} GB/s NIC (the seed's HybridEP run: ~{fmt(s['hybridep_true_gbps'])} GB/s)")
+    return lines
+
+
+def _t(s):
+    """Seconds as ms, 3 significant digits (model floors of small runs are microseconds)."""
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.3g} ms" if s >= 1e-5 else f"{s * 1e6:.3g} us"
+
+
+def _r3(x):
+    return "-" if x is None else f"{x:.3f}"
 
 
 def baseline_table(r: dict) -> Table:
@@ -208,7 +289,7 @@ def _lines(r: dict) -> list[str]:
     ro = r["routing"]
     lines.append(f"rows/rank {min(ro['rows_per_rank'])}..{max(ro['rows_per_rank'])}, dropped "
                  f"{sum(ro['dropped_rows'])}, invalid ids {sum(ro['invalid_ids'])}")
-    return lines + [f"note: {n}" for n in r["notes"]]
+    return lines + model_lines(r) + [f"note: {n}" for n in r["notes"]]
 
 
 def renderables(r: dict) -> list:

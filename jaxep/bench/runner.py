@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxep
 from jaxep import runtime
-from jaxep.bench import accounting, check, peaks, routing, timing
+from jaxep.bench import accounting, check, model, peaks, presets, routing, timing
 from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS
 from jaxep.runtime import select_backend
 
@@ -59,8 +59,13 @@ class BenchConfig:
     iters: int = 10
     inner: int = 0                          # ops per sample; 0 = about 20 ms per sample
     ep_size: int | None = None              # None: every device
-    gpus_per_node: int | None = None        # None: GPUs on this host (nvidia-smi), else EP size
-    ranks_per_gpu: int | None = None        # None: all processes when they share one GPU (MPS), else 1
+    # The node layout the kernels run: jaxep.Config.ranks_per_node (None: the machine's, read at
+    # jaxep.initialize; one node without the multi-process runtime). The bytes are counted in it.
+    ranks_per_node: int | None = None
+    gpus_per_node: int | None = None        # the older spelling of ranks_per_node (1 rank per GPU)
+    ranks_per_gpu: int | None = None        # physical: None = all processes when they share one GPU (MPS), else 1
+    combine_wire_dtype: str = "float32"     # jaxep.Config.combine_wire_dtype; "payload" = dtype
+    preset: str | None = None               # presets.NAMES: its modeled hardware and seed reading
     nvlink_gbps: float | None = None
     rdma_gbps: float | None = None
     hbm_gbps: float | None = None
@@ -73,18 +78,33 @@ class BenchConfig:
     def jaxep_config(self, **override) -> jaxep.Config:
         kw = dict(num_experts=self.experts, topk=self.topk, hidden=self.hidden,
                   max_tokens_per_rank=self.tokens, capacity_factor=self.capacity_factor,
-                  dtype=self.dtype, mode=self.mode, num_sms=self.num_sms, timeout_s=self.timeout_s)
+                  dtype=self.dtype, mode=self.mode, num_sms=self.num_sms, timeout_s=self.timeout_s,
+                  ranks_per_node=self.node_override(), combine_wire_dtype=self.wire_dtype())
         kw.update({k: getattr(self, k) for k in ("dispatch_kernel", "combine_kernel", "zero_copy")
                    if getattr(self, k) is not None})
         kw.update(override)
         return jaxep.Config(**kw)
+
+    def node_override(self) -> int | None:
+        """Config.ranks_per_node: ranks_per_node, or the older gpus_per_node; never both unequal."""
+        a, b = self.ranks_per_node, self.gpus_per_node
+        if a and b and a != b:
+            raise ValueError(f"jaxep-bench: ranks_per_node={a} and gpus_per_node={b} (its older "
+                             f"spelling) disagree: give one")
+        return a or b or None
+
+    def wire_dtype(self) -> str:
+        """Config.combine_wire_dtype: "payload" stands for the payload dtype."""
+        return self.dtype if self.combine_wire_dtype == "payload" else self.combine_wire_dtype
 
 
 def _mesh(bc: BenchConfig):
     devs = jax.devices()
     R = bc.ep_size or len(devs)
     if R > len(devs):
-        raise ValueError(f"jaxep-bench: ep_size={R} but only {len(devs)} devices")
+        hint = (f" (one GPU: python -m jaxep.launch --nproc {R} --share-gpu -m jaxep.bench ...; "
+                f"CPU: --cpu_devices={R})")
+        raise ValueError(f"jaxep-bench: ep_size={R} but only {len(devs)} devices{hint}")
     return jax.sharding.Mesh(np.array(devs[:R]), (AXIS,)), R
 
 
@@ -96,16 +116,6 @@ def _ranks_per_gpu(bc, R, platform) -> int:
     if platform == "gpu" and jax.process_count() > 1 and os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
         return R
     return 1
-
-
-def _gpus_per_node(bc, R, platform, rpg):
-    if bc.gpus_per_node:
-        return bc.gpus_per_node
-    if platform == "gpu":
-        from jaxep.doctor import nvidia_smi
-        n = len(nvidia_smi()["gpus"]) or jax.local_device_count()
-        return max(1, min(n, R // rpg))
-    return max(1, R // rpg)  # CPU: one emulated node
 
 
 def _global(mesh, R, per_rank_shape, dtype, block):
@@ -164,13 +174,13 @@ class _Ops:
         return out
 
 
-def _correctness(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R):
+def _correctness(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R, G):
     """Every process checks the shards it holds; the outcomes are gathered (key-value store), so
     every process raises if any failed, naming the process. Returns what was checked."""
     error = None
     try:
         done = _correctness_local(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all,
-                                  capacity, R)
+                                  capacity, R, G)
     except check.BenchCorrectnessError as e:
         error, done = str(e), []
     errors = timing.allgather(error)
@@ -183,7 +193,8 @@ def _correctness(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capa
     return done
 
 
-def _correctness_local(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R):
+def _correctness_local(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R, G):
+    cfg = bc.jaxep_config()
     res = ops.dispatch_once(x, idx, w)
     out = ops.combine_once(res.x, res.handle)
     jax.block_until_ready(out)
@@ -214,14 +225,24 @@ def _correctness_local(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all
             check.bitwise_equal("dispatch weights vs host oracle", r, wts[r], want_w)
             x_r = routing.tokens_for_rank(r, T, H, dt, seed=bc.seed)
             check.bitwise_equal("combine(dispatched rows) vs host oracle", r, outs[r],
-                                check.oracle_combine_of_rows(lay, w_all, r, x_r))
+                                check.oracle_combine_of_rows(lay, w_all, r, x_r, G,
+                                                             jnp.dtype(cfg.combine_wire_dtype)))
         done.append("dispatch rows/weights and combine output bitwise == host oracle (docs/design.md)")
     return done
 
 
-def _op_report(op, t, dbytes, cbytes, hbm, peaks_, copy_t, ref_t, algbw):
-    """Per-op byte/bandwidth/floor figures. dbytes/cbytes: accounting.link_bytes of each direction."""
-    parts = {"dispatch": [dbytes], "combine": [cbytes], "both": [dbytes, cbytes]}[op]
+def _sum(parts, key):
+    """Per-rank arrays of `key` summed over an op's parts (both = dispatch + combine)."""
+    return sum(np.asarray(p[key]) for p in parts)
+
+
+def _op_report(op, t, parts, meta, hbm, peaks_, copy_t, ref_t, logical):
+    """Per-op byte/bandwidth/floor figures.
+
+    parts: accounting.link_bytes of each direction the op runs (both: dispatch and combine).
+    meta: dispatch's RDMA metadata (accounting.metadata) or None. logical: per-rank
+    {nvl, rdma} bytes of the DeepEP/HybridEP count, already summed over the op's parts.
+    """
     n = len(parts)
     links = {}
     for c in ("same_gpu",) + accounting.LINKS:
@@ -230,14 +251,21 @@ def _op_report(op, t, dbytes, cbytes, hbm, peaks_, copy_t, ref_t, algbw):
         peak, src = peaks_.get(c, (None, None))
         floor = b / (peak * 1e9) if peak and b else (0.0 if not b else None)
         links[c] = dict(bytes_per_rank_max=b, busiest_rank=int(per_rank.argmax()),
+                        bytes_per_rank=[int(v) for v in per_rank],
                         bytes_total_sent=int(sum(p[c]["total_sent"] for p in parts)),
                         gbps=b / t["median"] / 1e9, peak_gbps=peak, peak_source=src, floor_s=floor)
     links["same_gpu"]["note"] = "no link: same-GPU memory traffic, excluded from link bytes"
+    links["rdma"]["note"] = ("true cross-node bytes: rows that leave their node (tokens that stay "
+                             "on the node excluded); metadata apart")
     links["rdma"]["bytes_total_sent_if_not_hierarchical"] = int(
         sum(p["rdma_flat_total_sent"] for p in parts))
+    if meta is not None:
+        links["rdma"].update(metadata_bytes_per_rank_max=meta["max"],
+                             metadata_bytes_per_rank=[int(v) for v in meta["per_rank"]])
     hbm_b = int(hbm.max()) * n
     peak, src = peaks_["hbm"]
-    links["hbm"] = dict(bytes_per_rank_max=hbm_b, busiest_rank=int(hbm.argmax()), gbps=hbm_b / t["median"] / 1e9,
+    links["hbm"] = dict(bytes_per_rank_max=hbm_b, busiest_rank=int(hbm.argmax()),
+                        bytes_per_rank=[int(v) * n for v in hbm], gbps=hbm_b / t["median"] / 1e9,
                         peak_gbps=peak, peak_source=src, floor_s=hbm_b / (peak * 1e9) if peak else None,
                         note="least device-memory traffic: read inputs once, write outputs once")
     floors = {c: links[c]["floor_s"] for c in ("hbm",) + accounting.LINKS if links[c]["floor_s"]}
@@ -246,11 +274,60 @@ def _op_report(op, t, dbytes, cbytes, hbm, peaks_, copy_t, ref_t, algbw):
     return dict(
         time_s=t, links=links, bound_by=bound, floor_s=floor,
         efficiency=floor / t["median"] if floor else None,
-        algbw_gbps={k: float(v.max()) * n / t["median"] / 1e9 for k, v in algbw.items()},
+        algbw_gbps={k: float(v.max()) / t["median"] / 1e9 for k, v in logical.items()},
+        logical=_logical(logical, t["median"]),
+        metadata=(dict(bytes_per_rank_max=meta["max"], busiest_rank=meta["busiest_rank"],
+                       gbps=meta["max"] / t["median"] / 1e9,
+                       note="RDMA metadata per (source, remote node): T*K*12 + E*4 + T*4 bytes; "
+                            "not in the floor") if meta is not None else None),
         baselines=dict(
             copy=dict(time_s=copy_t * n, ratio=t["median"] / (copy_t * n),
                       note="elementwise device copy of the same HBM bytes, same timing loop"),
             reference=(dict(time_s=ref_t, ratio=t["median"] / ref_t) if ref_t else None)))
+
+
+LOGICAL_NOTES = dict(
+    rdma="RDMA logical (DeepEP/HybridEP count): (token, node) pairs sent, the own node INCLUDED, x "
+         "row bytes; what those tools divide by time; a NIC counter sees about (N-1)/N of it",
+    nvl="NVL logical (DeepEP count): (token, rank) rows received, the own rank included, x row bytes")
+
+
+def _logical(per_rank: dict, median: float) -> dict:
+    """{rdma, nvl}: the busiest rank's logical bytes, which rank, and bytes / median."""
+    return {k: dict(bytes_per_rank_max=int(v.max()), busiest_rank=int(v.argmax()),
+                    gbps=float(v.max()) / median / 1e9, note=LOGICAL_NOTES[k])
+            for k, v in per_rank.items()}
+
+
+def _model(bc, tr, parts, meta, logical, R, G):
+    """The link model on the preset's hardware (flags win): per op floors and the true
+    cross-node GB/s they imply, the fp8 dispatch bytes (model only) and the seed's reading."""
+    hw = dict(presets.HARDWARE[bc.preset])
+    hw.update(nvlink_gbps=bc.nvlink_gbps or hw["nvlink_gbps"], rdma_gbps=bc.rdma_gbps or hw["rdma_gbps"],
+              source="flags" if bc.nvlink_gbps or bc.rdma_gbps else f"preset {bc.preset}")
+    peak = dict(nvlink_gbps=hw["nvlink_gbps"], rdma_gbps=hw["rdma_gbps"])
+    ops = {}
+    for op, ps in parts.items():
+        m = meta if op != "combine" else None
+        ops[op] = model.modeled_op(int(sum(p["nvlink"]["per_rank"] for p in ps).max()),
+                                   int(sum(p["rdma"]["per_rank"] for p in ps).max()),
+                                   int(m["max"]) if m else 0, **peak)
+    H = bc.hidden
+    fp8_row = H + 4 * -(-H // 128)  # e4m3 + one f32 scale per 128 channels
+    fp8 = accounting.link_bytes(tr.dispatch, fp8_row)
+    fp8_op = model.modeled_op(fp8["nvlink"]["max"], fp8["rdma"]["max"], meta["max"], **peak)
+    fp8_op.update(row_bytes=fp8_row, note="model only: fp8 dispatch is not built")
+    u = accounting.uniform_expectations(R // G, G, bc.experts, bc.topk)
+    s = presets.SEED
+    seed_u = accounting.uniform_expectations(s["nodes"], s["ranks_per_node"], s["experts"], s["topk"])
+    d = parts["dispatch"][0]
+    reading = model.seed_reading(int(logical["dispatch"]["nvl"].max()),
+                                 int(logical["dispatch"]["rdma"].max()), d["rdma"]["max"],
+                                 seed_u["logical_ratio"])
+    reading["ratio_uniform_this_layout"] = u["logical_ratio"]
+    nvl_sum = int(logical["dispatch"]["nvl"].sum())  # over all ranks: the routing's byte ratio
+    reading["ratio_this_routing"] = int(logical["dispatch"]["rdma"].sum()) / nvl_sum if nvl_sum else None
+    return dict(hardware=hw, ops=ops, fp8_dispatch=fp8_op, seed=reading)
 
 
 def _time_copy(bc, mesh, R, hbm_bytes_per_rank):
@@ -351,8 +428,11 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     dev = mesh.devices.flat[0]
     platform = dev.platform
     rpg = _ranks_per_gpu(bc, R, platform)
-    topo = accounting.Topology(R, _gpus_per_node(bc, R, platform, rpg), rpg)
+    if R % rpg:
+        raise ValueError(f"jaxep-bench: ep_size={R} must be a multiple of ranks_per_gpu={rpg}")
     cfg = bc.jaxep_config()
+    G = runtime.node_size(cfg, R)  # the layout the kernels run; the bytes are counted in it
+    topo = accounting.Topology(R, G)
     capacity = cfg.capacity(R)
     backend = select_backend("bench", bc.backend, R)  # jaxep's own automatic choice
     dtype = jnp.dtype(bc.dtype)
@@ -369,10 +449,10 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     w = _global(mesh, R, (T, K), jnp.float32, lambda r: w_all[r])
 
     # XLA collectives cannot run with several processes on one GPU (GPU.md): no reference there.
-    ref_runs = not (jax.process_count() > 1 and topo.ranks_per_gpu > 1)
+    ref_runs = not (jax.process_count() > 1 and rpg > 1)
     if jax.process_count() > 1 and backend == "cuda":
         emit(f"jaxep-bench: {jax.process_count()} processes, multi-rank CUDA runtime of EP size "
-             f"{R}; {topo.ranks_per_gpu} rank(s) per GPU; reference baseline "
+             f"{R} as {topo.num_nodes} node(s) x {G}; {rpg} rank(s) per GPU; reference baseline "
              f"{'runs' if ref_runs else 'skipped (XLA collectives cannot run with ranks sharing a GPU)'}")
     ops = _Ops(cfg, backend, mesh)
     ref_ops = _Ops(cfg, "reference", mesh) if backend != "reference" and ref_runs else None
@@ -380,7 +460,7 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
               len(bc.sweep_num_sms) * (len(DISPATCH_KERNELS) * len(COMBINE_KERNELS)
                                        if bc.sweep_kernels else 1))
     stage.total = int(bc.check) + len(OPS) * (1 + (ref_ops is not None) + sweeps) + 2
-    emulated = platform != "gpu" or topo.ranks_per_gpu > 1
+    emulated = platform != "gpu" or rpg > 1
     notes = []
     if emulated:
         notes.append("link classes are emulated (CPU devices or several ranks per GPU): every byte moves "
@@ -391,7 +471,8 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     checked = []
     if bc.check:
         stage("checking correctness")
-        checked = _correctness(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R)
+        checked = _correctness(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity,
+                               R, G)
         emit("correctness: OK (" + "; ".join(checked) + ")")
     res = ops.dispatch_once(x, idx, w)
 
@@ -427,17 +508,20 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     elif pk["hbm"][0] is None:
         pk["hbm"] = (copy_gbps, "measured copy")
 
-    row_c = H * 4  # combine sends f32 partial sums (docs/design.md)
-    dbytes = accounting.link_bytes(tr, row_d)
-    cbytes = accounting.link_bytes(tr.reversed(), row_c)
-    algbw = {"dispatch": accounting.deepep_algbw_bytes(tr, row_d),
-             "combine": accounting.deepep_algbw_bytes(tr, row_d),  # DeepEP's combine uses the same
-             }
-    algbw["both"] = algbw["dispatch"]
+    # Combine: y rows (payload dtype) per kept slot over NVLink, one partial per (token, remote
+    # node) over RDMA in the wire dtype (accounting's docstring).
+    row_wire = H * jnp.dtype(cfg.combine_wire_dtype).itemsize
+    dbytes = accounting.link_bytes(tr.dispatch, row_d)
+    cbytes = accounting.link_bytes(tr.combine, row_d, row_wire)
+    meta = accounting.metadata(tr, T, K, bc.experts) if topo.num_nodes > 1 else None
+    parts = {"dispatch": [dbytes], "combine": [cbytes], "both": [dbytes, cbytes]}
+    one = accounting.deepep_algbw_bytes(tr, row_d)  # DeepEP's combine counts the same bytes
+    logical = {op: {k: v * len(parts[op]) for k, v in one.items()} for op in OPS}
     out_ops = {}
     for op in OPS:
         ref_t = ref_times[op]["median"] if ref_times else (times[op]["median"] if backend == "reference" else None)
-        out_ops[op] = _op_report(op, times[op], dbytes, cbytes, hbm, pk, copy["median"], ref_t, algbw[op])
+        out_ops[op] = _op_report(op, times[op], parts[op], meta if op != "combine" else None, hbm,
+                                 pk, copy["median"], ref_t, logical[op])
         n = 2 if op == "both" else 1
         out_ops[op]["payload"] = dict(
             bytes_total=payload_total * n, copy_time_s=payload_copy["median"] * n,
@@ -452,10 +536,18 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
         if runs is not None and runs != ops.calls[op]:
             notes.append(f"{op}: the multi-rank host handlers ran {runs:g} times per op, expected "
                          f"{ops.calls[op]} (XLA ran a custom call more than once; the time includes it)")
-    if algbw["dispatch"]["rdma"].max() > 0:
+    if one["rdma"].max() > 0:
         notes.append("algorithm bandwidth (DeepEP-style) divides byte counts by the op's time: "
-                     f"its RDMA/NVL ratio is the byte ratio {algbw['dispatch']['rdma'].max() / algbw['dispatch']['nvl'].max():.3f} "
+                     f"its RDMA/NVL ratio is the byte ratio {one['rdma'].max() / one['nvl'].max():.3f} "
                      "for any time, not a link property")
+    if meta is not None:
+        notes.append(f"RDMA metadata ({meta['max'] / 1e6:.3g} MB per rank per dispatch: T*K*12 + "
+                     "E*4 + T*4 bytes per (source, remote node)) is listed apart, not in the floors")
+    if emulated and topo.num_nodes > 1:
+        how = ("NVSHMEM puts over one GPU's memory" if backend == "cuda" else
+               "the reference backend's collectives over one machine's memory")
+        notes.append(f"no multi-node machine: cross-node bytes move through {how}; their counts "
+                     "are what a real cluster's links carry, their times are not")
 
     result = dict(
         schema_version=SCHEMA_VERSION, tool="jaxep-bench", jaxep_version=jaxep.__version__,
@@ -464,17 +556,28 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
                 "sweep_num_sms": list(bc.sweep_num_sms), "jaxep_config": dataclasses.asdict(cfg)},
         topology=dict(ep_size=R, num_processes=jax.process_count(), platform=platform,
                       zero_copy_enabled=runtime.zero_copy_enabled(),
-                      device_kind=dev.device_kind, gpus_per_node=topo.gpus_per_node,
-                      ranks_per_gpu=topo.ranks_per_gpu, ranks_per_node=topo.ranks_per_node,
-                      num_nodes=topo.num_nodes, emulated=emulated),
+                      device_kind=dev.device_kind, gpus_per_node=max(1, G // rpg),
+                      ranks_per_gpu=rpg, ranks_per_node=G, num_nodes=topo.num_nodes,
+                      node_layout=_layout_source(cfg), emulated=emulated),
         peaks_gbps={c: dict(value=v, source=s) for c, (v, s) in pk.items()},
         correctness=dict(checked=checked, passed=bool(checked) or None),
         routing=dict(rows_per_rank=lay.rows.tolist(), dropped_rows=lay.dropped.tolist(),
                      invalid_ids=lay.invalid.tolist(),
-                     tokens_to_rank=tr.pairs.sum(0).tolist(), row_bytes_dispatch=row_d, row_bytes_combine=row_c),
+                     tokens_to_rank=tr.pairs.sum(0).tolist(), row_bytes_dispatch=row_d,
+                     row_bytes_combine=row_wire, row_bytes_combine_nvlink=row_d,
+                     row_bytes_metadata=(accounting.metadata_bytes_per_pair(T, K, bc.experts)
+                                         if meta is not None else 0)),
         copy_baseline=dict(bytes_per_rank=int(hbm.max()), time_s=copy, gbps=float(copy_gbps),
                            payload=dict(bytes_total=payload_total, bytes_per_rank=2 * payload_total // R,
                                         time_s=payload_copy)),
         ops=out_ops, sweep=_sweep(bc, mesh, x, idx, w, backend, emit, stage) if bc.sweep else None,
+        model=_model(bc, tr, parts, meta, logical, R, G) if bc.preset else None,
         notes=notes)
     return result
+
+
+def _layout_source(cfg) -> str:
+    """Where the node layout G came from (topology.node_layout)."""
+    if cfg.ranks_per_node is not None:
+        return "Config.ranks_per_node"
+    return "machine" if runtime.machine_ranks_per_node() is not None else "one node"

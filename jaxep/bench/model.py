@@ -1,0 +1,70 @@
+"""The link model: what an op's bytes imply on *modeled* hardware (not the machine that ran).
+
+floor = max over links of (busiest rank's bytes on that link / the link's peak); the link that
+sets it bounds the op. At that floor the bytes that really leave the node move at
+rdma_bytes / floor per GPU: the NIC's line rate when RDMA bounds the op, less when NVLink does.
+The issue's target is >= 90% of line rate in those true cross-node bytes.
+
+`seed_reading` explains the seed's "NVL 149 GB/s, RDMA 44 GB/s" (presets.SEED): both are
+DeepEP-style logical bytes / one time, so their ratio is the routing's byte ratio.
+"""
+from __future__ import annotations
+
+from jaxep.bench import presets
+
+
+def floors(bytes_by_link: dict, peaks_gbps: dict) -> dict:
+    """{floor_s per link, bound_by, floor_s} for {link: busiest-rank bytes} at {link: GB/s}.
+    A link without bytes or without a peak has no floor."""
+    per = {c: b / (peaks_gbps[c] * 1e9) for c, b in bytes_by_link.items()
+           if b and peaks_gbps.get(c)}
+    bound = max(per, key=per.get) if per else None
+    return dict(floors_s=per, bound_by=bound, floor_s=per[bound] if bound else None)
+
+
+def modeled_op(nvlink_bytes: int, rdma_bytes: int, metadata_bytes: int, *, nvlink_gbps: float,
+               rdma_gbps: float, target: float = presets.SEED["target_line_fraction"]) -> dict:
+    """One op on the modeled hardware: floors, bound, and the true cross-node GB/s at the floor.
+
+    metadata_bytes is reported beside the payload, not in the floor (it is < 1% at H >= 1024).
+    time_for_target_s: the time at which the true cross-node bytes would move at `target` x line
+    rate; the floor is later than that when NVLink bounds the op (then the target is out of reach
+    for this routing on this hardware).
+    """
+    f = floors(dict(nvlink=nvlink_bytes, rdma=rdma_bytes),
+               dict(nvlink=nvlink_gbps, rdma=rdma_gbps))
+    true_gbps = rdma_bytes / f["floor_s"] / 1e9 if f["floor_s"] and rdma_bytes else None
+    return dict(bytes_per_rank_max=dict(nvlink=int(nvlink_bytes), rdma=int(rdma_bytes),
+                                        rdma_metadata=int(metadata_bytes)),
+                floors_s=f["floors_s"], bound_by=f["bound_by"], floor_s=f["floor_s"],
+                rdma_true_gbps_at_floor=true_gbps,
+                line_rate_fraction_at_floor=true_gbps / rdma_gbps if true_gbps else None,
+                time_for_target_s=rdma_bytes / (target * rdma_gbps * 1e9) if rdma_bytes else None,
+                target_line_fraction=target)
+
+
+def seed_reading(nvl_logical: int, rdma_logical: int, rdma_true: int, uniform_ratio: float,
+                 seed: dict = presets.SEED) -> dict:
+    """What the seed's figures mean for this routing's dispatch (busiest-rank bytes).
+
+    The seed's time is this routing's logical "NVL" bytes / the printed NVL GB/s; at that time the
+    routing's logical "RDMA" bytes give the printed RDMA GB/s only if the byte ratio matches
+    (ratio_this_routing vs seed_ratio), and its true cross-node bytes move at true_gbps_at_seed_time
+    per GPU, to compare with the NIC's line rate (the seed's HybridEP run: ~22 GB/s of 100).
+    """
+    t = nvl_logical / (seed["nvl_gbps"] * 1e9) if nvl_logical else None
+    true_gbps = rdma_true / t / 1e9 if t else None
+    return dict(
+        seed_nvl_gbps=seed["nvl_gbps"], seed_rdma_gbps=seed["rdma_gbps"],
+        seed_ratio=seed["rdma_gbps"] / seed["nvl_gbps"],
+        ratio_uniform_model=uniform_ratio,
+        ratio_this_routing=rdma_logical / nvl_logical if nvl_logical else None,
+        seed_time_s=t,
+        rdma_logical_gbps_at_seed_time=rdma_logical / t / 1e9 if t else None,
+        true_gbps_at_seed_time=true_gbps,
+        nic_gbps=seed["nic_gbps"],
+        line_rate_fraction_at_seed_time=true_gbps / seed["nic_gbps"] if true_gbps else None,
+        hybridep_true_gbps=seed["hybridep_true_gbps"],
+        note=("the seed's 'NVL'/'RDMA' GB/s are DeepEP-style logical bytes / one time: their ratio "
+              "is the routing's byte ratio, not link speed; the NIC's real rate is the true "
+              "cross-node bytes / that time"))

@@ -1,0 +1,48 @@
+"""Named benchmark setups (`--preset`) and the figures they are read against.
+
+`seed_2x8` is the seed of this project (SPEC.md section 5): two nodes of 8 GPUs, a peer tool
+printing "NVL 149 GB/s, RDMA 44 GB/s" for dispatch. On one GPU it runs as 16 ranks sharing it,
+with the node override Config.ranks_per_node = 8:
+
+    python -m jaxep.launch --nproc 16 --share-gpu -m jaxep.bench --preset=seed_2x8
+
+A preset sets BenchConfig fields; anything given explicitly (a flag on the command line, a keyword
+of `bench_config`) wins. Its modeled hardware gives the link model's peaks (docs/benchmark.md,
+"Reading the seed's numbers") unless --nvlink_gbps / --rdma_gbps are given.
+"""
+from __future__ import annotations
+
+# BenchConfig fields each preset sets. seed_2x8: T=4096 per rank, H=7168, top-8 of 128 experts =
+# 8 local experts per rank at EP 16, bf16 (fp8 dispatch is not built: the report prints its
+# bytes as a model line only), 2 nodes x 8 ranks.
+PRESETS = {
+    "seed_2x8": dict(tokens=4096, hidden=7168, topk=8, experts=128, dtype="bfloat16", ep_size=16,
+                     ranks_per_node=8),
+}
+
+# The hardware each preset's link model assumes, GB/s (1e9 B/s) per GPU per direction:
+# B300 NVLink 5 (18 links x 50 GB/s) and one ConnectX-8 (800 Gb/s = 100 GB/s) per GPU.
+HARDWARE = {
+    "seed_2x8": dict(name="B300 NVLink 900 GB/s + ConnectX-8 800 Gb/s NIC per GPU",
+                     nvlink_gbps=900.0, rdma_gbps=100.0),
+}
+
+# What the seed's tool printed (DeepEP-style logical bytes / the dispatch time), what the seed's
+# HybridEP run reached in bytes that really left the node, per GPU, and the issue's target.
+SEED = dict(nvl_gbps=149.0, rdma_gbps=44.0, hybridep_true_gbps=22.0, nic_gbps=100.0,
+            target_line_fraction=0.9, nodes=2, ranks_per_node=8, experts=128, topk=8)
+
+NAMES = tuple(PRESETS)
+
+
+def fields(name: str) -> dict:
+    """The BenchConfig fields preset `name` sets; ValueError naming the presets otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"jaxep-bench: preset must be one of {NAMES}, got {name!r}")
+    return dict(PRESETS[name])
+
+
+def bench_config(name: str, **given):
+    """BenchConfig of preset `name`, the keywords `given` winning over the preset's fields."""
+    from jaxep.bench.runner import BenchConfig
+    return BenchConfig(**{**fields(name), **given, "preset": name})
