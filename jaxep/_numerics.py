@@ -14,3 +14,15 @@ def exact_f32(a):
         return a32
     info = jnp.finfo(a.dtype)
     return jax.lax.reduce_precision(a32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def round_f32_to(a32, dtype):
+    """f32 `a32` rounded once to `dtype` (round to nearest even) and held in f32 again.
+
+    A reduce_precision, not a convert pair: XLA removes f32 -> bf16 -> f32 converts where it allows
+    excess precision, which would skip the rounding the CUDA kernels do. float32: unchanged.
+    """
+    if jnp.dtype(dtype) == jnp.float32:
+        return a32
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(a32, exponent_bits=info.nexp, mantissa_bits=info.nmant)

@@ -120,6 +120,16 @@ class Config:
         a numpy/JAX dtype or scalar type (np.dtype('float32'), jnp.float32); stored as the name.
       mode: "normal" (throughput: training and prefill). "low_latency" (decode) is not built yet
         and raises here rather than silently running "normal".
+      ranks_per_node: the node layout G (ranks r = node * G + local index). None (recommended on
+        real clusters) = read from the machine at `jaxep.initialize` (processes per host, agreed
+        by every rank; the reference backend without a runtime: one node). An int overrides it,
+        e.g. 8 ranks sharing one GPU as 2 nodes x 4, 16 as the seed's 2 x 8; the EP size must be a
+        multiple of it. Decides the combine's reduction order (docs/design.md) on every backend,
+        and on the CUDA backend which peers are reached over NVLink and which over the network.
+      combine_wire_dtype: the dtype the per-(token, node) combine partials cross the network in:
+        "float32" (default) or the payload dtype (half the bytes on the scarcest link for bf16 /
+        f16; each partial of another node is then rounded to it once, on every backend alike).
+        With one node nothing crosses a network and it changes nothing.
 
     Every field is normalised at construction: numpy integers and floats become Python ints and
     floats, dtypes their names, so equal settings make equal, equally hashed configs. Bools are
@@ -156,6 +166,8 @@ class Config:
     recv_capacity: int | None = None
     dtype: str = "bfloat16"
     mode: str = "normal"
+    ranks_per_node: int | None = None
+    combine_wire_dtype: str = "float32"
     num_sms: int | None = None
     dispatch_kernel: str = DISPATCH_KERNELS[0]
     combine_kernel: str = COMBINE_KERNELS[0]
@@ -193,6 +205,18 @@ class Config:
             raise NotImplementedError(
                 f"jaxep.Config: mode={self.mode!r} is not built yet: expected one of {BUILT_MODES}, "
                 f"got {self.mode!r} (jaxep never runs another mode in its place)")
+        if self.ranks_per_node is not None:
+            _int(self, "ranks_per_node", 1)
+        wire = self.combine_wire_dtype
+        if wire is not None:  # any dtype spelling, like `dtype` ('f4', np.float32, jnp.bfloat16)
+            try:
+                wire = np.dtype(wire).name
+            except (TypeError, ValueError):
+                pass
+        if wire not in ("float32", self.dtype):
+            raise ValueError(f"jaxep.Config: combine_wire_dtype must be 'float32' or the payload "
+                             f"dtype {self.dtype!r}, got {self.combine_wire_dtype!r}")
+        _set(self, "combine_wire_dtype", str(wire))
         if self.num_sms is not None:
             _int(self, "num_sms", 1)
         _choice(self, "dispatch_kernel", DISPATCH_KERNELS)
@@ -209,6 +233,18 @@ class Config:
                 f"jaxep: num_experts must be divisible by the EP size: expected num_experts % "
                 f"{ep_size} == 0, got num_experts={self.num_experts}")
         return self.num_experts // ep_size
+
+    def node_size(self, ep_size: int, machine: int | None = None) -> int:
+        """G, ranks per node for this EP size: `ranks_per_node` when set, else `machine` (the layout
+        `jaxep.initialize` read), else ep_size (one node). Raises when G does not divide ep_size."""
+        g = self.ranks_per_node if self.ranks_per_node is not None else (machine or ep_size)
+        if g < 1 or ep_size % g:
+            where = ("Config.ranks_per_node" if self.ranks_per_node is not None
+                     else "the machine's processes per host")
+            raise ValueError(
+                f"jaxep: the EP size must be a multiple of the ranks per node: expected ep_size % "
+                f"{g} == 0 ({where} = {g}), got ep_size={ep_size}")
+        return g
 
     def max_ep_size(self) -> int:
         """The largest EP size whose global slot ids (ep_size * max_tokens_per_rank * topk) fit

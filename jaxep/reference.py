@@ -14,7 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxep._numerics import exact_f32
+from jaxep import runtime
+from jaxep._numerics import exact_f32, round_f32_to
 
 
 def varying(xs, axis_name):
@@ -119,7 +120,8 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
     return varying((rows, weights, group_sizes, send_row_all[me], recv_slot, idx, stats), axis_name)
 
 
-def dispatch_rows(x, recv_slot, *, axis_name, config):
+def dispatch_rows(x, recv_slot, send_row, topk_idx, *, axis_name, config):
+    del send_row, topk_idx  # every rank gathers every token here
     x_all = _all_gather(x, axis_name)
     return varying(_rows_from_slots(x_all, recv_slot, config.topk), axis_name)
 
@@ -132,9 +134,12 @@ def _slot_table(recv_slot, R, T, K):
 
 
 def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config):
-    """out[t] = sum_r asc (sum_k asc on r of round(w*y)) in f32, cast once (docs/design.md)."""
-    del topk_idx, config  # the expert side knows its rows' slots; sources need nothing more
+    """out[t] = sum_n asc P_n[t], P_n[t] = sum_{r on n} asc (sum_k asc on r of round(w*y)), in
+    f32; P_n of another node than the token's rounded once to config.combine_wire_dtype; cast once
+    (docs/design.md). One node: the sum over ranks ascending."""
+    del topk_idx  # the expert side knows its rows' slots; sources need nothing more
     R = jax.lax.axis_size(axis_name)
+    G = runtime.node_size(config, R)
     T, K = send_row.shape
     rowof = _slot_table(recv_slot, R, T, K)
     y32 = exact_f32(y)
@@ -153,11 +158,18 @@ def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config):
         prod = jnp.where(ok, weights[r], 0.0)[..., None] * jnp.where(ok[..., None], y32[r], 0.0)
         bits = jax.lax.bitcast_convert_type(prod, jnp.uint32) ^ opaque_zero[:, :, k:k + 1]
         partial = partial + jax.lax.bitcast_convert_type(bits, jnp.float32)  # masked: + 0.0
-    # recv[r] is the partial that expert rank r computed for this rank's tokens.
+    # recv[r] is the partial that expert rank r computed for this rank's tokens. No partial is
+    # -0.0 (each chain starts at +0.0), so neither is any node sum below: folding 0 + p is exact.
     recv = _all_to_all(partial, axis_name)
+    my_node = jax.lax.axis_index(axis_name) // G
     out = jnp.zeros((T, y.shape[1]), jnp.float32)
-    for r in range(R):
-        out = out + recv[r]
+    for n in range(R // G):
+        p_n = recv[n * G]
+        for r in range(n * G + 1, (n + 1) * G):
+            p_n = p_n + recv[r]
+        # What crosses the network: P_n of another node, in the wire dtype (the own node's: f32).
+        wired = round_f32_to(p_n, config.combine_wire_dtype)
+        out = out + jnp.where(my_node == n, p_n, wired)
     return varying(out.astype(y.dtype), axis_name)
 
 

@@ -119,3 +119,86 @@ def test_bfloat16_spellings():
 def test_replace_keeps_normalising():
     c = dataclasses.replace(_cfg(), dtype=np.dtype("float16"), topk=np.int64(1))
     assert c.dtype == "float16" and type(c.topk) is int
+
+
+# ---- node layout (issue 13): ranks_per_node, combine_wire_dtype, node_size -----------------------
+
+@pytest.mark.parametrize("value", [None, 1, 2, 4, 8, 16, np.int64(4), np.uint8(2)])
+def test_ranks_per_node_accepts_none_and_ints(value):
+    c = _cfg(ranks_per_node=value)
+    assert c.ranks_per_node == (None if value is None else int(value))
+    assert c.ranks_per_node is None or type(c.ranks_per_node) is int
+    if value is not None:
+        assert c == _cfg(ranks_per_node=int(value)) and hash(c) == hash(_cfg(ranks_per_node=int(value)))
+
+
+@pytest.mark.parametrize("value,exc,pattern", [
+    (True, TypeError, r"jaxep.Config: ranks_per_node must be an int, got bool True"),
+    (np.bool_(False), TypeError, r"jaxep.Config: ranks_per_node must be an int, got bool"),
+    ("4", TypeError, r"jaxep.Config: ranks_per_node must be an int, got str '4'"),
+    (4.0, TypeError, r"jaxep.Config: ranks_per_node must be an int, got float 4.0"),
+    (0, ValueError, r"jaxep.Config: ranks_per_node must be >= 1, got 0"),
+    (-2, ValueError, r"jaxep.Config: ranks_per_node must be >= 1, got -2"),
+    (2**31, ValueError, r"jaxep.Config: ranks_per_node must be <= 2147483647"),
+])
+def test_ranks_per_node_rejects(value, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        _cfg(ranks_per_node=value)
+
+
+@pytest.mark.parametrize("dtype,wire,name", [
+    ("bfloat16", "float32", "float32"), ("bfloat16", "bfloat16", "bfloat16"),
+    ("bfloat16", jnp.bfloat16, "bfloat16"), ("bfloat16", jnp.dtype(jnp.bfloat16), "bfloat16"),
+    ("bfloat16", np.float32, "float32"), ("bfloat16", np.dtype("float32"), "float32"),
+    ("bfloat16", jnp.float32, "float32"),
+    ("float16", "float16", "float16"), ("float16", np.float16, "float16"),
+    ("float16", np.dtype("float16"), "float16"), ("float16", jnp.float16, "float16"),
+    ("float32", "float32", "float32"), ("float32", np.float32, "float32"),
+])
+def test_combine_wire_dtype_float32_or_the_payload_dtype(dtype, wire, name):
+    c = _cfg(dtype=dtype, combine_wire_dtype=wire)
+    plain = _cfg(dtype=dtype, combine_wire_dtype=name)
+    assert c.combine_wire_dtype == name and type(c.combine_wire_dtype) is str
+    assert c == plain and hash(c) == hash(plain) and c.canonical() == plain.canonical()
+    assert _cfg().combine_wire_dtype == "float32"  # the default
+
+
+@pytest.mark.parametrize("dtype,wire,name", [("bfloat16", "f4", "float32"),
+                                             ("float16", "f2", "float16")])
+def test_combine_wire_dtype_string_spellings_normalise(dtype, wire, name):
+    assert _cfg(dtype=dtype, combine_wire_dtype=wire).combine_wire_dtype == name
+
+
+@pytest.mark.parametrize("dtype,wire,shown", [
+    ("bfloat16", "float16", "'float16'"), ("bfloat16", np.float16, "float16"),
+    ("float16", "bfloat16", "'bfloat16'"), ("float32", "bfloat16", "'bfloat16'"),
+    ("float32", jnp.float16, "float16"), ("bfloat16", "float64", "'float64'"),
+    ("bfloat16", np.int8, "int8"), ("bfloat16", None, "None"), ("bfloat16", "fp8", "'fp8'"),
+])
+def test_combine_wire_dtype_other_raises_naming_both(dtype, wire, shown):
+    with pytest.raises(ValueError) as e:
+        _cfg(dtype=dtype, combine_wire_dtype=wire)
+    msg = str(e.value)
+    assert msg.startswith("jaxep.Config: combine_wire_dtype must be 'float32' or the payload "
+                          f"dtype {dtype!r}, got "), msg
+    assert shown in msg.split(", got ")[1], msg
+
+
+def test_node_size():
+    assert _cfg().node_size(8) == 8 and _cfg().node_size(1) == 1  # None: one node
+    assert _cfg().node_size(8, machine=4) == 4  # the layout initialize read
+    for g, ep in ((1, 8), (2, 8), (4, 8), (8, 8), (4, 4), (8, 16)):
+        assert _cfg(ranks_per_node=g).node_size(ep) == g
+        assert _cfg(ranks_per_node=g).node_size(ep, machine=ep) == g  # the config overrides
+    with pytest.raises(ValueError, match=r"^jaxep: the EP size must be a multiple of the ranks per "
+                                         r"node: expected ep_size % 4 == 0 \(Config.ranks_per_node "
+                                         r"= 4\), got ep_size=6$"):
+        _cfg(ranks_per_node=4).node_size(6)
+    with pytest.raises(ValueError, match=r"expected ep_size % 8 == 0 \(Config.ranks_per_node = 8\), "
+                                         r"got ep_size=4"):
+        _cfg(ranks_per_node=8).node_size(4)  # more ranks per node than ranks
+    with pytest.raises(ValueError, match=r"expected ep_size % 4 == 0 \(the machine's processes per "
+                                         r"host = 4\), got ep_size=6"):
+        _cfg().node_size(6, machine=4)
+    with pytest.raises(ValueError, match=r"ep_size % 3 == 0 \(Config.ranks_per_node = 3\)"):
+        _cfg(ranks_per_node=3).node_size(8, machine=4)

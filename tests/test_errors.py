@@ -240,3 +240,43 @@ def test_combine_handle_of_another_config_with_the_same_shapes():
     _combine_with_handle_of(CFG, combine_kw=dict(config=CFG))  # its own config is fine
     with pytest.raises(TypeError, match=r"jaxep.combine: config must be a jaxep.Config or None, got dict"):
         _combine_with_handle_of(CFG, combine_kw=dict(config={}))
+
+
+def _combine_with_node_layout(other, R):
+    """dispatch with a config that fits R ranks; combine with the handle claiming `other`."""
+    cfg = dataclasses.replace(CFG, ranks_per_node=None)
+
+    def body(x, idx, w):
+        res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg)
+        return jaxep.combine(res.x, dataclasses.replace(res.handle, config=other), axis_name="ep")
+    f = jax.shard_map(body, mesh=harness.mesh(R), in_specs=(P("ep"),) * 3, out_specs=P("ep"))
+    return jax.jit(f).trace(*_args(R=R))
+
+
+@pytest.mark.parametrize("G,R", [(3, 2), (3, 4), (4, 2), (8, 4), (2, 1)])
+def test_node_layout_that_does_not_divide_the_ep_size(G, R):
+    cfg = dataclasses.replace(CFG, ranks_per_node=G)
+    want = (rf"the EP size must be a multiple of the ranks per node: expected ep_size % {G} == 0 "
+            rf"\(Config.ranks_per_node = {G}\), got ep_size={R}")
+    with pytest.raises(ValueError, match=r"^jaxep.dispatch: " + want):
+        _trace(*_args(R=R), R=R, cfg=cfg)
+    with pytest.raises(ValueError, match=r"^jaxep.combine: " + want):
+        _combine_with_node_layout(cfg, R)
+
+
+@pytest.mark.parametrize("G,R", [(1, 4), (2, 4), (4, 4), (1, 1), (2, 8)])
+def test_node_layout_that_divides_the_ep_size_traces(G, R):
+    cfg = dataclasses.replace(CFG, ranks_per_node=G)
+    _trace(*_args(R=R), R=R, cfg=cfg)
+    _combine_with_node_layout(cfg, R)
+
+
+def test_machine_node_layout_that_does_not_divide_the_ep_size(monkeypatch):
+    """ranks_per_node=None: the layout jaxep.initialize read (processes per host) is checked."""
+    monkeypatch.setattr(jaxep.runtime._state, "machine_ranks_per_node", 4)
+    with pytest.raises(ValueError, match=r"^jaxep.dispatch: the EP size must be a multiple of the "
+                                         r"ranks per node: expected ep_size % 4 == 0 \(the "
+                                         r"machine's processes per host = 4\), got ep_size=2"):
+        _trace(*_args())
+    _trace(*_args(R=4), R=4)
+    _trace(*_args(R=2), R=2, cfg=dataclasses.replace(CFG, ranks_per_node=2))  # the config wins

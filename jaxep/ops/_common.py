@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxep import cuda_backend, reference
+from jaxep import cuda_backend, reference, runtime
 from jaxep.config import PAYLOAD_DTYPES
 
 BACKENDS = {"reference": reference, "cuda": cuda_backend}
@@ -26,6 +26,15 @@ def ep_size(op: str, axis_name) -> int:
             f"jaxep.{op}: must be called inside jax.shard_map over the EP mesh axis: expected a bound "
             f"axis named {axis_name!r}, got none (call it from a function mapped with "
             f"jax.shard_map(..., mesh=mesh) whose mesh has the axis {axis_name!r})") from None
+
+
+def check_node_layout(op: str, config, R: int) -> int:
+    """G = ranks per node for R ranks (Config.ranks_per_node or the machine's); ValueError naming
+    the op when G does not divide the EP size."""
+    try:
+        return runtime.node_size(config, R)
+    except ValueError as e:
+        raise ValueError(f"jaxep.{op}: {str(e).removeprefix('jaxep: ')}") from None
 
 
 def check_array(op: str, name: str, a, shape, dtypes) -> None:

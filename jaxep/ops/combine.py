@@ -55,6 +55,7 @@ def combine(y, handle: Handle, *, axis_name: str = "ep", weights=None, config=No
                          f"{handle.axis_name!r}, got {axis_name!r}")
     R = _common.ep_size("combine", axis_name)
     cfg = handle.config
+    _common.check_node_layout("combine", cfg, R)
     if handle.backend not in _common.BACKENDS:
         raise ValueError(f"jaxep.combine: handle.backend must be one of {tuple(_common.BACKENDS)}, "
                          f"got {handle.backend!r}")
@@ -113,8 +114,9 @@ def _combine_bwd(static, res, g_out):
     """g_rows = dispatch of g_out; dy = w * g_rows; dw = <g_rows, y> in f32."""
     axis_name, config, backend = static
     y, weights, ints = res
-    g_rows = _common.BACKENDS[backend].dispatch_rows(g_out, ints[1], axis_name=axis_name,
-                                                     config=config)
+    send_row, recv_slot, idx = ints
+    g_rows = _common.BACKENDS[backend].dispatch_rows(g_out, recv_slot, send_row, idx,
+                                                     axis_name=axis_name, config=config)
     g32 = exact_f32(g_rows)
     dy = (weights[:, None] * g32).astype(y.dtype)
     dw = jnp.sum(g32 * exact_f32(y), axis=-1)

@@ -46,6 +46,7 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name: str = "ep", config, backen
     runtime.check_config("dispatch", config)
     runtime.check_axis_name("dispatch", axis_name)
     R = _common.ep_size("dispatch", axis_name)
+    _common.check_node_layout("dispatch", config, R)
     config.local_experts(R)
     H, K = config.hidden, config.topk
     _common.check_array("dispatch", "x", x, (None, H), _common.PAYLOAD)
