@@ -10,6 +10,9 @@
 //   num_sms          grid cap of the row kernels (ffi/cuda/grid.h; 0 = none)
 //   combine_kernel   "warp" | "thread": the cross-rank pull kernel (ffi/cuda/combine.h)
 //   zero_copy        peers may read y in XLA's pool instead of a staged copy
+//   ranks_per_node   the node layout G; with several nodes each node reduces its part of a token
+//                    (P_n) and returns it once per (token, node) in
+//   combine_wire_dtype  "float32" or y's dtype (ffi/cuda/internode.h, combine.h)
 #include <cstdint>
 #include <string_view>
 
@@ -38,7 +41,8 @@ ffi::Error ParseCombineKernel(std::string_view name, mr::CombineKernel* out) {
 ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32, 1> weights,
                        ffi::Buffer<ffi::S32, 2> send_row, ffi::Buffer<ffi::S32, 1> recv_slot,
                        ffi::Buffer<ffi::S32, 2> topk_idx, int64_t num_experts, int64_t ep_size,
-                       int64_t num_sms, std::string_view combine_kernel, bool zero_copy,
+                       int64_t ranks_per_node, int64_t num_sms, std::string_view combine_kernel,
+                       std::string_view combine_wire_dtype, bool zero_copy,
                        ffi::Result<ffi::AnyBuffer> out) {
   const int32_t rows = static_cast<int32_t>(y.dimensions()[0]);
   const int64_t hidden = y.dimensions()[1];
@@ -65,32 +69,69 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
       e.failure()) {
     return e;
   }
+  // The wire dtype of the other nodes' partials: float32 or the payload's (checked at trace time).
+  const bool wire_f32 = combine_wire_dtype == "float32";
+  const ffi::DataType yt = y.element_type();
+  const std::string_view y_name = yt == ffi::DataType::BF16  ? "bfloat16"
+                                  : yt == ffi::DataType::F16 ? "float16"
+                                                             : "float32";
+  if (!wire_f32 && combine_wire_dtype != y_name) {
+    return ffi::Error::InvalidArgument(StrCat(kCombineTarget, ": combine_wire_dtype must be "
+                                              "\"float32\" or y's dtype, got \"",
+                                              combine_wire_dtype, "\""));
+  }
   Exchange ex;
   if (ffi::Error e = Exchange::Begin(kCombineTarget, mr::kOpCombine, ep_size,
-                                     {int64_t{tokens} * topk, 0, rows, rows * row_bytes}, stream,
-                                     &ex);
+                                     {int64_t{tokens} * topk, 0, rows, rows * row_bytes,
+                                      ranks_per_node},
+                                     stream, &ex);
       e.failure()) {
     return e;
   }
+  const mr::SymLayout& lay = ex.team().lay;
+  const size_t ints = static_cast<size_t>(tokens) * topk * 4;
   auto stage = [&](bool stage_y) {
-    const mr::StageCopy stage_w{weights.typed_data(), static_cast<size_t>(rows) * 4,
-                                ex.team().lay.stage_w};
-    if (ffi::Error e = ex.Stage(&stage_w, 1, max_blocks); e.failure()) return e;
+    // With several nodes the handle tells the other nodes which of my tokens they reduce for.
+    const mr::StageCopy copies[3] = {{weights.typed_data(), static_cast<size_t>(rows) * 4,
+                                      lay.stage_w},
+                                     {send_row.typed_data(), ints, lay.slot_order},
+                                     {topk_idx.typed_data(), ints, lay.slot_expert}};
+    if (ffi::Error e = ex.Stage(copies, ex.internode() ? 3 : 1, max_blocks); e.failure()) {
+      return e;
+    }
     if (!stage_y) return ffi::Error::Success();
     return ex.Check("stage rows",
                     mr::LaunchStageRows(ex.team(), rows, row_bytes, recv_slot.typed_data(),
                                         y.untyped_data(), ex.team().lay.stage, max_blocks, stream));
   };
+  // Several nodes: reduce what the other nodes' tokens need from this node, return it, then the
+  // source pull adds the returned partials in node order (ffi/cuda/internode.h step 5).
   auto pull = [&]() {
     return WithPayloadType(kCombineTarget, "y", y.element_type(), [&](auto v) {
       using T = decltype(v);
+      if (ex.internode()) {
+        if (ffi::Error e = ex.Check("reduce", mr::LaunchCombineReduce<T>(
+                                                  ex.team(), tokens, topk, experts, rows, hidden,
+                                                  wire_f32, max_blocks, stream));
+            e.failure()) {
+          return e;
+        }
+        const int64_t wire_bytes = hidden * (wire_f32 ? 4 : static_cast<int64_t>(sizeof(T)));
+        if (ffi::Error e = ex.Return(wire_bytes, max_blocks); e.failure()) return e;
+      }
       return ex.Check("pull", mr::LaunchCombinePull<T>(ex.team(), tokens, topk, experts, rows,
                                                        hidden, send_row.typed_data(),
                                                        topk_idx.typed_data(), static_cast<T*>(o),
-                                                       kernel, max_blocks, stream));
+                                                       kernel, wire_f32, max_blocks, stream));
     });
   };
-  return ex.Run(y.untyped_data(), rows * row_bytes, zero_copy, stage, pull);
+  InterNode inter;
+  inter.meta_off = lay.slot_order;
+  inter.meta_bytes = lay.counts + lay.meta_span - lay.slot_order;  // slot_order, slot_expert
+  inter.tokens = tokens;
+  inter.topk = topk;
+  inter.experts = experts;
+  return ex.Run(y.untyped_data(), rows * row_bytes, zero_copy, stage, pull, inter);
 }
 
 }  // namespace
@@ -107,7 +148,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<jaxep::S32Mat>()                              // topk_idx [T, K] sanitized (handle)
         .Attr<int64_t>("num_experts")                      // E
         .Attr<int64_t>("ep_size")                          // R, EP axis size
+        .Attr<int64_t>("ranks_per_node")                   // G, the node layout (R: one node)
         .Attr<int64_t>("num_sms")                          // Config.num_sms (0: no grid cap)
         .Attr<std::string_view>("combine_kernel")          // Config.combine_kernel
+        .Attr<std::string_view>("combine_wire_dtype")      // Config.combine_wire_dtype
         .Attr<bool>("zero_copy")                           // Config.zero_copy
         .Ret<xla::ffi::AnyBuffer>());                      // out [T, H], dtype of y

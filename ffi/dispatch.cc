@@ -8,8 +8,10 @@
 //   num_sms          grid cap of the row kernels (ffi/cuda/grid.h; 0 = none)
 //   dispatch_kernel  "token" | "row": the cross-rank pull kernel (ffi/cuda/dispatch.h)
 //   zero_copy        peers may read x in XLA's pool instead of a staged copy
-// Room for the next families: the internode (hierarchical) path and the low-latency mode get their
-// own branch in DispatchImpl and their kernels in ffi/cuda/; the layout and Exchange stay shared.
+//   ranks_per_node   the node layout G (ffi/cuda/internode.h), checked against the runtime's
+// Several nodes run the same handlers: Exchange adds the internode steps (the rows and layout go
+// to the other nodes once, the pull reads them through each source's forwarder, team.cuh
+// SourceOf). The low-latency mode will get its own branch here and its kernels in ffi/cuda/.
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -75,7 +77,7 @@ struct DispatchOut {
 };
 
 struct DispatchSizes {
-  int64_t tokens, hidden, topk, experts, capacity, row_bytes, ep_size, max_blocks;
+  int64_t tokens, hidden, topk, experts, capacity, row_bytes, ep_size, ranks_per_node, max_blocks;
 };
 
 // The layout kernels' arguments: over all E experts with `capacity` rows (C on one rank; T*K,
@@ -133,7 +135,8 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
   const int64_t slots = s.tokens * s.topk;
   Exchange ex;
   if (ffi::Error e = Exchange::Begin(kDispatchTarget, mr::kOpDispatch, s.ep_size,
-                                     {slots, s.experts, s.capacity, s.tokens * s.row_bytes},
+                                     {slots, s.experts, s.capacity, s.tokens * s.row_bytes,
+                                      s.ranks_per_node},
                                      stream, &ex);
       e.failure()) {
     return e;
@@ -200,12 +203,23 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
                                 static_cast<int32_t>(s.capacity), s.row_bytes, meta, o.x_rows,
                                 o.weights, o.recv_slot, kernel, s.max_blocks, stream));
   };
-  return ex.Run(x, s.tokens * s.row_bytes, zero_copy, stage, pull);
+  // Other nodes get every layout array (their meta kernels need my counts) and my rows that
+  // need them (ffi/cuda/internode.h).
+  InterNode inter;
+  inter.meta_off = lay.counts;
+  inter.meta_bytes = lay.meta_span;
+  inter.rows = true;
+  inter.row_bytes = s.row_bytes;
+  inter.tokens = static_cast<int32_t>(s.tokens);
+  inter.topk = static_cast<int32_t>(s.topk);
+  inter.experts = static_cast<int32_t>(s.experts);
+  return ex.Run(x, s.tokens * s.row_bytes, zero_copy, stage, pull, inter);
 }
 
 ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32, 2> topk_idx, ffi::Buffer<ffi::F32, 2> topk_weights,
-                        int64_t num_experts, int64_t capacity, int64_t ep_size, int64_t num_sms,
+                        int64_t num_experts, int64_t capacity, int64_t ep_size,
+                        int64_t ranks_per_node, int64_t num_sms,
                         std::string_view dispatch_kernel, bool zero_copy,
                         ffi::Result<ffi::AnyBuffer> x_rows,
                         ffi::ResultBuffer<ffi::F32, 1> weights,
@@ -221,6 +235,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   s.experts = num_experts;
   s.capacity = capacity;
   s.ep_size = ep_size;
+  s.ranks_per_node = ranks_per_node;
   s.max_blocks = cuda::MaxBlocksForSms(num_sms);
   if (ffi::Error e = PayloadRowBytes(kDispatchTarget, "x", x.element_type(), s.hidden, &s.row_bytes);
       e.failure()) {
@@ -243,7 +258,9 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 // Row copy only: x_rows[c] = x[token of recv_slot[c]] (on its source rank when ep_size > 1), zero
 // rows where recv_slot[c] is -1 (or outside the slots, which a well-formed handle never holds).
 ffi::Error DispatchRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
-                            ffi::Buffer<ffi::S32, 1> recv_slot, int64_t ep_size, int64_t topk,
+                            ffi::Buffer<ffi::S32, 1> recv_slot, ffi::Buffer<ffi::S32, 2> send_row,
+                            ffi::Buffer<ffi::S32, 2> topk_idx, int64_t num_experts,
+                            int64_t ep_size, int64_t ranks_per_node, int64_t topk,
                             int64_t num_sms, bool zero_copy, ffi::Result<ffi::AnyBuffer> x_rows) {
   const int64_t tokens = x.dimensions()[0];
   const int64_t rows = recv_slot.dimensions()[0];
@@ -263,14 +280,21 @@ ffi::Error DispatchRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
   }
   Exchange ex;
   if (ffi::Error e = Exchange::Begin(kDispatchRowsTarget, mr::kOpDispatchRows, ep_size,
-                                     {tokens * topk, 0, rows, tokens * row_bytes}, stream, &ex);
+                                     {tokens * topk, 0, rows, tokens * row_bytes, ranks_per_node},
+                                     stream, &ex);
       e.failure()) {
     return e;
   }
+  const mr::SymLayout& lay = ex.team().lay;
+  const size_t ints = static_cast<size_t>(tokens * topk) * 4;
   auto stage = [&](bool stage_x) {
-    if (!stage_x) return ffi::Error::Success();
-    const mr::StageCopy copy{xp, static_cast<size_t>(tokens * row_bytes), ex.team().lay.stage};
-    return ex.Stage(&copy, 1, max_blocks);
+    // With several nodes the handle tells the other nodes which of my tokens they need.
+    const mr::StageCopy copies[3] = {{send_row.typed_data(), ints, lay.slot_order},
+                                     {topk_idx.typed_data(), ints, lay.slot_expert},
+                                     {xp, static_cast<size_t>(tokens * row_bytes), lay.stage}};
+    const int first = ex.internode() ? 0 : 2;
+    const int last = stage_x ? 3 : 2;
+    return ex.Stage(copies + first, last - first, max_blocks);
   };
   auto pull = [&]() {
     return ex.Check("pull", mr::LaunchRowsPull(ex.team(), static_cast<int32_t>(tokens),
@@ -278,7 +302,15 @@ ffi::Error DispatchRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                                static_cast<int32_t>(rows), row_bytes,
                                                recv_slot.typed_data(), out, max_blocks, stream));
   };
-  return ex.Run(xp, tokens * row_bytes, zero_copy, stage, pull);
+  InterNode inter;
+  inter.meta_off = lay.slot_order;
+  inter.meta_bytes = lay.counts + lay.meta_span - lay.slot_order;  // slot_order, slot_expert
+  inter.rows = true;
+  inter.row_bytes = row_bytes;
+  inter.tokens = static_cast<int32_t>(tokens);
+  inter.topk = static_cast<int32_t>(topk);
+  inter.experts = static_cast<int32_t>(num_experts);
+  return ex.Run(xp, tokens * row_bytes, zero_copy, stage, pull, inter);
 }
 
 }  // namespace
@@ -295,6 +327,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("num_experts")                      // E
         .Attr<int64_t>("capacity")                         // C, receive rows per rank
         .Attr<int64_t>("ep_size")                          // R, EP axis size
+        .Attr<int64_t>("ranks_per_node")                   // G, the node layout (R: one node)
         .Attr<int64_t>("num_sms")                          // Config.num_sms (0: no grid cap)
         .Attr<std::string_view>("dispatch_kernel")         // Config.dispatch_kernel
         .Attr<bool>("zero_copy")                           // Config.zero_copy
@@ -311,8 +344,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()     // XLA's compute stream
         .Arg<xla::ffi::AnyBuffer>()                        // x [T, H] bf16|f16|f32
-        .Arg<jaxep::S32Vec>()                              // recv_slot [C]
+        .Arg<jaxep::S32Vec>()                              // recv_slot [C] (handle)
+        .Arg<jaxep::S32Mat>()                              // send_row [T, K] (handle)
+        .Arg<jaxep::S32Mat>()                              // topk_idx [T, K] sanitized (handle)
+        .Attr<int64_t>("num_experts")                      // E
         .Attr<int64_t>("ep_size")                          // R, EP axis size
+        .Attr<int64_t>("ranks_per_node")                   // G, the node layout (R: one node)
         .Attr<int64_t>("topk")                             // K (slot id / K = token)
         .Attr<int64_t>("num_sms")                          // Config.num_sms (0: no grid cap)
         .Attr<bool>("zero_copy")                           // Config.zero_copy

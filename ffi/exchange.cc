@@ -22,6 +22,11 @@ ffi::Error Exchange::Begin(std::string_view target, mr::OpCode op, int64_t ep_si
     return ffi::Error::InvalidArgument(StrCat(target, ": ep_size must be the initialized EP size ",
                                               team->size, ", got ", ep_size));
   }
+  if (fit.ranks_per_node != team->node_size) {
+    return ffi::Error::InvalidArgument(StrCat(
+        target, ": ranks_per_node must be the node layout jaxep.initialize set up (",
+        team->node_size, " ranks per node), got ", fit.ranks_per_node));
+  }
   if (fit.slots > lay.max_slots || fit.experts > lay.max_experts || fit.rows > lay.max_rows ||
       fit.stage_bytes > static_cast<int64_t>(lay.stage_bytes)) {
     return ffi::Error::InvalidArgument(StrCat(

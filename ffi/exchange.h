@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "common.h"
+#include "cuda/internode.h"
 #include "cuda/sync.h"
 
 namespace jaxep {
@@ -26,6 +27,16 @@ struct ExchangeFit {
   int64_t experts = 0;      // E (0: the op stages no counts)
   int64_t rows = 0;         // C
   int64_t stage_bytes = 0;  // bytes the op may stage
+  int64_t ranks_per_node = 0;  // the call's node layout (attribute), must be the runtime's
+};
+
+// What a cross-rank op exchanges with the other nodes (ffi/cuda/internode.h; nothing with one
+// node): the span of this rank's block its peers there get, and whether its token rows go too.
+struct InterNode {
+  size_t meta_off = 0, meta_bytes = 0;
+  bool rows = false;          // dispatch, dispatch_rows
+  int64_t row_bytes = 0;      // the op's row size (rows only)
+  int32_t tokens = 0, topk = 0, experts = 0;
 };
 
 class Exchange {
@@ -44,16 +55,47 @@ class Exchange {
   //   stage(bool stage_src) -> ffi::Error: step 3, this rank's copies into its own block (the
   //                                        source rows only when stage_src);
   //   pull() -> ffi::Error:                step 5, the reads of the peers.
+  // With several nodes, `inter` says what goes to the other nodes: 2b (grant) after step 2, 3b
+  // (send) after step 3 and 4a (arrive) before step 4 of ffi/cuda/internode.h run here; the
+  // returns of step 5 (combine, gather_back) are the op's pull's (Return()).
   template <typename Stage, typename Pull>
-  ffi::Error Run(const void* src, int64_t src_bytes, bool zero_copy, Stage&& stage, Pull&& pull) {
+  ffi::Error Run(const void* src, int64_t src_bytes, bool zero_copy, Stage&& stage, Pull&& pull,
+                 const InterNode& inter = {}) {
     using namespace cuda::mr;  // NOLINT: flag and phase names
+    const bool internode = Nodes(*team_) > 1;
     if (ffi::Error e = Sync("wait free", kFlagNone, 0, kFlagFree, seq_ - 1, kPhaseFree);
         e.failure()) {
       return e;
     }
+    if (internode) {
+      if (ffi::Error e = Check("grant", LaunchGrant(*team_, seq_, op_, stream_)); e.failure()) {
+        return e;
+      }
+    }
     const uint64_t src_off = zero_copy ? PoolOffset(src, src_bytes) : kStagedSrc;
     if (ffi::Error e = stage(src_off == kStagedSrc); e.failure()) return e;
     if (ffi::Error e = PublishSrcOff(src_off); e.failure()) return e;
+    if (internode) {
+      SendArgs a;
+      a.tokens = inter.tokens;
+      a.topk = inter.topk;
+      a.experts = inter.experts;
+      a.meta_off = inter.meta_off;
+      a.meta_bytes = inter.meta_bytes;
+      a.row_bytes = inter.row_bytes;
+      // Rows go from where they are: the stage (symmetric heap) or XLA's registered pool.
+      if (inter.rows) a.rows = src_off == kStagedSrc ? team_->sym + team_->lay.stage : src;
+      if (ffi::Error e = Check("send", LaunchSend(*team_, a, seq_, op_, 0, stream_));
+          e.failure()) {
+        return e;
+      }
+      if (ffi::Error e = Check("arrive", LaunchArrive(*team_, inter.tokens, inter.topk,
+                                                      inter.experts, inter.rows, seq_, op_,
+                                                      stream_));
+          e.failure()) {
+        return e;
+      }
+    }
     if (ffi::Error e = Sync("ready", kFlagReady, seq_, kFlagReady, seq_, kPhaseReady);
         e.failure()) {
       return e;
@@ -68,6 +110,13 @@ class Exchange {
     if (src_off == kStagedSrc) return ffi::Error::Success();
     return Sync("wait zero-copy readers", kFlagNone, 0, kFlagFree, seq_, kPhaseZeroCopy);
   }
+
+  // Step 5 of internode.h (combine, gather_back pulls): put what this node computed for the other
+  // nodes' peers (`bytes` per token) back to them, and wait for what they return.
+  ffi::Error Return(int64_t bytes, int64_t max_blocks) const {
+    return Check("return", cuda::mr::LaunchReturn(*team_, bytes, seq_, op_, max_blocks, stream_));
+  }
+  bool internode() const { return cuda::mr::Nodes(*team_) > 1; }
 
   // Step 3 helper: copies into this rank's block (LaunchStage), as an ffi::Error.
   ffi::Error Stage(const cuda::mr::StageCopy* copies, int num_copies, int64_t max_blocks) const;

@@ -82,7 +82,7 @@ NB_MODULE(_jaxep_cuda, m) {
         namespace mr = jaxep::cuda::mr;
         nb::dict d;
         d["max_experts"] = jaxep::cuda::kMaxExperts;  // the layout kernels' shared histogram
-        d["max_ranks"] = mr::kMaxRanks;                // peers of the team (one node)
+        d["max_ranks"] = mr::kMaxRanks;                // ranks of a team, all nodes together
         nb::dict phases, ops;
         for (int i = 0; i < static_cast<int>(std::size(mr::kPhaseNames)); ++i) {
           phases[nb::int_(i)] = nb::str(mr::kPhaseNames[i]);

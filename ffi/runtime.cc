@@ -13,13 +13,15 @@ namespace mr = jaxep::cuda::mr;
 
 namespace {
 
-rt::InitParams Params(int device, int rank, int size, const nb::bytes& uid, int64_t max_tokens,
-                      int64_t topk, int64_t experts, int64_t capacity, int64_t row_bytes,
-                      double timeout_s) {
+rt::InitParams Params(int device, int rank, int size, int node_size, const nb::bytes& uid,
+                      int64_t max_tokens, int64_t topk, int64_t experts, int64_t capacity,
+                      int64_t row_bytes, int64_t return_row_bytes, double timeout_s) {
   rt::InitParams p;
   p.device = device;
   p.rank = rank;
   p.size = size;
+  p.node_size = node_size;
+  p.return_row_bytes = return_row_bytes;
   p.unique_id = std::string(static_cast<const char*>(uid.data()), uid.size());
   p.max_tokens = max_tokens;
   p.topk = topk;
@@ -50,21 +52,26 @@ void RegisterRuntime(nb::module_& m) {
     return nb::make_tuple(free_b, total_b);
   }, nb::arg("device"), "cudaSetDevice + cudaFree(0) on this thread; (free, total) bytes.");
   m.def("symmetric_bytes", [](int64_t max_tokens, int64_t topk, int64_t experts, int64_t capacity,
-                              int64_t row_bytes) {
+                              int64_t row_bytes, int size, int node_size,
+                              int64_t return_row_bytes) {
     rt::InitParams p;
     p.max_tokens = max_tokens; p.topk = topk; p.experts = experts; p.capacity = capacity;
-    p.row_bytes = row_bytes;
+    p.row_bytes = row_bytes; p.size = size; p.node_size = node_size;
+    p.return_row_bytes = return_row_bytes;
     return rt::SymmetricBytes(p);
-  }, "Bytes of the symmetric block one PE allocates for these limits.");
-  m.def("runtime_init", [](int device, int rank, int size, nb::bytes uid, int64_t max_tokens,
-                           int64_t topk, int64_t experts, int64_t capacity, int64_t row_bytes,
-                           double timeout_s) {
-    std::string err = rt::Init(Params(device, rank, size, uid, max_tokens, topk, experts, capacity,
-                                      row_bytes, timeout_s));
+  }, nb::arg("max_tokens"), nb::arg("topk"), nb::arg("experts"), nb::arg("capacity"),
+     nb::arg("row_bytes"), nb::arg("size") = 1, nb::arg("node_size") = 1,
+     nb::arg("return_row_bytes") = 0,
+     "Bytes of the symmetric block one PE allocates for these limits and node layout.");
+  m.def("runtime_init", [](int device, int rank, int size, int node_size, nb::bytes uid,
+                           int64_t max_tokens, int64_t topk, int64_t experts, int64_t capacity,
+                           int64_t row_bytes, int64_t return_row_bytes, double timeout_s) {
+    std::string err = rt::Init(Params(device, rank, size, node_size, uid, max_tokens, topk,
+                                      experts, capacity, row_bytes, return_row_bytes, timeout_s));
     if (!err.empty()) throw std::runtime_error(err);
-  }, nb::arg("device"), nb::arg("rank"), nb::arg("size"), nb::arg("unique_id"),
-     nb::arg("max_tokens"), nb::arg("topk"), nb::arg("experts"), nb::arg("capacity"),
-     nb::arg("row_bytes"), nb::arg("timeout_s"),
+  }, nb::arg("device"), nb::arg("rank"), nb::arg("size"), nb::arg("node_size"),
+     nb::arg("unique_id"), nb::arg("max_tokens"), nb::arg("topk"), nb::arg("experts"),
+     nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("return_row_bytes"), nb::arg("timeout_s"),
      "Collective: NVSHMEM init with the unique id, symmetric block, peer table, diagnostics.");
   m.def("runtime_finalize", [](bool collective) {
     std::string err = rt::Finalize(collective);
@@ -92,6 +99,15 @@ void RegisterRuntime(nb::module_& m) {
     nb::dict d;
     d["rank"] = t->rank;
     d["size"] = t->size;
+    d["node_size"] = t->node_size;
+    // Which peer-table entries this process may dereference: "local" (this node, nvshmem_ptr) or
+    // "poisoned" (another node: kPoisonPeer + rank, never dereferenced; tests/gpu checks both).
+    nb::list table;
+    for (int q = 0; q < t->size; ++q) {
+      const bool poisoned = reinterpret_cast<uintptr_t>(t->peer[q]) == mr::kPoisonPeer + q;
+      table.append(poisoned ? "poisoned" : "local");
+    }
+    d["peer_table"] = table;
     d["seq"] = rt::CurrentSeq();
     d["timeout_ns"] = t->timeout_ns;
     d["symmetric_bytes"] = t->lay.total;

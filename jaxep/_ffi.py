@@ -237,11 +237,22 @@ def runtime_limits(op: str, ep_size: int) -> dict:
   return info
 
 
-def _check_fits(op: str, ep_size: int, *, slots=0, experts=0, rows=0, staged_bytes=0) -> None:
-  """Multi-rank calls must fit the symmetric buffers that jaxep.initialize sized."""
+# The internode reducer lists a token's slots in one warp (ffi/cuda/combine.cu kMaxWarpTopk).
+INTERNODE_MAX_TOPK = 32
+
+
+def _check_fits(op: str, ep_size: int, *, ranks_per_node: int = 0, topk: int = 0, slots=0,
+                experts=0, rows=0, staged_bytes=0) -> None:
+  """Multi-rank calls must fit the symmetric buffers and the node layout jaxep.initialize set up."""
   if ep_size == 1:
     return
   info = runtime_limits(op, ep_size)
+  if ranks_per_node != info["node_size"]:
+    _fail(op, "ranks_per_node", f"the node layout jaxep.initialize set up ({info['node_size']} "
+          "ranks per node)", ranks_per_node)
+  if ranks_per_node < ep_size and topk > INTERNODE_MAX_TOPK:
+    _fail(op, "config.topk", f"<= {INTERNODE_MAX_TOPK} with several nodes on the CUDA backend (the "
+          "internode reducer's warp per token)", topk)
   limits = (("T*K (slots)", slots, info["max_tokens"] * info["topk"]),
             ("num_experts", experts, info["experts"]),
             ("rows (capacity C)", rows, info["capacity"]),
@@ -268,10 +279,11 @@ def _nbytes(a) -> int:
   return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
 
 
-def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int = 1):
+def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int = 1,
+             ranks_per_node: int = 1):
   """``jaxep_dispatch``: x[T,H], topk_idx[T,K] int32, topk_weights[T,K] f32.
 
-  Attributes: num_experts, capacity, ep_size, num_sms (int64); dispatch_kernel (str);
+  Attributes: num_experts, capacity, ep_size, ranks_per_node, num_sms (int64); dispatch_kernel (str);
   zero_copy (bool). Returns ``(x_rows[C,H], weights[C] f32, group_sizes[L] i32, send_row[T,K] i32,
   recv_slot[C] i32, topk_idx_out[T,K] i32, stats[2] i32)`` with C = capacity,
   L = num_experts // ep_size, stats = (dropped_rows, invalid_ids).
@@ -284,8 +296,8 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
   t, h = x.shape
   k = topk_idx.shape[1]
   c, l = int(capacity), config.num_experts // ep_size
-  _check_fits(op, ep_size, slots=t * k, experts=config.num_experts, rows=c,
-              staged_bytes=_nbytes(x))
+  _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=k, slots=t * k,
+              experts=config.num_experts, rows=c, staged_bytes=_nbytes(x))
   i32, f32 = jnp.int32, jnp.float32
   out_types = (
       jax.ShapeDtypeStruct((c, h), x.dtype),  # x_rows
@@ -298,33 +310,39 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
   )
   call = jax.ffi.ffi_call("jaxep_dispatch", out_types, vmap_method="sequential")
   return tuple(call(x, topk_idx, topk_weights, num_experts=_i64(config.num_experts),
-                    capacity=_i64(c), ep_size=_i64(ep_size),
+                    capacity=_i64(c), ep_size=_i64(ep_size), ranks_per_node=_i64(ranks_per_node),
                     **_knob_attrs(config, "num_sms", "dispatch_kernel", "zero_copy")))
 
 
-def dispatch_rows(x, recv_slot, *, config, ep_size: int = 1):
-  """``jaxep_dispatch_rows``: x[T,H], recv_slot[C] int32 -> ``(x_rows[C,H],)``.
+def dispatch_rows(x, recv_slot, send_row, topk_idx, *, config, ep_size: int = 1,
+                  ranks_per_node: int = 1):
+  """``jaxep_dispatch_rows``: x[T,H], recv_slot[C], send_row[T,K], topk_idx[T,K] int32 (the
+  handle's) -> ``(x_rows[C,H],)``.
 
   Row c is ``x[recv_slot[c] // topk]`` (the slot's token, topk = config.topk), zeros where
-  recv_slot[c] == -1. Attributes: ep_size, topk, num_sms (int64); zero_copy (bool).
+  recv_slot[c] == -1 (send_row and topk_idx tell other nodes which tokens they need).
+  Attributes: num_experts, ep_size, ranks_per_node, topk, num_sms (int64); zero_copy (bool).
   """
   import jax  # pylint: disable=g-import-not-at-top
 
   op = "dispatch_rows"
   _require(op)
-  _check_fits(op, ep_size, slots=x.shape[0] * config.topk, rows=recv_slot.shape[0],
-              staged_bytes=_nbytes(x))
+  _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=config.topk,
+              slots=x.shape[0] * config.topk, rows=recv_slot.shape[0], staged_bytes=_nbytes(x))
   out_types = (jax.ShapeDtypeStruct((recv_slot.shape[0], x.shape[1]), x.dtype),)  # x_rows
   call = jax.ffi.ffi_call("jaxep_dispatch_rows", out_types, vmap_method="sequential")
-  return tuple(call(x, recv_slot, ep_size=_i64(ep_size), topk=_i64(config.topk),
-                    **_knob_attrs(config, "num_sms", "zero_copy")))
+  return tuple(call(x, recv_slot, send_row, topk_idx, num_experts=_i64(config.num_experts),
+                    ep_size=_i64(ep_size), ranks_per_node=_i64(ranks_per_node),
+                    topk=_i64(config.topk), **_knob_attrs(config, "num_sms", "zero_copy")))
 
 
-def combine(y, weights, send_row, recv_slot, topk_idx, *, config, ep_size: int = 1):
+def combine(y, weights, send_row, recv_slot, topk_idx, *, config, ep_size: int = 1,
+            ranks_per_node: int = 1):
   """``jaxep_combine``: y[C,H], weights[C] f32, send_row[T,K] i32, recv_slot[C] i32,
   topk_idx[T,K] i32 (send_row, recv_slot and topk_idx from dispatch's handle).
 
-  Attributes: num_experts, ep_size, num_sms (int64); combine_kernel (str); zero_copy (bool).
+  Attributes: num_experts, ep_size, ranks_per_node, num_sms (int64); combine_kernel,
+  combine_wire_dtype (str); zero_copy (bool).
   Returns ``(out[T,H],)`` in the dtype of y, reduced in the fixed order of docs/design.md. With
   ep_size > 1 only the rows with recv_slot >= 0 are staged for the peers (the rows send_row names).
   """
@@ -332,28 +350,32 @@ def combine(y, weights, send_row, recv_slot, topk_idx, *, config, ep_size: int =
 
   op = "combine"
   _require(op)
-  _check_fits(op, ep_size, slots=send_row.shape[0] * send_row.shape[1], rows=y.shape[0],
+  _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=send_row.shape[1],
+              slots=send_row.shape[0] * send_row.shape[1], rows=y.shape[0],
               staged_bytes=_nbytes(y))
   out_types = (jax.ShapeDtypeStruct((send_row.shape[0], y.shape[1]), y.dtype),)  # out
   call = jax.ffi.ffi_call("jaxep_combine", out_types, vmap_method="sequential")
   return tuple(call(y, weights, send_row, recv_slot, topk_idx,
                     num_experts=_i64(config.num_experts), ep_size=_i64(ep_size),
+                    ranks_per_node=_i64(ranks_per_node),
+                    combine_wire_dtype=str(config.combine_wire_dtype),
                     **_knob_attrs(config, "num_sms", "combine_kernel", "zero_copy")))
 
 
-def gather_back(v, send_row, topk_idx, *, config, ep_size: int):
+def gather_back(v, send_row, topk_idx, *, config, ep_size: int, ranks_per_node: int):
   """``jaxep_gather_back`` (ep_size > 1 only): v[C] f32 on each destination, send_row[T,K] and
   topk_idx[T,K] on each source -> ``(out[T,K] f32,)``: v at the slot's row on its destination
-  rank, 0 where the slot was not kept. Attributes: num_experts, ep_size (int64)."""
+  rank, 0 where the slot was not kept. Attributes: num_experts, ep_size, ranks_per_node (int64)."""
   import jax  # pylint: disable=g-import-not-at-top
 
   op = "gather_back"
   _require(op)
   if ep_size < 2:
     _fail(op, "ep_size", ">= 2 (EP size 1 gathers locally in jaxep.cuda_backend)", ep_size)
-  _check_fits(op, ep_size, slots=send_row.shape[0] * send_row.shape[1], rows=v.shape[0],
+  _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=send_row.shape[1],
+              slots=send_row.shape[0] * send_row.shape[1], rows=v.shape[0],
               staged_bytes=v.shape[0] * 4)
   out_types = (jax.ShapeDtypeStruct(tuple(send_row.shape), np.float32),)
   call = jax.ffi.ffi_call("jaxep_gather_back", out_types, vmap_method="sequential")
   return tuple(call(v, send_row, topk_idx, num_experts=_i64(config.num_experts),
-                    ep_size=_i64(ep_size)))
+                    ep_size=_i64(ep_size), ranks_per_node=_i64(ranks_per_node)))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxep import _ffi
+from jaxep import _ffi, runtime
 # Custom-call results carry no varying axes inside shard_map: marked like the reference's outputs.
 from jaxep.reference import varying as _varying
 
@@ -26,6 +26,11 @@ def _ep_size(axis_name) -> int:
         return int(jax.lax.axis_size(axis_name))
     except NameError:
         return 1
+
+
+def _node_size(config, ep: int) -> int:
+    """G for the custom calls' ranks_per_node attribute (1 on one rank)."""
+    return 1 if ep == 1 else runtime.node_size(config, ep)
 
 
 def check_limits(config) -> None:
@@ -45,17 +50,21 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
     ep = _ep_size(axis_name)
     check_limits(config)
     return _varying(tuple(_ffi.dispatch(x, topk_idx, topk_weights, config=config,
-                                        capacity=capacity, ep_size=ep)), axis_name)
+                                        capacity=capacity, ep_size=ep,
+                                        ranks_per_node=_node_size(config, ep))), axis_name)
 
 
-def dispatch_rows(x, recv_slot, *, axis_name, config):
-    (rows,) = _ffi.dispatch_rows(x, recv_slot, config=config, ep_size=_ep_size(axis_name))
+def dispatch_rows(x, recv_slot, send_row, topk_idx, *, axis_name, config):
+    ep = _ep_size(axis_name)
+    (rows,) = _ffi.dispatch_rows(x, recv_slot, send_row, topk_idx, config=config, ep_size=ep,
+                                 ranks_per_node=_node_size(config, ep))
     return _varying(rows, axis_name)
 
 
 def combine(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config):
-    (out,) = _ffi.combine(y, weights, send_row, recv_slot, topk_idx, config=config,
-                          ep_size=_ep_size(axis_name))
+    ep = _ep_size(axis_name)
+    (out,) = _ffi.combine(y, weights, send_row, recv_slot, topk_idx, config=config, ep_size=ep,
+                          ranks_per_node=_node_size(config, ep))
     return _varying(out, axis_name)
 
 
@@ -66,5 +75,5 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
         kept = send_row >= 0
         return jnp.where(kept, v[jnp.where(kept, send_row, 0)], 0.0).astype(jnp.float32)
     (out,) = _ffi.gather_back(v.astype(jnp.float32), send_row, topk_idx, config=config,
-                              ep_size=ep)
+                              ep_size=ep, ranks_per_node=_node_size(config, ep))
     return _varying(out, axis_name)

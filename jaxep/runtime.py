@@ -40,7 +40,7 @@ import threading
 import jax
 import numpy as np
 
-from jaxep import _ffi, _jax_private, zero_copy
+from jaxep import _ffi, _jax_private, node_layout, topology, zero_copy
 from jaxep.config import Config, field_diff
 
 log = logging.getLogger("jaxep")
@@ -54,6 +54,14 @@ _PHASE_TEXT = {
     "ready": "exchange (waiting for the peer's stage of this call)",
     "zero_copy": "zero-copy release (waiting for the peer to finish reading this rank's x or y of "
                  "this call in its XLA pool)",
+    # Internode (ffi/cuda/internode.h): the peer is the rank of another node with this local index.
+    "credit": "internode credit (waiting for the peer's node to free the region the peer hosts "
+              "for this rank)",
+    "remote_meta": "internode metadata (waiting for the peer's metadata put of this call)",
+    "remote_rows": "internode rows (waiting for the peer's row puts of this call: flag = rows "
+                   "arrived)",
+    "return": "internode return (waiting for the peer's node's partials / values for this rank's "
+              "tokens: flag = results arrived)",
 }
 _NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE default
 _HEAP_RESERVE = 128 << 20        # NVSHMEM's own allocations from the symmetric heap
@@ -79,6 +87,7 @@ class _State:
     watchdog: threading.Thread | None = None
     stop: threading.Event | None = None
     reported: bool = False
+    machine_ranks_per_node: int | None = None  # processes per host, agreed at initialize
 
 
 _state = _State()
@@ -95,14 +104,17 @@ def _configure_logging() -> None:
 _parse_size = zero_copy.parse_size
 
 
-def recommended_env(sym_bytes: int, ranks_on_gpu: int = 1) -> dict:
+def recommended_env(sym_bytes: int, ranks_on_gpu: int = 1, hosts: int = 1) -> dict:
     """NVSHMEM settings jaxep recommends for this run (printed, never set)."""
     heap = sym_bytes + _HEAP_RESERVE
     rec = {
         "NVSHMEM_DISABLE_NVLS": "1",  # no NVLink multicast
         "NVSHMEM_SYMMETRIC_SIZE": str(max(heap, _NVSHMEM_DEFAULT_HEAP)),
-        "NVSHMEM_REMOTE_TRANSPORT": "none",  # one node: peers by NVLink/P2P only
     }
+    if hosts == 1:
+        rec["NVSHMEM_REMOTE_TRANSPORT"] = "none"  # one host: peers by NVLink/P2P only
+    else:
+        rec["NVSHMEM_IB_ENABLE_IBGDA"] = "1"  # GPU-initiated RDMA, no CPU proxy thread
     if ranks_on_gpu > 1:
         rec["NVSHMEM_DISABLE_NCCL"] = "1"
         rec["NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = "1"
@@ -133,7 +145,8 @@ def _init_multi_rank(config: Config) -> None:
               "major> and the cu13/cu12 extra (docs/build.md), or pass backend='reference'")
     max_ranks = _ffi.constant("max_ranks")
     if nproc > max_ranks:
-        _fail(f"at most {max_ranks} ranks (one node) are supported, got {nproc} processes")
+        _fail(f"at most {max_ranks} ranks (all nodes together) are supported by this build, got "
+              f"{nproc} processes")
     owners = [d.process_index for d in jax.devices()]
     if owners != list(range(nproc)):
         _fail(f"jax.devices() must be ordered by process (device i in process i, so that the EP "
@@ -147,11 +160,27 @@ def _init_multi_rank(config: Config) -> None:
     ordinal = device.id if ordinal is None else int(ordinal)
     cap = config.capacity(nproc)
     row_bytes = _row_bytes(config)
+    client = _jax_private.distributed_client()
+    if client is None:
+        _fail("jax.distributed is not initialized (the unique id travels through its key-value "
+              "store); call jax.distributed.initialize() or start with python -m jaxep.launch")
+    wait_ms = int(max(60.0, config.timeout_s) * 1000)
+    # The node layout, agreed by every rank (processes per host, or Config.ranks_per_node).
+    try:
+        hosts = node_layout.gather_hosts(client, pe, nproc, _state.generation, timeout_ms=wait_ms)
+        node = node_layout.layout_from_hosts(hosts, config.ranks_per_node)
+    except RuntimeError:
+        _state.generation += 1  # every rank raised: a retry publishes under fresh keys
+        raise
+    if config.num_experts % nproc:
+        _fail(f"num_experts must be divisible by the EP size: expected num_experts % {nproc} == 0, "
+              f"got num_experts={config.num_experts}")
     sym = ext.symmetric_bytes(config.max_tokens_per_rank, config.topk, config.num_experts, cap,
-                              row_bytes)
+                              row_bytes, nproc, node, config.hidden * 4)
     heap_env = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
     heap = _parse_size(heap_env) if heap_env else _NVSHMEM_DEFAULT_HEAP
-    rec = recommended_env(sym, ranks_on_gpu=nproc if _shares_gpu() else 1)
+    rec = recommended_env(sym, ranks_on_gpu=nproc if _shares_gpu() else 1,
+                          hosts=len(set(hosts)))
     if sym + _HEAP_RESERVE > heap:
         _fail(f"the symmetric block needs {sym} bytes (T={config.max_tokens_per_rank}, "
               f"K={config.topk}, E={config.num_experts}, C={cap}, H={config.hidden} x "
@@ -169,11 +198,6 @@ def _init_multi_rank(config: Config) -> None:
               f"JAX preallocates its pool (XLA_PYTHON_CLIENT_PREALLOCATE={pre}, "
               f"XLA_PYTHON_CLIENT_MEM_FRACTION={frac}): set XLA_PYTHON_CLIENT_MEM_FRACTION lower "
               "(e.g. 0.75/ranks per GPU) or XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts")
-    client = _jax_private.distributed_client()
-    if client is None:
-        _fail("jax.distributed is not initialized (the unique id travels through its key-value "
-              "store); call jax.distributed.initialize() or start with python -m jaxep.launch")
-    wait_ms = int(max(60.0, config.timeout_s) * 1000)
     try:
         agree_config(client, config, pe, nproc, _state.generation, wait_ms)
     except RuntimeError:
@@ -186,8 +210,10 @@ def _init_multi_rank(config: Config) -> None:
         client.key_value_set_bytes(key, uid)
     else:
         uid = client.blocking_key_value_get_bytes(key, wait_ms)
-    ext.runtime_init(ordinal, pe, nproc, bytes(uid), config.max_tokens_per_rank, config.topk,
-                     config.num_experts, cap, row_bytes, float(config.timeout_s))
+    ext.runtime_init(ordinal, pe, nproc, node, bytes(uid), config.max_tokens_per_rank,
+                     config.topk, config.num_experts, cap, row_bytes, config.hidden * 4,
+                     float(config.timeout_s))
+    _state.machine_ranks_per_node = node
     # Zero-copy (docs/zero_copy.md, B1; Config.zero_copy=False turns it off): every rank takes
     # part in the decision, which is the same everywhere.
     try:
@@ -206,6 +232,14 @@ def _init_multi_rank(config: Config) -> None:
              "(load/store); free GPU memory before init %.2f GiB", ext.nvshmem_version(), pe, nproc,
              ordinal, device.device_kind, nproc if _shares_gpu() else 1, nproc, sym / 2**20,
              heap / 2**20, cap, config.timeout_s, free / 2**30)
+    nodes = nproc // node
+    log.info("jaxep node layout: %d node(s) x %d ranks (%s; rank = node * %d + local index), "
+             "this rank: node %d, local %d; hosts: %s; peers of other nodes by NVSHMEM puts only",
+             nodes, node, "Config.ranks_per_node" if config.ranks_per_node else "processes per host",
+             node, pe // node, pe % node, node_layout.describe_hosts(hosts))
+    if log.isEnabledFor(logging.INFO):
+        for line in topology.gpu_report(ordinal):
+            log.info("jaxep network: %s", line)
     log.info("jaxep recommends (not set by jaxep): %s%s",
              " ".join(f"{k}={v}" for k, v in rec.items()),
              f"; unset here: {', '.join(missing)}" if missing else "")
@@ -271,8 +305,10 @@ def diagnostic() -> str | None:
     names = _ffi.constants() or {}
     op = names.get("ops", {}).get(d["op"], d["op"])
     phase = names.get("phases", {}).get(d["phase"], d["phase"])
-    return (f"jaxep: rank {d['rank']} timed out in {op} (call #{d['seq']}), "
-            f"phase {_PHASE_TEXT.get(phase, phase)}, waiting for peer {d['peer']}: flag "
+    g = _state.machine_ranks_per_node or 1
+    where = lambda r: f"rank {r} (node {r // g}, local {r % g})"  # noqa: E731
+    return (f"jaxep: {where(d['rank'])} timed out in {op} (call #{d['seq']}), "
+            f"phase {_PHASE_TEXT.get(phase, phase)}, waiting for peer {where(d['peer'])}: flag "
             f"{d['seen']}, want {d['awaited']} (waited {d['waited_ns'] / 1e9:.1f} s, timeout "
             f"{to:g} s). The peer process died, hangs, or runs a different sequence of jaxep "
             "calls; this process's multi-rank kernels are aborted until jaxep.finalize()")
@@ -332,6 +368,7 @@ def finalize() -> None:
         _ffi._module.runtime_finalize(collective)  # pylint: disable=protected-access
         _state.multi_rank = _state.zero_copy = False
     _state.config = _state.axis_name = None
+    _state.machine_ranks_per_node = None
 
 
 def initialized_config() -> Config | None:
@@ -342,6 +379,18 @@ def zero_copy_enabled() -> bool:
     """True when multi-rank calls may read peers' x / y in their XLA pools (docs/zero_copy.md;
     on by default where possible, Config.zero_copy=False turns it off)."""
     return _state.multi_rank and _state.zero_copy
+
+
+def machine_ranks_per_node() -> int | None:
+    """Processes per host that `jaxep.initialize` agreed on (node_layout.discover), or None when
+    no multi-process runtime read the machine (then a config without ranks_per_node is one node)."""
+    return _state.machine_ranks_per_node
+
+
+def node_size(config: Config, ep_size: int) -> int:
+    """G, ranks per node for `ep_size` ranks: config.ranks_per_node, else the machine's layout
+    read at initialize, else ep_size (one node). ValueError when G does not divide ep_size."""
+    return config.node_size(ep_size, _state.machine_ranks_per_node)
 
 
 def multi_rank_size() -> int:

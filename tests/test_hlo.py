@@ -22,12 +22,16 @@ CFG = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4, dtyp
 
 # The attributes of each target: the contract with ffi/*.cc (their Bind() calls).
 ATTRS = {
-    "jaxep_dispatch": {"num_experts", "capacity", "ep_size", "num_sms", "dispatch_kernel",
-                       "zero_copy"},
-    "jaxep_dispatch_rows": {"ep_size", "topk", "num_sms", "zero_copy"},
-    "jaxep_combine": {"num_experts", "ep_size", "num_sms", "combine_kernel", "zero_copy"},
-    "jaxep_gather_back": {"num_experts", "ep_size"},
+    "jaxep_dispatch": {"num_experts", "capacity", "ep_size", "ranks_per_node", "num_sms",
+                       "dispatch_kernel", "zero_copy"},
+    "jaxep_dispatch_rows": {"num_experts", "ep_size", "ranks_per_node", "topk", "num_sms",
+                            "zero_copy"},
+    "jaxep_combine": {"num_experts", "ep_size", "ranks_per_node", "num_sms", "combine_kernel",
+                      "combine_wire_dtype", "zero_copy"},
+    "jaxep_gather_back": {"num_experts", "ep_size", "ranks_per_node"},
 }
+# The node layout the fake runtime of `cuda_lowering` reports (None: one node of ep_size ranks).
+NODE_SIZE = {"value": None}
 
 
 def _fn(R, backend):
@@ -62,9 +66,10 @@ def cuda_lowering(monkeypatch):
     if _ffi.constants() is None:
         monkeypatch.setattr(_ffi, "_constants", _ffi.parse_constants(CONSTANTS))
     monkeypatch.setattr(runtime, "select_backend", lambda op, requested, ep_size: "cuda")
+    monkeypatch.setitem(NODE_SIZE, "value", None)
     monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep_size: dict(
         size=ep_size, max_tokens=1 << 20, topk=64, experts=1 << 13, capacity=1 << 30,
-        stage_bytes=1 << 40))
+        stage_bytes=1 << 40, node_size=NODE_SIZE["value"] or ep_size))
 
 
 def _value(text: str):
@@ -144,6 +149,7 @@ KNOBS = [
     ("dispatch_kernel", "token", "token"), ("dispatch_kernel", "row", "row"),
     ("combine_kernel", "warp", "warp"), ("combine_kernel", "thread", "thread"),
     ("zero_copy", True, True), ("zero_copy", False, False),
+    ("combine_wire_dtype", "float32", "float32"), ("combine_wire_dtype", "bfloat16", "bfloat16"),
 ]
 
 
@@ -155,7 +161,8 @@ def test_each_knob_reaches_every_custom_call_that_takes_it(cuda_lowering, R, fie
     cfg = dataclasses.replace(jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=8),
                               **{field: value})
     calls = custom_calls(_grad_hlo(cfg, R))
-    defaults = dict(num_sms=0, dispatch_kernel="token", combine_kernel="warp", zero_copy=True)
+    defaults = dict(num_sms=0, dispatch_kernel="token", combine_kernel="warp", zero_copy=True,
+                    combine_wire_dtype="float32")
     expect = {**defaults, field: attr}
     takes = {t for t, names in ATTRS.items() if field in names}
     assert takes, field
@@ -166,6 +173,24 @@ def test_each_knob_reaches_every_custom_call_that_takes_it(cuda_lowering, R, fie
         if field in attrs:
             seen.add(target)
     assert seen == takes - ({"jaxep_gather_back"} if R == 1 else set()), (seen, calls)
+
+
+@pytest.mark.parametrize("R,ranks_per_node,attr", [(1, None, 1), (2, None, 2), (2, 1, 1),
+                                                     (4, 2, 2), (4, None, 4)])
+def test_node_layout_reaches_every_custom_call(cuda_lowering, R, ranks_per_node, attr):
+    """ranks_per_node (Config's, else one node of R ranks) is an attribute of every custom call,
+    and the one the runtime set up: another value raises at trace time naming both."""
+    cfg = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=8,
+                       ranks_per_node=ranks_per_node)
+    NODE_SIZE["value"] = attr
+    calls = custom_calls(_grad_hlo(cfg, R))
+    assert calls and all(a["ranks_per_node"] == attr for _, a in calls), calls
+    if R > 1:
+        NODE_SIZE["value"] = R if attr != R else 1
+        with pytest.raises(ValueError, match=rf"ranks_per_node must be the node layout "
+                                             rf"jaxep.initialize set up \({NODE_SIZE['value']} "
+                                             rf"ranks per node\), got {attr}"):
+            _grad_hlo(cfg, R)
 
 
 @pytest.mark.parametrize("field,value", [(f, v) for f, v, _ in KNOBS[1::2]])

@@ -17,8 +17,9 @@ from jaxep import _ffi, runtime
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=16)
 GIB = 1 << 30
 # What the extension's constants() returns (the lead's ffi/module.cc), for the fakes.
-CONSTANTS = dict(max_experts=8192, max_ranks=8,
-                 phases={0: "none", 1: "free", 2: "ready", 3: "zero_copy"},
+CONSTANTS = dict(max_experts=8192, max_ranks=128,
+                 phases=dict(enumerate(["none", "free", "ready", "zero_copy", "credit",
+                                        "remote_meta", "remote_rows", "return"])),
                  ops={1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back"},
                  targets=_ffi.TARGETS, dispatch_kernels=("token", "row"),
                  combine_kernels=("warp", "thread"))
@@ -77,6 +78,10 @@ class FakeKV:
     key_value_set_bytes = key_value_set
 
     def blocking_key_value_get(self, k, ms):
+        if k not in self.kv and k.startswith("jaxep/host/"):  # every peer on this host
+            mine = [v for key, v in self.kv.items() if key.rsplit("/", 1)[0] == k.rsplit("/", 1)[0]]
+            if mine:
+                return mine[0]
         if k not in self.kv and self.agree and k.startswith("jaxep/config/"):
             mine = [v for key, v in self.kv.items() if key.rsplit("/", 1)[0] == k.rsplit("/", 1)[0]]
             if mine:
@@ -130,6 +135,7 @@ def test_nvshmem_initialized_by_someone_else_is_refused(fake):
 
 
 def test_jax_holding_the_memory_nvshmem_needs_is_refused(fake, monkeypatch):
+    _client(monkeypatch)  # the node layout is agreed first (it sizes the symmetric block)
     fake.ext.free = 1 * GIB  # less than the 1 GiB default heap + margin
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     msg = _refusal("GPU 0 has 1.00 GiB free")
@@ -137,6 +143,7 @@ def test_jax_holding_the_memory_nvshmem_needs_is_refused(fake, monkeypatch):
 
 
 def test_symmetric_block_larger_than_the_heap_names_the_setting(fake, monkeypatch):
+    _client(monkeypatch)
     fake.ext.sym = 2 * GIB
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1G")
     msg = _refusal("the symmetric block needs")
@@ -146,6 +153,14 @@ def test_symmetric_block_larger_than_the_heap_names_the_setting(fake, monkeypatc
 def test_processes_not_ordered_by_device_are_refused(fake, monkeypatch):
     monkeypatch.setattr(runtime.jax, "devices", lambda: [_device(1), _device(0)])
     _refusal(r"ordered by process .* got process indices \[1, 0\]")
+
+
+def test_node_layout_override_reaches_nvshmem_init(fake, monkeypatch):
+    """Config.ranks_per_node=1 splits the one host's 2 ranks into 2 emulated nodes."""
+    _client(monkeypatch)
+    runtime._init_multi_rank(dataclasses.replace(CFG, ranks_per_node=1))  # pylint: disable=protected-access
+    (args,) = fake.ext.inits
+    assert args[3] == 1 and runtime.machine_ranks_per_node() == 1
 
 
 def test_missing_distributed_client_is_refused_before_nvshmem_init(fake):
@@ -168,7 +183,9 @@ def test_all_checks_pass_then_nvshmem_is_initialized(fake, monkeypatch):
     client = _client(monkeypatch)
     runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
     (args,) = fake.ext.inits
-    assert args[:4] == (0, 0, 2, b"uid")  # ordinal, PE, processes, the unique id it published
+    # ordinal, PE, processes, ranks per node (both on this host: one node), the published uid
+    assert args[:5] == (0, 0, 2, 2, b"uid")
+    assert runtime.machine_ranks_per_node() == 2
     assert _uids(client) == [b"uid"]
     gen = runtime._state.generation - 1  # pylint: disable=protected-access
     assert client.kv[f"jaxep/config/{gen}/0"] == CFG.canonical()
@@ -224,8 +241,9 @@ def test_finalize_then_initialize_again_uses_a_fresh_unique_id(fake, monkeypatch
         assert len(_uids(client)) == 2  # one unique-id key per initialization
         # After a timeout a peer may be dead: finalize drops local state without a collective.
         fake.ext.diag = dict(rank=0, op=1, seq=3, phase=2, peer=1, seen=0, awaited=3, waited_ns=5e9)
-        with pytest.raises(jaxep.TimeoutError, match=r"rank 0 timed out in dispatch \(call #3\), "
-                                                     r"phase exchange .* waiting for peer 1"):
+        with pytest.raises(jaxep.TimeoutError, match=r"rank 0 \(node 0, local 0\) timed out in "
+                                                     r"dispatch \(call #3\), phase exchange .* "
+                                                     r"waiting for peer rank 1 \(node 0, local 1\)"):
             jaxep.check()
         jaxep.finalize()
         assert fake.ext.finalized == [True, False]

@@ -46,6 +46,8 @@ def bench_command(a, experts: int, base: str) -> list[str]:
             f"--warmup={a.warmup}", f"--inner={a.inner}", f"--json={base}.json",
             f"--dispatch_kernel={a.dispatch_kernel}", f"--combine_kernel={a.combine_kernel}",
             "--nozero_copy" if a.staged else "--zero_copy"]
+    if a.ranks_per_node:
+        cmd.append(f"--ranks_per_node={a.ranks_per_node}")
     if a.plot:
         cmd.append(f"--plot={base}.png")
     return cmd + list(a.bench_args)
@@ -131,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="jaxep.Config.zero_copy=False (jaxep-bench --nozero_copy): stage x and y in "
                         "NVSHMEM's heap instead of reading them in XLA's pool (docs/zero_copy.md); "
                         "files tagged _staged")
+    p.add_argument("--ranks_per_node", type=int, default=0,
+                   help="Config.ranks_per_node (e.g. 4: 8 ranks as 2 emulated nodes x 4); 0 = one "
+                        "node of --nproc ranks")
     p.add_argument("bench_args", nargs="*", help="more jaxep.bench flags (after --)")
     return p.parse_args(argv)
 
@@ -150,6 +155,9 @@ def main(argv=None) -> int:
         tag = "" if kernels == "token/warp" else f"_{a.dispatch_kernel}_{a.combine_kernel}"
         if a.staged:
             kernels, tag = kernels + "+st", tag + "_staged"
+        if a.ranks_per_node:
+            kernels += f" {a.nproc // a.ranks_per_node}x{a.ranks_per_node}"
+            tag += f"_g{a.ranks_per_node}"
         base = os.path.join(a.outdir, f"bench_n{a.nproc}_e{e}{tag}")
         for stale in (base + ".json",):
             if os.path.exists(stale):

@@ -7,7 +7,9 @@
 #   build      JAXEP_CUDA=<nvcc's major> pip install --no-build-isolation --no-deps -e .
 #              (extension with NVSHMEM, which that CUDA major then requires), ~20 s
 #   mr         pytest tests/gpu/test_multirank.py: N = 2/4/8 bitwise, alternative kernels, killed
-#              peer (~120 s; gputier runs it again: leave one of the two out of STEPS)
+#              peer, the internode layouts (gputier runs it again: leave one of the two out)
+#   mrn        only the internode cases of test_multirank.py (node override layouts, killed peer)
+#   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
 #              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
 #   bench8_64a the same with the alternative kernels (Config dispatch_kernel="row",
@@ -78,9 +80,20 @@ bench() {  # name nproc experts cap [dispatch kernel] [combine kernel] [more fla
     --iters 10 --timeout $(( to - 20 )) --outdir "$LOGS" --summary_json "$LOGS/$1.rows.json" \
     --dispatch_kernel "${5:-token}" --combine_kernel "${6:-warp}" ${7:-} ${BENCH_EXTRA:-}
 }
-# The multi-rank driver alone (STEPS=mr; gputier below runs it too).
-step mr 240 120 "$LOGS/mr.log" python3 -m pytest -v -rs -p no:cacheprovider tests/gpu/test_multirank.py
+# The multi-rank driver alone (STEPS=mr; gputier below runs it too); mrn: its internode cases only
+# (2 x 4, 4 x 2, 8 x 1, 2 x 8 layouts, the killed peer on the other node).
+step mr 420 120 "$LOGS/mr.log" python3 -m pytest -v -rs -p no:cacheprovider tests/gpu/test_multirank.py
+step mrn 300 120 "$LOGS/mrn.log" python3 -m pytest -v -rs -p no:cacheprovider \
+  tests/gpu/test_multirank.py -k "x4 or x2 or x1 or x8 or killed"
 bench bench8_64 8 64 150
+# Internode under the node override (8 ranks as 2 emulated nodes x 4; same inputs as bench8_64):
+# f32 wire, then the payload (bf16) wire. bench16seed: the seed's 2 x 8 shape (--preset=seed_2x8).
+bench bench8_64g4 8 64 150 token warp "--ranks_per_node 4"
+bench bench8_64g4w 8 64 150 token warp "--ranks_per_node 4 -- --combine_wire_dtype=payload"
+step bench16seed 240 120 "$LOGS/bench16seed.log" \
+  python3 tools/bench_multirank.py --nproc 16 --experts 128 --ranks_per_node 8 --iters 10 \
+  --timeout 220 --outdir "$LOGS" --summary_json "$LOGS/bench16seed.rows.json" -- \
+  --preset=seed_2x8 --combine_wire_dtype=payload
 bench bench8_64a 8 64 120 row thread   # the alternative pull kernels: same inputs, same call
 bench bench8_64s 8 64 120 token warp --staged   # zero-copy off (Config zero_copy=False): same-run A/B
 step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider tests/gpu/test_nn_multirank.py
@@ -110,7 +123,7 @@ timeout 30 python3 -m jaxep.doctor > "$LOGS/doctor.log" 2>&1 || true
 {
   echo "--- layer test and example (from nn.log) ---"
   grep -hE "^rank [0-9]+ (hlo|step[0-9]) (ok|FAIL)|cuda [0-9]+ tokens/s, reference" "$LOGS/nn.log" 2>/dev/null | cut -c1-200 | head -16
-  grep -hE "^(FAILED|ERROR) |(PASSED|FAILED|SKIPPED|ERROR) +\[" "$LOGS/nn.log" "$LOGS/mr.log" "$LOGS/gputier.log" "$LOGS/ep1.log" 2>/dev/null \
+  grep -hE "^(FAILED|ERROR) |(PASSED|FAILED|SKIPPED|ERROR) +\[" "$LOGS/nn.log" "$LOGS/mr.log" "$LOGS/mrn.log" "$LOGS/gputier.log" "$LOGS/ep1.log" 2>/dev/null \
     | grep -vE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" | cut -c1-160 | head -14
   cat "$LOGS/gputier.log" "$LOGS/ep1.log" 2>/dev/null | grep -cE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" \
     | sed 's/^/EP=1 tier tests passed: /'

@@ -117,9 +117,46 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// Pull, thread per (token, VEC consecutive elements): walks ranks ascending outside, k ascending
-// inside, adding the kept slots of each rank.
-template <typename T, int VEC>
+// The other nodes' partials of this rank's token t, added in node order (docs/design.md): after
+// the return wait (internode.h), node n's P_n[t] is row out_pos[n][t] of my region n, in W (the
+// wire dtype), and out_pos[n][t] = -1 when t has no kept slot on node n (then P_n = +0.0, which
+// adds nothing: skipped). The own node's P is `own` (this kernel's sum over its node's ranks).
+//   out = 0; for n ascending: out = fadd(out, n == mine ? P_own : f32(W(P_n)));  cast once.
+// With one node this is 0 + P_own = P_own (never -0.0): the intranode result, bit for bit.
+template <typename T, typename W, int VEC>
+__device__ __forceinline__ Pack<T, VEC> FinishNodes(const Team& team, FixedOrderSum<VEC>& own,
+                                                    int64_t t, int64_t u, int64_t hidden) {
+  const int nodes = Nodes(team);
+  if (nodes == 1) return own.template Finish<T>();
+  const int mine = NodeOf(team, team.rank);
+  float p_own[VEC], out[VEC];
+  own.Total(p_own);
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) out[v] = 0.0f;
+  const char* me = team.peer[team.rank];
+  for (int n = 0; n < nodes; ++n) {
+    if (n == mine) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) out[v] = __fadd_rn(out[v], p_own[v]);
+      continue;
+    }
+    const int32_t j = reinterpret_cast<const int32_t*>(me + team.lay.out_pos)[
+        static_cast<int64_t>(n) * team.lay.max_tokens + t];
+    if (j < 0) continue;
+    const W* row = reinterpret_cast<const W*>(me + RegionOffset(team.lay, n, mine) +
+                                              team.lay.region_rows) + j * hidden + u * VEC;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) out[v] = __fadd_rn(out[v], Convert<W>::ToF32(row[v]));
+  }
+  Pack<T, VEC> o;
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) o.v[v] = Convert<T>::FromF32(out[v]);
+  return o;
+}
+
+// Pull, thread per (token, VEC consecutive elements): walks this node's ranks ascending outside,
+// k ascending inside, adding the kept slots of each rank; then the other nodes (FinishNodes).
+template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kCombineThreads)
     CombinePullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
                       int64_t units_per_row, const int32_t* __restrict__ send_row,
@@ -128,7 +165,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   using P = Pack<T, VEC>;
   const int R = team.size;
   const int L = experts / R;
-  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank, read once per block
+  const int first = NodeOf(team, team.rank) * team.node_size, last = first + team.node_size;
+  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of this node's ranks, once per block
   LoadSrcRows(team, s_rows);
   P* out_packs = reinterpret_cast<P*>(out);
   const int64_t total = static_cast<int64_t>(tokens) * units_per_row;
@@ -138,7 +176,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     const int64_t t = i / units_per_row;
     const int64_t u = i - t * units_per_row;
     FixedOrderSum<VEC> sum;
-    for (int r = 0; r < R; ++r) {
+    for (int r = first; r < last; ++r) {
       const P* y = reinterpret_cast<const P*>(s_rows[r]);
       const float* w = reinterpret_cast<const float*>(team.peer[r] + team.lay.stage_w);
       for (int k = 0; k < topk; ++k) {
@@ -148,79 +186,204 @@ __global__ void __launch_bounds__(kCombineThreads)
         sum.Add(r, w[row], y[static_cast<int64_t>(row) * units_per_row + u]);
       }
     }
-    out_packs[t * units_per_row + u] = sum.template Finish<T>();
+    out_packs[t * units_per_row + u] =
+        FinishNodes<T, W, VEC>(team, sum, t, u, units_per_row * VEC);
   }
 }
 
-// Pull, warp per token (topk <= 32), the default kernel. Lane k reads slot k's index once; the
-// warp orders the kept slots by (destination rank, k) into shared memory (row pointer, rank,
-// weight), then every lane walks that list for its 16-byte units, loading kWarpBatch rows before
-// adding them so several loads are in flight per lane.
+// Warp per token (topk <= 32): the default pull, and the internode reducer.
 constexpr int kMaxWarpTopk = 32;
 constexpr int kWarpBatch = 8;
+constexpr int kWarps = kCombineThreads / kWarpSize;
 
-template <typename T, int VEC>
+// The shared list of one token's kept slots on this node, in (rank, k) order.
+template <typename P>
+struct SlotList {
+  const P* src[kWarps][kMaxWarpTopk];  // row start (the rank's stage or pool)
+  int dest[kWarps][kMaxWarpTopk];
+  float w[kWarps][kMaxWarpTopk];
+};
+
+// Lane k reads slot k once (expert e, row r of the token's [K] arrays); the warp orders the slots
+// kept on this node's ranks by (rank, k) with one ballot per rank into the warp's list. Returns
+// the list's length (uniform across the warp).
+template <typename P>
+__device__ __forceinline__ int ListNodeSlots(const Team& team, const char* const* s_rows,
+                                             SlotList<P>& list, int wib, int lane,
+                                             const int32_t* idx, const int32_t* srow, int topk,
+                                             int experts, int rows, int64_t units_per_row) {
+  const int L = experts / team.size;
+  const int first = NodeOf(team, team.rank) * team.node_size, last = first + team.node_size;
+  int dest = -1, row = -1;  // dest -1: not kept on this node
+  if (lane < topk) {
+    const int32_t e = idx[lane];
+    const int32_t r = srow[lane];
+    if (e >= 0 && e < experts && r >= 0 && r < rows && e / L >= first && e / L < last) {
+      dest = e / L;
+      row = r;
+    }
+  }
+  int before = 0, pos = -1;
+  for (int d = first; d < last; ++d) {
+    const unsigned m = __ballot_sync(kFullMask, dest == d);
+    if (d == dest) pos = before + __popc(m & ((1u << lane) - 1u));
+    before += __popc(m);
+  }
+  if (pos >= 0) {
+    list.src[wib][pos] = reinterpret_cast<const P*>(s_rows[dest]) +
+                         static_cast<int64_t>(row) * units_per_row;
+    list.dest[wib][pos] = dest;
+    list.w[wib][pos] = reinterpret_cast<const float*>(team.peer[dest] + team.lay.stage_w)[row];
+  }
+  __syncwarp();
+  return before;
+}
+
+// The fixed-order sum of unit u over the warp's list (kWarpBatch rows in flight per lane).
+template <typename P, int VEC>
+__device__ __forceinline__ void SumList(const SlotList<P>& list, int wib, int n, int64_t u,
+                                        FixedOrderSum<VEC>& sum) {
+  for (int q0 = 0; q0 < n; q0 += kWarpBatch) {
+    P p[kWarpBatch];
+#pragma unroll
+    for (int j = 0; j < kWarpBatch; ++j) {
+      if (q0 + j < n) p[j] = list.src[wib][q0 + j][u];
+    }
+#pragma unroll
+    for (int j = 0; j < kWarpBatch; ++j) {
+      if (q0 + j >= n) break;
+      sum.Add(list.dest[wib][q0 + j], list.w[wib][q0 + j], p[j]);
+    }
+  }
+}
+
+// Source side: this node's part in the list, the other nodes' partials by FinishNodes.
+template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kCombineThreads)
     CombinePullWarpKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
                           int64_t units_per_row, const int32_t* __restrict__ send_row,
                           const int32_t* __restrict__ topk_idx, T* __restrict__ out) {
   if (Aborted(team)) return;
   using P = Pack<T, VEC>;
-  constexpr int kWarps = kCombineThreads / kWarpSize;
-  __shared__ const P* s_src[kWarps][kMaxWarpTopk];  // row start (destination's stage or pool)
-  __shared__ int s_dest[kWarps][kMaxWarpTopk];
-  __shared__ float s_w[kWarps][kMaxWarpTopk];
-  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank, read once per block
-  const int R = team.size;
-  const int L = experts / R;
+  __shared__ SlotList<P> list;
+  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of this node's ranks, once per block
   LoadSrcRows(team, s_rows);
   const int lane = threadIdx.x % kWarpSize;
   const int wib = threadIdx.x / kWarpSize;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
   P* out_packs = reinterpret_cast<P*>(out);
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + wib; t < tokens; t += nwarps) {
-    int dest = R, row = -1;  // dest == R: not kept
-    if (lane < topk) {
-      const int32_t e = topk_idx[t * topk + lane];
-      const int32_t r = send_row[t * topk + lane];
-      if (e >= 0 && e < experts && r >= 0 && r < rows) {
-        dest = e / L;
-        row = r;
-      }
-    }
-    // Position of this lane's slot in (dest, k) order, from one ballot per rank.
-    int before = 0, pos = -1;
-    for (int d = 0; d < R; ++d) {
-      const unsigned m = __ballot_sync(kFullMask, dest == d);
-      if (d == dest) pos = before + __popc(m & ((1u << lane) - 1u));
-      before += __popc(m);
-    }
-    const int n = before;  // kept slots of token t
-    if (pos >= 0) {
-      s_src[wib][pos] = reinterpret_cast<const P*>(s_rows[dest]) +
-                        static_cast<int64_t>(row) * units_per_row;
-      s_dest[wib][pos] = dest;
-      s_w[wib][pos] = reinterpret_cast<const float*>(team.peer[dest] + team.lay.stage_w)[row];
-    }
-    __syncwarp();
+    const int n = ListNodeSlots(team, s_rows, list, wib, lane, topk_idx + t * topk,
+                                send_row + t * topk, topk, experts, rows, units_per_row);
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
       FixedOrderSum<VEC> sum;
-      for (int q0 = 0; q0 < n; q0 += kWarpBatch) {
-        P p[kWarpBatch];
-#pragma unroll
-        for (int j = 0; j < kWarpBatch; ++j) {
-          if (q0 + j < n) p[j] = s_src[wib][q0 + j][u];
-        }
-#pragma unroll
-        for (int j = 0; j < kWarpBatch; ++j) {
-          if (q0 + j >= n) break;
-          sum.Add(s_dest[wib][q0 + j], s_w[wib][q0 + j], p[j]);
-        }
-      }
-      out_packs[t * units_per_row + u] = sum.template Finish<T>();
+      SumList<P, VEC>(list, wib, n, u, sum);
+      out_packs[t * units_per_row + u] =
+          FinishNodes<T, W, VEC>(team, sum, t, u, units_per_row * VEC);
     }
-    __syncwarp();  // s_* are rewritten for the next token
+    __syncwarp();  // the list is rewritten for the next token
   }
+}
+
+// Internode reducer (forwarder side): for every other node n and every token t of peer n (rank
+// (n, my local index)) that needs this node, P_mine[t] over this node's ranks from peer n's
+// handle in my region n (send_row in its slot_order field, topk_idx in its slot_expert field),
+// rounded once to W and written to region n's out area at t's position (then LaunchReturn puts
+// it to peer n). Warp per (n, t).
+template <typename T, typename W, int VEC>
+__global__ void __launch_bounds__(kCombineThreads)
+    CombineReduceKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
+                        int64_t units_per_row) {
+  if (Aborted(team)) return;
+  using P = Pack<T, VEC>;
+  __shared__ SlotList<P> list;
+  __shared__ const char* s_rows[kMaxRanks];
+  LoadSrcRows(team, s_rows);
+  const int lane = threadIdx.x % kWarpSize;
+  const int wib = threadIdx.x / kWarpSize;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int mine = NodeOf(team, team.rank), nodes = Nodes(team);
+  const int64_t hidden = units_per_row * VEC;
+  char* me = team.peer[team.rank];
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + wib;
+       it < static_cast<int64_t>(nodes) * tokens; it += nwarps) {
+    const int n = static_cast<int>(it / tokens);
+    const int64_t t = it - static_cast<int64_t>(n) * tokens;
+    if (n == mine) continue;  // uniform across the warp
+    char* region = me + RegionOffset(team.lay, n, mine);
+    const int32_t j = reinterpret_cast<const int32_t*>(region + team.lay.region_pos)[t];
+    if (j < 0) continue;
+    const char* meta = region - team.lay.counts;
+    const int len = ListNodeSlots(
+        team, s_rows, list, wib, lane,
+        reinterpret_cast<const int32_t*>(meta + team.lay.slot_expert) + t * topk,
+        reinterpret_cast<const int32_t*>(meta + team.lay.slot_order) + t * topk, topk, experts,
+        rows, units_per_row);
+    W* dst = reinterpret_cast<W*>(region + team.lay.region_out) + j * hidden;
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
+      FixedOrderSum<VEC> sum;
+      SumList<P, VEC>(list, wib, len, u, sum);
+      float p[VEC];
+      sum.Total(p);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) dst[u * VEC + v] = Convert<W>::FromF32(p[v]);
+    }
+    __syncwarp();
+  }
+}
+
+template <typename T, typename W>
+cudaError_t LaunchCombinePullAs(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
+                                int32_t rows, int64_t hidden, const int32_t* send_row,
+                                const int32_t* topk_idx, T* out, CombineKernel kernel,
+                                int64_t max_blocks, cudaStream_t stream) {
+  if (tokens <= 0 || hidden <= 0) return cudaSuccess;
+  constexpr int kVec = 16 / sizeof(T);
+  const bool packed = hidden % kVec == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int64_t units = packed ? hidden / kVec : hidden;
+  if (kernel == CombineKernel::kWarp && topk <= kMaxWarpTopk) {
+    const unsigned grid = static_cast<unsigned>(
+        CapBlocks(std::min(CeilDiv(tokens, kWarps), kMaxCombineBlocks), max_blocks));
+    if (packed) {
+      CombinePullWarpKernel<T, W, kVec><<<grid, kCombineThreads, 0, stream>>>(
+          team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
+    } else {
+      CombinePullWarpKernel<T, W, 1><<<grid, kCombineThreads, 0, stream>>>(
+          team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
+    }
+    return cudaGetLastError();
+  }
+  const unsigned grid = static_cast<unsigned>(
+      CapBlocks(std::min(CeilDiv(tokens * units, kCombineThreads), kMaxCombineBlocks), max_blocks));
+  if (packed) {
+    CombinePullKernel<T, W, kVec><<<grid, kCombineThreads, 0, stream>>>(
+        team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
+  } else {
+    CombinePullKernel<T, W, 1><<<grid, kCombineThreads, 0, stream>>>(
+        team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, typename W>
+cudaError_t LaunchCombineReduceAs(const Team& team, int32_t tokens, int32_t topk,
+                                  int32_t experts, int32_t rows, int64_t hidden,
+                                  int64_t max_blocks, cudaStream_t stream) {
+  if (Nodes(team) < 2 || tokens <= 0 || hidden <= 0) return cudaSuccess;
+  if (topk > kMaxWarpTopk) return cudaErrorInvalidValue;  // jaxep/_ffi.py refuses it at trace time
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t items = static_cast<int64_t>(Nodes(team)) * tokens;
+  const unsigned grid = static_cast<unsigned>(
+      CapBlocks(std::min(CeilDiv(items, kWarps), kMaxCombineBlocks), max_blocks));
+  // Staged rows are 256-byte aligned, so only the row size decides the pack.
+  if (hidden % kVec == 0) {
+    CombineReduceKernel<T, W, kVec><<<grid, kCombineThreads, 0, stream>>>(
+        team, tokens, topk, experts, rows, hidden / kVec);
+  } else {
+    CombineReduceKernel<T, W, 1><<<grid, kCombineThreads, 0, stream>>>(team, tokens, topk,
+                                                                        experts, rows, hidden);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -245,40 +408,33 @@ template <typename T>
 cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                               int32_t rows, int64_t hidden, const int32_t* send_row,
                               const int32_t* topk_idx, T* out, CombineKernel kernel,
-                              int64_t max_blocks, cudaStream_t stream) {
-  if (tokens <= 0 || hidden <= 0) return cudaSuccess;
-  constexpr int kVec = 16 / sizeof(T);
-  const bool packed = hidden % kVec == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  const int64_t units = packed ? hidden / kVec : hidden;
-  if (kernel == CombineKernel::kWarp && topk <= kMaxWarpTopk) {
-    const int64_t wpb = kCombineThreads / kWarpSize;
-    const unsigned grid = static_cast<unsigned>(
-        CapBlocks(std::min(CeilDiv(tokens, wpb), kMaxCombineBlocks), max_blocks));
-    if (packed) {
-      CombinePullWarpKernel<T, kVec><<<grid, kCombineThreads, 0, stream>>>(
-          team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
-    } else {
-      CombinePullWarpKernel<T, 1><<<grid, kCombineThreads, 0, stream>>>(
-          team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
-    }
-    return cudaGetLastError();
+                              bool wire_f32, int64_t max_blocks, cudaStream_t stream) {
+  if (wire_f32) {
+    return LaunchCombinePullAs<T, float>(team, tokens, topk, experts, rows, hidden, send_row,
+                                         topk_idx, out, kernel, max_blocks, stream);
   }
-  const unsigned grid = static_cast<unsigned>(
-      CapBlocks(std::min(CeilDiv(tokens * units, kCombineThreads), kMaxCombineBlocks), max_blocks));
-  if (packed) {
-    CombinePullKernel<T, kVec><<<grid, kCombineThreads, 0, stream>>>(
-        team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
-  } else {
-    CombinePullKernel<T, 1><<<grid, kCombineThreads, 0, stream>>>(
-        team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
+  return LaunchCombinePullAs<T, T>(team, tokens, topk, experts, rows, hidden, send_row, topk_idx,
+                                   out, kernel, max_blocks, stream);
+}
+
+template <typename T>
+cudaError_t LaunchCombineReduce(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
+                                int32_t rows, int64_t hidden, bool wire_f32, int64_t max_blocks,
+                                cudaStream_t stream) {
+  if (wire_f32) {
+    return LaunchCombineReduceAs<T, float>(team, tokens, topk, experts, rows, hidden, max_blocks,
+                                           stream);
   }
-  return cudaGetLastError();
+  return LaunchCombineReduceAs<T, T>(team, tokens, topk, experts, rows, hidden, max_blocks,
+                                     stream);
 }
 
 #define JAXEP_INSTANTIATE_COMBINE_PULL(T)                                                       \
   template cudaError_t LaunchCombinePull<T>(const Team&, int32_t, int32_t, int32_t, int32_t,    \
                                             int64_t, const int32_t*, const int32_t*, T*,        \
-                                            CombineKernel, int64_t, cudaStream_t)
+                                            CombineKernel, bool, int64_t, cudaStream_t);        \
+  template cudaError_t LaunchCombineReduce<T>(const Team&, int32_t, int32_t, int32_t, int32_t,  \
+                                              int64_t, bool, int64_t, cudaStream_t)
 JAXEP_INSTANTIATE_COMBINE_PULL(float);
 JAXEP_INSTANTIATE_COMBINE_PULL(__nv_bfloat16);
 JAXEP_INSTANTIATE_COMBINE_PULL(__half);

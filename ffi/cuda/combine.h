@@ -2,8 +2,9 @@
 // cross-rank. Plain C++: raw device pointers, sizes and a stream; no XLA or JAX types.
 //
 // Every combine kernel computes the fixed-order sum of fixed_order_sum.cuh (docs/design.md):
-//   out[t] = sum over ranks r ascending of (sum over k ascending with expert on r and a kept row
-//            of w[row] * f32(y[row])), in f32, every product and sum rounded once, cast once;
+//   out[t] = sum over nodes n ascending of P_n[t], P_n[t] = sum over ranks r of n ascending of
+//            (sum over k ascending with expert on r and a kept row of w[row] * f32(y[row])),
+//            in f32, every product and sum rounded once, cast once (one node: P_0);
 // so every launcher here gives the same bits for the same inputs. Launchers return the
 // cudaError_t of their launches and never synchronize; `max_blocks` caps the grid (grid.h).
 #pragma once
@@ -42,13 +43,24 @@ cudaError_t LaunchStageRows(const Team& team, int32_t rows, int64_t row_bytes,
 enum class CombineKernel : int32_t { kWarp = 0, kThread = 1 };
 constexpr const char* kCombineKernelNames[] = {"warp", "thread"};  // by enum value
 
-// Combine pull (source side): the fixed order above, where the rows of rank r are its stage, or
-// its y in its pool when the team has a pool and r's src_off is not kStagedSrc, and the weights
-// its stage_w. T is __nv_bfloat16, __half or float.
+// Combine pull (source side): the fixed order above over this node's ranks, where the rows of
+// rank r are its stage, or its y in its pool when the team has a pool and r's src_off is not
+// kStagedSrc, and the weights its stage_w. With several nodes that sum is the own node's P, and
+// the other nodes' P_n (returned by their reducers, after the return wait of internode.h) are
+// added in node order: out = sum over nodes ascending of P_n, each other node's P_n in the wire
+// dtype (`wire_f32`: float32, else T). T is __nv_bfloat16, __half or float.
 template <typename T>
 cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                               int32_t rows, int64_t hidden, const int32_t* send_row,
                               const int32_t* topk_idx, T* out, CombineKernel kernel,
-                              int64_t max_blocks, cudaStream_t stream);
+                              bool wire_f32, int64_t max_blocks, cudaStream_t stream);
+
+// Internode reducer (several nodes; topk <= 32): for every other node's peer (the rank there with
+// my local index) and each of its tokens that needs this node (internode.h ARRIVE), this node's
+// P over its ranks, rounded once to the wire dtype, into the region's out area for LaunchReturn.
+template <typename T>
+cudaError_t LaunchCombineReduce(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
+                                int32_t rows, int64_t hidden, bool wire_f32, int64_t max_blocks,
+                                cudaStream_t stream);
 
 }  // namespace jaxep::cuda::mr

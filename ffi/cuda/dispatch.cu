@@ -270,9 +270,10 @@ __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, Di
   const int R = team.size, me = team.rank, E = a.experts, L = E / R;
   MetaScratch m(a.scratch, R, E);
   // 1. Snapshot every source's counts (remote reads; published before its ready flag).
+  //    A source of another node: the copy it put into its forwarder's region (team.cuh SourceOf).
   for (int64_t i = threadIdx.x; i < static_cast<int64_t>(R) * E; i += blockDim.x) {
     const int s = static_cast<int>(i / E);
-    const int32_t* c = reinterpret_cast<const int32_t*>(team.peer[s] + team.lay.counts);
+    const int32_t* c = reinterpret_cast<const int32_t*>(SourceOf(team, s).meta + team.lay.counts);
     m.cnt[i] = c[i - static_cast<int64_t>(s) * E];
   }
   __syncthreads();
@@ -337,8 +338,8 @@ __global__ void __launch_bounds__(kRowThreads)
                        int64_t units_per_row, const void* meta_scratch, Unit* __restrict__ x_rows,
                        float* __restrict__ weights, int32_t* __restrict__ recv_slot) {
   if (Aborted(team)) return;
-  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank (stage or XLA pool)
-  LoadSrcRows(team, s_rows);
+  __shared__ Source s_src[kMaxRanks];  // where every source's arrays and rows are (team.cuh)
+  LoadSources(team, s_src);
   const int R = team.size;
   const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
   const int nblk = experts;  // L * R blocks (l, s)
@@ -365,10 +366,12 @@ __global__ void __launch_bounds__(kRowThreads)
     }
     const int b = lo, s = b % R;
     const int64_t idx = m.srcoff[b] + (p - m.blk[b]);
-    const char* src_base = team.peer[s];
+    const Source& from = s_src[s];
+    const char* src_base = from.meta;
     const int32_t slot = reinterpret_cast<const int32_t*>(src_base + team.lay.sorted_slot)[idx];
     const int64_t t = slot / topk;
-    const Unit* src = reinterpret_cast<const Unit*>(s_rows[s]) + t * units_per_row;
+    const int64_t i = from.pos == nullptr ? t : from.pos[t];
+    const Unit* src = reinterpret_cast<const Unit*>(from.rows) + i * units_per_row;
 #pragma unroll 4
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
     if (lane == 0) {
@@ -396,8 +399,8 @@ __global__ void __launch_bounds__(kRowThreads)
   if (Aborted(team)) return;
   constexpr int kWarps = kRowThreads / kWarpSize;
   __shared__ int s_dst[kWarps][kMaxTokenTopk];
-  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank (stage or XLA pool)
-  LoadSrcRows(team, s_rows);
+  __shared__ Source s_src[kMaxRanks];  // where every source's arrays and rows are (team.cuh)
+  LoadSources(team, s_src);
   const int R = team.size, me = team.rank, L = experts / R;
   const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
   const int kept = *m.kept;
@@ -410,7 +413,8 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int64_t it = gw; it < items; it += nwarps) {
     const int s = static_cast<int>(it / tokens);
     const int64_t t = it - static_cast<int64_t>(s) * tokens;
-    const char* src_base = team.peer[s];
+    const Source& from = s_src[s];
+    const char* src_base = from.meta;
     int q = -1;  // this lane's row on this destination, or -1
     if (lane < topk) {
       const int64_t slot = t * topk + lane;
@@ -433,7 +437,9 @@ __global__ void __launch_bounds__(kRowThreads)
     const int n = __popc(mask);
     if (q >= 0) s_dst[wib][__popc(mask & ((1u << lane) - 1u))] = q;
     __syncwarp();
-    const Unit* src = reinterpret_cast<const Unit*>(s_rows[s]) + t * units_per_row;
+    // A kept slot here means t needs this node, so a source of another node sent row pos[t].
+    const int64_t row_t = from.pos == nullptr ? t : from.pos[t];
+    const Unit* src = reinterpret_cast<const Unit*>(from.rows) + row_t * units_per_row;
     // kTokenBatch loads in flight per lane before the stores (the compiler cannot hoist a load
     // above stores that might alias it).
     for (int64_t u0 = lane; u0 < units_per_row; u0 += kWarpSize * kTokenBatch) {
@@ -470,8 +476,8 @@ __global__ void __launch_bounds__(kRowThreads)
     RowsPullKernel(Team team, int32_t tokens, int32_t topk, int32_t rows, int64_t units_per_row,
                    const int32_t* __restrict__ recv_slot, Unit* __restrict__ x_rows) {
   if (Aborted(team)) return;
-  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of every rank (stage or XLA pool)
-  LoadSrcRows(team, s_rows);
+  __shared__ Source s_src[kMaxRanks];  // where every source's rows are (team.cuh)
+  LoadSources(team, s_src);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t wpb = blockDim.x / kWarpSize;
   const int64_t nwarps = gridDim.x * wpb;
@@ -483,7 +489,8 @@ __global__ void __launch_bounds__(kRowThreads)
     if (slot >= 0 && slot < all) {
       const int s = static_cast<int>(slot / per_rank);
       const int64_t t = (slot - s * per_rank) / topk;
-      const Unit* src = reinterpret_cast<const Unit*>(s_rows[s]) + t * units_per_row;
+      const int64_t i = s_src[s].pos == nullptr ? t : s_src[s].pos[t];
+      const Unit* src = reinterpret_cast<const Unit*>(s_src[s].rows) + i * units_per_row;
 #pragma unroll 4
       for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
     } else {

@@ -1,6 +1,8 @@
 // The fixed-order f32 sum of combine: the determinism contract of docs/design.md, written once and
-// used by every combine kernel (single-rank, and both multi-rank pulls).
+// used by every combine kernel (single-rank, both multi-rank pulls, the internode reducer).
 //
+// With several nodes, each node's sum over its own ranks is P_n (Total()), and the token's rank
+// adds the P_n over nodes ascending (combine.cu FinishNodes), so what is below is one node's part:
 //   out[t] = sum over ranks r ascending of P_r[t],
 //   P_r[t] = sum over k ascending with the slot's expert on r of w[t,k] * f32(y[row(t,k)]),
 // every product and every sum a single IEEE f32 operation rounded to nearest (__fmul_rn /
@@ -39,6 +41,13 @@ struct FixedOrderSum {
     for (int v = 0; v < VEC; ++v) {
       partial[v] = __fadd_rn(partial[v], __fmul_rn(w, Convert<T>::ToF32(p.v[v])));
     }
+  }
+
+  // The sum over ranks in f32 (a node's P_n when the ranks were that node's), not cast.
+  __device__ __forceinline__ void Total(float* out) {
+    Flush();
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) out[v] = acc[v];
   }
 
   // The sum over ranks, cast once to T.

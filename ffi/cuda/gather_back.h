@@ -12,9 +12,15 @@
 namespace jaxep::cuda::mr {
 
 // Source side, after the ready exchange: out[t,k] = stage_f32_d[send_row[t,k]] of the slot's
-// destination d = topk_idx[t,k] / (E / R), 0 where the slot was not kept.
+// destination d = topk_idx[t,k] / (E / R), 0 where the slot was not kept. With several nodes, a
+// destination on another node gives the value its node returned (after the return wait).
 cudaError_t LaunchGatherBackPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                                  int32_t rows, const int32_t* send_row, const int32_t* topk_idx,
                                  float* out, cudaStream_t stream);
+
+// Forwarder side (several nodes), before LaunchReturn: the values of every other node's peer's
+// slots kept on this node, K floats per token that needs this node, into the region's out area.
+cudaError_t LaunchGatherBackForward(const Team& team, int32_t tokens, int32_t topk,
+                                    int32_t experts, int32_t rows, cudaStream_t stream);
 
 }  // namespace jaxep::cuda::mr

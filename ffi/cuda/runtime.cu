@@ -1,6 +1,7 @@
 // NVSHMEM runtime of the multi-rank path (see runtime.h). Host code only, compiled by nvcc with
 // -rdc when NVSHMEM is found (JAXEP_HAVE_NVSHMEM); the device library is linked so that NVSHMEM's
-// device state exists, even though jaxep's kernels reach peers through plain peer pointers.
+// device state exists: the internode kernels (internode.cu) put through it, every other kernel
+// reaches its node's peers through plain peer pointers.
 #include "runtime.h"
 
 #include <atomic>
@@ -55,9 +56,13 @@ std::string CudaErr(const char* what, cudaError_t e) {
 
 }  // namespace
 
-size_t SymmetricBytes(const InitParams& p) {
-  return mr::MakeSymLayout(p.max_tokens, p.topk, p.experts, p.capacity, p.row_bytes).total;
+static mr::SymLayout LayoutFor(const InitParams& p) {
+  const int nodes = p.node_size > 0 ? p.size / p.node_size : 1;
+  return mr::MakeSymLayout(p.max_tokens, p.topk, p.experts, p.capacity, p.row_bytes,
+                           nodes > 1 ? nodes : 1, p.return_row_bytes);
 }
+
+size_t SymmetricBytes(const InitParams& p) { return LayoutFor(p).total; }
 
 std::string DeviceMemInfo(int device, size_t* free_bytes, size_t* total_bytes) {
   if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return CudaErr("cudaSetDevice", e);
@@ -107,8 +112,12 @@ std::string Init(const InitParams& p) {
   State& s = S();
   if (s.up) return "the jaxep NVSHMEM runtime is already initialized in this process";
   if (p.size < 2 || p.size > mr::kMaxRanks) {
-    return "EP size must be in [2, " + std::to_string(mr::kMaxRanks) + "] (one node), got " +
+    return "EP size must be in [2, " + std::to_string(mr::kMaxRanks) + "], got " +
            std::to_string(p.size);
+  }
+  if (p.node_size < 1 || p.size % p.node_size != 0) {
+    return "ranks per node must divide the EP size " + std::to_string(p.size) + ", got " +
+           std::to_string(p.node_size);
   }
   if (p.unique_id.size() != sizeof(nvshmemx_uniqueid_t)) {
     return "unique id has " + std::to_string(p.unique_id.size()) + " bytes, expected " +
@@ -144,8 +153,7 @@ std::string Init(const InitParams& p) {
            std::to_string(nvshmem_n_pes()) + " does not match rank " + std::to_string(p.rank) +
            " of " + std::to_string(p.size);
   }
-  const mr::SymLayout lay = mr::MakeSymLayout(p.max_tokens, p.topk, p.experts, p.capacity,
-                                              p.row_bytes);
+  const mr::SymLayout lay = LayoutFor(p);
   void* sym = nvshmem_malloc(lay.total);  // collective
   if (sym == nullptr) {
     nvshmem_finalize();
@@ -157,15 +165,25 @@ std::string Init(const InitParams& p) {
   if (err.empty()) {
     if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) err = CudaErr("sync", e);
   }
+  // The peer table holds this node's ranks only; the others get a poison address that faults if a
+  // kernel ever dereferenced it (across real nodes nvshmem_ptr is NULL: no load/store path).
   mr::Team team{};
+  const int node = p.rank / p.node_size;
   for (int q = 0; q < p.size && err.empty(); ++q) {
+    if (q / p.node_size != node) {
+      team.peer[q] = reinterpret_cast<char*>(mr::kPoisonPeer + q);
+      continue;
+    }
     team.peer[q] = static_cast<char*>(nvshmem_ptr(sym, q));
     if (team.peer[q] == nullptr) {
       err = "PE " + std::to_string(q) + " is not reachable with loads/stores from PE " +
-            std::to_string(p.rank) + " (nvshmem_ptr returned NULL: not on this node, or no P2P/MPS); "
-            "the multi-rank kernels are intranode only";
+            std::to_string(p.rank) + " (nvshmem_ptr returned NULL), but the node layout (" +
+            std::to_string(p.node_size) + " ranks per node) puts both on node " +
+            std::to_string(node) + ": set Config.ranks_per_node to the ranks that share NVLink "
+            "(or P2P / MPS on one GPU)";
     }
   }
+  team.sym = static_cast<char*>(sym);
   mr::Diag* diag = nullptr;
   if (err.empty()) {
     if (cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&diag), sizeof(mr::Diag),
@@ -190,6 +208,7 @@ std::string Init(const InitParams& p) {
   }
   team.rank = p.rank;
   team.size = p.size;
+  team.node_size = p.node_size;
   team.timeout_ns = static_cast<uint64_t>(p.timeout_s * 1e9);
   team.lay = lay;
   s.team = team;
@@ -234,6 +253,10 @@ std::string RegisterPool(uintptr_t base, size_t size, bool* fatal, double* ms) {
   s.pool_base = base;
   s.pool_size = size;
   for (int q = 0; q < s.team.size; ++q) {
+    if (q / s.team.node_size != s.team.rank / s.team.node_size) {  // another node: poisoned
+      s.pool_peer[q] = reinterpret_cast<char*>(mr::kPoisonPeer + q);
+      continue;
+    }
     s.pool_peer[q] = static_cast<char*>(nvshmem_ptr(reg, q));
     if (s.pool_peer[q] == nullptr) {
       return "nvshmem_ptr of the registered pool returned NULL for PE " + std::to_string(q);

@@ -17,12 +17,14 @@ struct InitParams {
   int device = 0;            // CUDA ordinal of the process's one GPU
   int rank = 0;              // PE == process index == position on the EP axis
   int size = 1;              // number of PEs (EP size)
+  int node_size = 1;         // G, ranks per node (rank = node * G + local index); size: one node
   std::string unique_id;     // bytes of nvshmemx_uniqueid_t from PE 0
   int64_t max_tokens = 0;    // limits the handlers check every call against
   int64_t topk = 0;
   int64_t experts = 0;
   int64_t capacity = 0;
   int64_t row_bytes = 0;     // hidden * payload itemsize (largest row a call may stage)
+  int64_t return_row_bytes = 0;  // largest per-token result a node returns (hidden * 4)
   double timeout_s = 100.0;
 };
 

@@ -17,78 +17,30 @@ constexpr size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; 
 constexpr int kStageThreads = 256;
 constexpr int64_t kMaxStageBlocks = 1024;
 
-__device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 __device__ __forceinline__ size_t FlagOffset(const SymLayout& lay, int32_t flag) {
   return flag == kFlagReady ? lay.ready : lay.free;
 }
 
-// First timeout wins the local abort word (device memory: host-mapped memory has no portable
-// atomics); the winner fills the host-mapped record, fences, then publishes status = 1.
-__device__ void RecordTimeout(const Team& team, int32_t phase, int32_t op, int32_t peer,
-                              uint64_t seq, uint64_t want, uint64_t seen, uint64_t waited) {
-  unsigned* abort_word = reinterpret_cast<unsigned*>(team.peer[team.rank] + team.lay.abort);
-  if (atomicCAS(abort_word, 0u, 1u) != 0u) return;
-  volatile Diag* d = team.diag;
-  if (d == nullptr) return;
-  d->rank = team.rank;
-  d->phase = phase;
-  d->peer = peer;
-  d->op = op;
-  d->seq = seq;
-  d->awaited = want;
-  d->seen = seen;
-  d->waited_ns = waited;
-  __threadfence_system();
-  d->status = 1;
-  __threadfence_system();
-}
-
-// One block of 32 threads; thread p < size handles peer p.
+// One block of 32 threads; thread i handles this node's ranks first + i, first + i + 32, ...
 __global__ void SyncKernel(Team team, int32_t flag_signal, uint64_t value, int32_t flag_wait,
                            uint64_t want, int32_t phase, int32_t op, uint64_t seq) {
   volatile unsigned* abort_word =
       reinterpret_cast<volatile unsigned*>(team.peer[team.rank] + team.lay.abort);
   if (*abort_word) return;
-  const int p = threadIdx.x;
+  const int first = NodeOf(team, team.rank) * team.node_size;
+  const int last = first + team.node_size;
   if (flag_signal != kFlagNone) {
     __threadfence_system();  // this rank's earlier writes (stage) before the flag
-    if (p < team.size) {
+    for (int p = first + threadIdx.x; p < last; p += blockDim.x) {
       uint64_t* f = reinterpret_cast<uint64_t*>(team.peer[p] + FlagOffset(team.lay, flag_signal));
       StoreReleaseSys(f + team.rank, value);
     }
   }
-  if (flag_wait == kFlagNone || p >= team.size) return;
-  const uint64_t* f =
-      reinterpret_cast<const uint64_t*>(team.peer[team.rank] + FlagOffset(team.lay, flag_wait)) + p;
-  uint64_t seen = LoadAcquireSys(f);
-  if (seen >= want) return;
-  const uint64_t start = GlobalTimerNs();
-  for (uint32_t spin = 1;; ++spin) {
-    seen = LoadAcquireSys(f);
-    if (seen >= want) return;
-    if ((spin & 255u) == 0u) {
-      if (*abort_word) return;  // another wait of this rank already failed
-      const uint64_t waited = GlobalTimerNs() - start;
-      if (waited > team.timeout_ns) {
-        RecordTimeout(team, phase, op, p, seq, want, seen, waited);
-        return;
-      }
-    }
+  if (flag_wait == kFlagNone) return;
+  for (int p = first + threadIdx.x; p < last; p += blockDim.x) {
+    const uint64_t* f = reinterpret_cast<const uint64_t*>(team.peer[team.rank] +
+                                                          FlagOffset(team.lay, flag_wait)) + p;
+    if (!WaitAtLeast(team, f, want, phase, op, p, seq)) return;
   }
 }
 
@@ -123,14 +75,17 @@ __global__ void __launch_bounds__(kStageThreads) StageKernel(Team team, StageCop
 }  // namespace
 
 SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, int64_t capacity,
-                        int64_t stage_row_bytes) {
+                        int64_t stage_row_bytes, int32_t nodes, int64_t return_row_bytes) {
   SymLayout s;
   s.max_slots = max_tokens * topk;
+  s.max_tokens = max_tokens;
   s.max_experts = num_experts;
   s.max_rows = capacity;
+  s.nodes = nodes;
+  const size_t flags = AlignUp(kMaxRanks * sizeof(uint64_t));
   size_t o = 0;
-  s.ready = o;        o += AlignUp(kMaxRanks * sizeof(uint64_t));
-  s.free = o;         o += AlignUp(kMaxRanks * sizeof(uint64_t));
+  s.ready = o;        o += flags;
+  s.free = o;         o += flags;
   s.abort = o;        o += AlignUp(sizeof(uint32_t) + sizeof(uint64_t));
   s.src_off = s.abort + sizeof(uint64_t);  // u64 after the u32 abort word, same 256-byte region
   s.counts = o;       o += AlignUp(static_cast<size_t>(num_experts) * sizeof(int32_t));
@@ -138,12 +93,30 @@ SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, i
   s.sorted_w = o;     o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(float));
   s.slot_order = o;   o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(int32_t));
   s.slot_expert = o;  o += AlignUp(static_cast<size_t>(s.max_slots) * sizeof(int32_t));
+  s.meta_span = o - s.counts;  // [counts, slot_expert end): what a region mirrors
   s.stage_w = o;      o += AlignUp(static_cast<size_t>(capacity) * sizeof(float));
   s.stage = o;
   s.stage_bytes = std::max(static_cast<size_t>(std::max(max_tokens, capacity)) *
                                static_cast<size_t>(stage_row_bytes),
                            static_cast<size_t>(capacity) * sizeof(float));
   o += AlignUp(s.stage_bytes);
+  if (nodes > 1) {
+    const size_t n = static_cast<size_t>(nodes);
+    const size_t tmax = static_cast<size_t>(max_tokens);
+    s.credit = o;     o += flags;
+    s.rin_meta = o;   o += flags;
+    s.rin_rows = o;   o += flags;
+    s.out_pos = o;    o += AlignUp(n * tmax * sizeof(int32_t));
+    s.out_count = o;  o += AlignUp(n * sizeof(int32_t));
+    s.region_count = o;  o += AlignUp(n * sizeof(int32_t));
+    s.region_row_bytes = AlignUp(static_cast<size_t>(std::max<int64_t>(
+        {stage_row_bytes, return_row_bytes, topk * static_cast<int64_t>(sizeof(float))})));
+    s.region_pos = s.meta_span;
+    s.region_rows = s.region_pos + AlignUp(tmax * sizeof(int32_t));
+    s.region_out = s.region_rows + tmax * s.region_row_bytes;
+    s.region_stride = s.region_out + tmax * s.region_row_bytes;
+    s.region = o;     o += (n - 1) * s.region_stride;  // one per other node (RegionOffset)
+  }
   s.total = o;
   return s;
 }

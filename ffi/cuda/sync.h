@@ -36,7 +36,10 @@
 
 namespace jaxep::cuda::mr {
 
-constexpr int kMaxRanks = 8;  // one node (exported to Python by ffi/module.cc constants())
+// Most ranks of a team, all nodes together (exported to Python by ffi/module.cc constants()).
+// Bounded by what a Team passed by value may hold (two pointer tables of kMaxRanks) and by the
+// kernels' shared tables of per-source pointers.
+constexpr int kMaxRanks = 128;
 
 // Phases recorded in Diag::phase; kPhaseNames (same order) is what Python reads.
 enum Phase : int32_t {
@@ -44,8 +47,14 @@ enum Phase : int32_t {
   kPhaseFree = 1,      // waiting for a peer to release my stage of the previous call
   kPhaseReady = 2,     // waiting for a peer's stage of this call
   kPhaseZeroCopy = 3,  // zero-copy: waiting for a peer to finish reading my x / y (this call)
+  // Internode (internode.h; the peer is a rank of another node with this rank's local index):
+  kPhaseCredit = 4,      // waiting for the peer to free the regions it hosts for me (last call)
+  kPhaseRemoteMeta = 5,  // waiting for the peer's metadata put of this call
+  kPhaseRemoteRows = 6,  // waiting for the peer's row puts of this call (awaited = row count)
+  kPhaseReturn = 7,      // waiting for the peer's returned partials / values (awaited = count)
 };
-constexpr const char* kPhaseNames[] = {"none", "free", "ready", "zero_copy"};
+constexpr const char* kPhaseNames[] = {"none",        "free",        "ready",       "zero_copy",
+                                       "credit",      "remote_meta", "remote_rows", "return"};
 
 // The op of a call, recorded in Diag::op; kOpNames[op] is its name (index 0 unused).
 enum OpCode : int32_t { kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3, kOpGatherBack = 4 };
@@ -67,8 +76,10 @@ struct Diag {
 };
 
 // Byte offsets into each PE's symmetric block (all multiples of 256).
-//   ready[kMaxRanks] u64   ready[p] = last seq whose stage peer p finished (written by p)
-//   free[kMaxRanks]  u64   free[p]  = last seq in which peer p finished reading my stage
+//   ready[kMaxRanks] u64   ready[p] = last seq whose stage peer p finished (written by p; p on
+//                          this node)
+//   free[kMaxRanks]  u64   free[p]  = last seq in which peer p (this node) finished reading my
+//                          stage and the regions I host
 //   abort            u32   local only: sticky abort word
 //   src_off          u64   zero-copy: byte offset of this call's source rows (x or y) in this
 //                          rank's XLA pool, or kStagedSrc (they are in `stage`); same 256-byte
@@ -81,16 +92,44 @@ struct Diag {
 //   stage_w[Cmax]    f32   combine: the expert side's per-row weights
 //   stage[...]       bytes x rows (dispatch, dispatch_rows: T x row), y rows (combine: C x row),
 //                          v (gather_back: C x f32)
+// Internode only (nodes > 1; rank = node * G + local index; "peer n" below is rank (n, my local
+// index), the only remote rank this rank exchanges with; every array is indexed by that node n):
+//   credit[kMaxRanks]   u64  credit[n] = last seq for which I may write into the region peer n
+//                            hosts for me (signalled by peer n once its node freed that region)
+//   rin_meta[kMaxRanks] u64  rin_meta[n] = last seq whose metadata peer n put into my region n
+//   rin_rows[kMaxRanks] u64  rows (dispatch) or returns (combine, gather_back) that peer n put into
+//                            my region n this call (NVSHMEM_SIGNAL_ADD 1 each; reset each call)
+//   out_pos[nodes][Tmax] i32 source side: token t's index among my tokens that need node n, -1 if
+//                            none of its kept / valid slots is on node n
+//   out_count[nodes]    i32  how many tokens need node n
+//   region_count[nodes] i32  how many of peer n's tokens need my node (its out_count for me)
+//   region[nodes - 1] of region_stride bytes (region n, for each other node n in node order, at
+//                       RegionOffset: written by peer n, read by my node's ranks):
+//     + 0                 a copy of peer n's span [counts, slot_expert end) (meta_span bytes)
+//     + region_pos        i32 [Tmax]: the out_pos of peer n for my node, recomputed here
+//     + region_rows       Tmax x region_row_bytes, what peer n puts here: rows of its tokens that
+//                         need my node (dispatch, dispatch_rows), or what its node returns for my
+//                         tokens that need it (combine partials, gather_back values), at the
+//                         tokens' positions
+//     + region_out        Tmax x region_row_bytes: what my node returns for peer n's tokens, put
+//                         from here into peer n's region for my node
 struct SymLayout {
   size_t ready = 0, free = 0, abort = 0, src_off = 0, counts = 0, sorted_slot = 0, sorted_w = 0,
-         slot_order = 0, slot_expert = 0, stage_w = 0, stage = 0, stage_bytes = 0, total = 0;
+         slot_order = 0, slot_expert = 0, stage_w = 0, stage = 0, stage_bytes = 0;
+  size_t credit = 0, rin_meta = 0, rin_rows = 0, out_pos = 0, out_count = 0, region_count = 0, region = 0,
+         region_stride = 0, meta_span = 0, region_pos = 0, region_rows = 0, region_out = 0,
+         region_row_bytes = 0;
+  size_t total = 0;
   int64_t max_slots = 0;     // N = max_tokens * topk
+  int64_t max_tokens = 0;    // Tmax
   int64_t max_experts = 0;   // E
   int64_t max_rows = 0;      // Cmax
+  int32_t nodes = 1;         // ranks / node_size
 };
 
+// `return_row_bytes`: the largest row a node returns (hidden x 4 for f32 combine partials).
 SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, int64_t capacity,
-                        int64_t stage_row_bytes);
+                        int64_t stage_row_bytes, int32_t nodes, int64_t return_row_bytes);
 
 // src_off value meaning "this call's source rows are in my stage" (docs/zero_copy.md, option B1).
 constexpr uint64_t kStagedSrc = ~uint64_t{0};
@@ -101,19 +140,39 @@ constexpr uint64_t kStagedSrc = ~uint64_t{0};
 // everywhere) and a call may leave its source rows (x for dispatch / dispatch_rows, y for combine)
 // in place; a reader then takes PE p's rows from pool_peer[p] + p's published src_off.
 // pool_size == 0: every call stages.
+//
+// Node layout: rank = node * node_size + local index. peer[] and pool_peer[] hold THIS node's
+// ranks only (nvshmem_ptr); the entries of other nodes' ranks hold kPoisonPeer + rank, an address
+// no kernel may dereference (a real cluster has no load/store path there: nvshmem_ptr is NULL).
+// Kernels reach other nodes only through NVSHMEM put / put-with-signal on `sym` addresses.
 struct Team {
   char* peer[kMaxRanks];  // base of PE p's symmetric block in this process (peer[rank] is local)
   char* pool_peer[kMaxRanks] = {};  // base of PE p's registered XLA pool in this process
+  char* sym = nullptr;              // this PE's block at its symmetric address (NVSHMEM calls)
   uintptr_t pool_base = 0;          // this PE's pool, at XLA's (local) address
   size_t pool_size = 0;             // 0: no pool registered (always stage)
   int32_t rank = 0;
   int32_t size = 0;
+  int32_t node_size = 0;  // G, ranks per node (size when one node)
   Diag* diag = nullptr;   // device pointer of the host-mapped record
   uint64_t timeout_ns = 0;
   SymLayout lay;
 };
 
-// Steps 2 / 4 / 6 / 7: signal `flag_signal` on every peer with `value` (kFlagNone: no signal),
+// Byte offset, in a rank of node `host_node`, of the region that the peer of node `writer_node`
+// (!= host_node) writes: the other nodes' regions in node order, the host's own node skipped.
+__host__ __device__ inline size_t RegionOffset(const SymLayout& l, int writer_node, int host_node) {
+  return l.region + static_cast<size_t>(writer_node - (writer_node > host_node ? 1 : 0)) *
+                        l.region_stride;
+}
+
+// The poison base of other nodes' peer-table entries (unmapped: a dereference faults).
+constexpr uintptr_t kPoisonPeer = uintptr_t{0xDEAD} << 36;
+
+__host__ __device__ inline int NodeOf(const Team& t, int r) { return r / t.node_size; }
+__host__ __device__ inline int Nodes(const Team& t) { return t.size / t.node_size; }
+
+// Steps 2 / 4 / 6 / 7 (this node's ranks only): signal `flag_signal` on every peer with `value` (kFlagNone: no signal),
 // then wait until this PE's `flag_wait`[p] >= want for every p (kFlagNone: no wait).
 enum FlagId : int32_t { kFlagNone = -1, kFlagReady = 0, kFlagFree = 1 };
 cudaError_t LaunchSync(const Team& team, int32_t flag_signal, uint64_t value, int32_t flag_wait,

@@ -1,4 +1,5 @@
-// Device-side helpers of the cross-rank kernels (dispatch.cu, combine.cu, gather_back.cu, sync.cu).
+// Device-side helpers of the cross-rank kernels (dispatch.cu, combine.cu, gather_back.cu, sync.cu,
+// internode.cu): acquire/release flags, bounded waits, where a source rank's data is.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +8,68 @@
 #include "sync.h"
 
 namespace jaxep::cuda::mr {
+
+__device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// First timeout wins the local abort word (device memory: host-mapped memory has no portable
+// atomics); the winner fills the host-mapped record, fences, then publishes status = 1.
+__device__ inline void RecordTimeout(const Team& team, int32_t phase, int32_t op, int32_t peer,
+                                     uint64_t seq, uint64_t want, uint64_t seen,
+                                     uint64_t waited) {
+  unsigned* abort_word = reinterpret_cast<unsigned*>(team.peer[team.rank] + team.lay.abort);
+  if (atomicCAS(abort_word, 0u, 1u) != 0u) return;
+  volatile Diag* d = team.diag;
+  if (d == nullptr) return;
+  d->rank = team.rank;
+  d->phase = phase;
+  d->peer = peer;
+  d->op = op;
+  d->seq = seq;
+  d->awaited = want;
+  d->seen = seen;
+  d->waited_ns = waited;
+  __threadfence_system();
+  d->status = 1;
+  __threadfence_system();
+}
+
+// Spins until *flag >= want, bounded by the team's timeout: true when reached, false when this
+// rank aborted (this wait timed out and recorded {phase, op, peer, seq, want, seen}, or another
+// wait of this rank already had).
+__device__ inline bool WaitAtLeast(const Team& team, const uint64_t* flag, uint64_t want,
+                                   int32_t phase, int32_t op, int32_t peer, uint64_t seq) {
+  volatile unsigned* abort_word =
+      reinterpret_cast<volatile unsigned*>(team.peer[team.rank] + team.lay.abort);
+  uint64_t seen = LoadAcquireSys(flag);
+  if (seen >= want) return true;
+  const uint64_t start = GlobalTimerNs();
+  for (uint32_t spin = 1;; ++spin) {
+    seen = LoadAcquireSys(flag);
+    if (seen >= want) return true;
+    if ((spin & 255u) == 0u) {
+      if (*abort_word) return false;  // another wait of this rank already failed
+      const uint64_t waited = GlobalTimerNs() - start;
+      if (waited > team.timeout_ns) {
+        RecordTimeout(team, phase, op, peer, seq, want, seen, waited);
+        return false;
+      }
+    }
+  }
+}
 
 // True once a wait of this rank timed out (sticky until finalize): kernels then return at once.
 __device__ __forceinline__ bool Aborted(const Team& team) {
@@ -26,11 +89,62 @@ __device__ __forceinline__ const char* SrcRowsBase(const Team& team, int r) {
   return team.peer[r] + team.lay.stage;
 }
 
-// Fills s_rows[r] = SrcRowsBase(team, r) for every rank r, once per block (ends with
-// __syncthreads: call it from every thread of the block, before any early exit of a thread).
-__device__ __forceinline__ void LoadSrcRows(const Team& team, const char** s_rows) {
-  if (threadIdx.x < team.size) s_rows[threadIdx.x] = SrcRowsBase(team, threadIdx.x);
+// Where source rank s's dispatch-side data is for this rank's kernels:
+//   meta: a base such that meta + lay.X is s's array X for X in counts, sorted_slot, sorted_w,
+//         slot_order, slot_expert (SymLayout offsets);
+//   rows: s's token rows (row i at rows + i * the op's row bytes);
+//   pos:  nullptr when s is on this node (row i = token t); else s's token t is row pos[t] (-1:
+//         t has no slot on this node, so nothing of it came here).
+// On this node that is s's own block (or pool) through its peer pointer. On another node it is the
+// region that s put into s's forwarder: the rank of THIS node with s's local index (internode.h),
+// read through the forwarder's peer pointer: no pointer of another node is ever formed.
+struct Source {
+  const char* meta;
+  const char* rows;
+  const int32_t* pos;
+};
+
+__device__ __forceinline__ const char* RegionOf(const Team& team, int host, int writer_node) {
+  return team.peer[host] + RegionOffset(team.lay, writer_node, NodeOf(team, host));
+}
+
+__device__ __forceinline__ Source SourceOf(const Team& team, int s) {
+  const int mine = NodeOf(team, team.rank), n = NodeOf(team, s);
+  if (n == mine) return {team.peer[s], SrcRowsBase(team, s), nullptr};
+  const char* region = RegionOf(team, mine * team.node_size + s % team.node_size, n);
+  return {region - team.lay.counts, region + team.lay.region_rows,
+          reinterpret_cast<const int32_t*>(region + team.lay.region_pos)};
+}
+
+// Fills s_src[s] = SourceOf(team, s) for every rank s, once per block (ends with __syncthreads:
+// call it from every thread of the block, before any early exit of a thread).
+__device__ __forceinline__ void LoadSources(const Team& team, Source* s_src) {
+  for (int s = threadIdx.x; s < team.size; s += blockDim.x) s_src[s] = SourceOf(team, s);
   __syncthreads();
+}
+
+// Fills s_rows[r] = SrcRowsBase(team, r) for every rank r of this node (others: nullptr), once per
+// block (ends with __syncthreads: call it from every thread of the block, before any early exit).
+__device__ __forceinline__ void LoadSrcRows(const Team& team, const char** s_rows) {
+  const int mine = NodeOf(team, team.rank);
+  for (int r = threadIdx.x; r < team.size; r += blockDim.x) {
+    s_rows[r] = NodeOf(team, r) == mine ? SrcRowsBase(team, r) : nullptr;
+  }
+  __syncthreads();
+}
+
+// Token t of a source needs node n when one of its slots is live (order >= 0: a valid slot in
+// dispatch's slot_order, a kept row in a handle's send_row) with a valid expert on node n.
+__device__ __forceinline__ bool NeedsNode(const int32_t* order, const int32_t* expert, int64_t t,
+                                          int topk, int experts, int experts_per_node,
+                                          int n) {
+  for (int k = 0; k < topk; ++k) {
+    const int32_t e = expert[t * topk + k];
+    if (order[t * topk + k] >= 0 && e >= 0 && e < experts && e / experts_per_node == n) {
+      return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace jaxep::cuda::mr

@@ -44,6 +44,8 @@ BACKEND = "reference" if EMULATE else "cuda"
 MESH = Mesh(np.array(jax.devices()[:R]), ("ep",))
 SPEC = NamedSharding(MESH, P("ep"))
 RESULTS: list[tuple[str, bool, str]] = []
+G = R  # ranks per node of the run (--ranks_per_node; set in run_all / run_killed)
+WIRE = "float32"  # --wire: "payload" = each case's combine_wire_dtype is its payload dtype
 
 
 def report(case: str, ok: bool, detail: str = "") -> None:
@@ -162,8 +164,12 @@ def case_ops(name, cfg, *, T, H, K, E, C, dtype, routing, bad_frac=0.0, seed=0):
     ys = [rng.standard_normal((C, H)).astype(np.float32).astype(dtype) for _ in range(R)]
     gs = [rng.standard_normal((T, H)).astype(np.float32).astype(dtype) for _ in range(R)]
     vs = [rng.standard_normal((C,)).astype(np.float32) for _ in range(R)]
-    # The case's sizes with the run's knobs (kernel variants, zero_copy, num_sms).
-    ecfg = dataclasses.replace(cfg, num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T)
+    # The case's sizes with the run's knobs (kernel variants, zero_copy, num_sms, node layout);
+    # a payload wire dtype is this case's dtype.
+    name_dt = np.dtype(dtype).name
+    wire = name_dt if WIRE == "payload" else "float32"
+    ecfg = dataclasses.replace(cfg, num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
+                               dtype=name_dt, combine_wire_dtype=wire)
 
     be = reference if EMULATE else cuda_backend
 
@@ -171,7 +177,7 @@ def case_ops(name, cfg, *, T, H, K, E, C, dtype, routing, bad_frac=0.0, seed=0):
         rows, wts, gsz, send_row, recv_slot, idx_out, stats = be.dispatch(
             x, idx, w, axis_name="ep", config=ecfg, capacity=C)
         out = be.combine(y, wts, send_row, recv_slot, idx_out, axis_name="ep", config=ecfg)
-        rows_g = be.dispatch_rows(g, recv_slot, axis_name="ep", config=ecfg)
+        rows_g = be.dispatch_rows(g, recv_slot, send_row, idx_out, axis_name="ep", config=ecfg)
         back = be.gather_back(v, send_row, recv_slot, idx_out, axis_name="ep", config=ecfg)
         return rows, wts, gsz, send_row, recv_slot, idx_out, stats, out, rows_g, back
 
@@ -182,7 +188,8 @@ def case_ops(name, cfg, *, T, H, K, E, C, dtype, routing, bad_frac=0.0, seed=0):
     got = [mine(a) for a in res]
     o = oracle.dispatch(xs, idxs, ws, num_experts=E, capacity=C)
     sanitized = np.where((idxs[ME] >= 0) & (idxs[ME] < E), idxs[ME], -1).astype(np.int32)
-    want_out = oracle.combine(ys, o["weights"], o["send_row"], idxs, num_experts=E)[ME]
+    want_out = oracle.combine(ys, o["weights"], o["send_row"], idxs, num_experts=E,
+                              ranks_per_node=G, wire_dtype=wire)[ME]
     checks = [
         ("x_rows", got[0], o["x"][ME]), ("weights", got[1], o["weights"][ME]),
         ("group_sizes", got[2], o["group_sizes"][ME]), ("send_row", got[3], o["send_row"][ME]),
@@ -227,7 +234,8 @@ def case_grads(cfg, seed=7):
     out, rows, dx, dw, dy = (mine(a) for a in res)
     o = oracle.dispatch(xs, idxs, ws, num_experts=E, capacity=C)
     ones = [np.where(o["recv_slot"][r] >= 0, 1.0, 0.0).astype(np.float32) for r in range(R)]
-    want_dx = oracle.combine(g_rows, ones, o["send_row"], idxs, num_experts=E)[ME]
+    want_dx = oracle.combine(g_rows, ones, o["send_row"], idxs, num_experts=E, ranks_per_node=G,
+                             wire_dtype=cfg.combine_wire_dtype)[ME]
     gor = oracle_rows(g_out, o["recv_slot"][ME], T, K)
     want_dy = (o["weights"][ME][:, None] * gor.astype(np.float32)).astype(dtype)
     # d res.weights = g_w + <dispatch_rows(g_out), y> per row, then gathered back to the slots.
@@ -235,8 +243,9 @@ def case_grads(cfg, seed=7):
                            * ys[r].astype(np.float64), axis=-1) for r in range(R)]
     want_dw = oracle_gather_back(dwr, o["send_row"][ME], idxs[ME], E)
     ok = all([
-        compare("grads", "out", out, oracle.combine(ys, o["weights"], o["send_row"], idxs,
-                                                    num_experts=E)[ME]),
+        compare("grads", "out", out, oracle.combine(
+            ys, o["weights"], o["send_row"], idxs, num_experts=E, ranks_per_node=G,
+            wire_dtype=cfg.combine_wire_dtype)[ME]),
         compare("grads", "rows", rows, o["x"][ME]),
         compare("grads", "dx", dx, want_dx),
         compare("grads", "dy", dy, want_dy),
@@ -285,7 +294,8 @@ def case_repeat(cfg, iters=4, reps=3, seed=11):
     for rep in range(reps):
         for i, d in enumerate(datas[rep]):
             o = oracle.dispatch(d[0], d[1], d[2], num_experts=E, capacity=C)
-            want_out = oracle.combine(o["x"], o["weights"], o["send_row"], d[1], num_experts=E)[ME]
+            want_out = oracle.combine(o["x"], o["weights"], o["send_row"], d[1], num_experts=E,
+                                      ranks_per_node=G, wire_dtype=cfg.combine_wire_dtype)[ME]
             rows, out = outs[rep]
             ok &= compare("repeat", f"rows[rep {rep}, iter {i}]", mine(rows)[0][i], o["x"][ME])
             ok &= compare("repeat", f"combine[rep {rep}, iter {i}]", mine(out)[0][i], want_out)
@@ -300,15 +310,33 @@ def case_repeat(cfg, iters=4, reps=3, seed=11):
     report("repeat", True, f"{iters} scan iterations x {reps} executions, {calls} handler runs")
 
 
+def case_peer_table():
+    """The honest emulation: this rank's peer table holds its node's ranks only; the entries of
+    other nodes' ranks are poisoned addresses (a dereference would fault, so a bitwise-right run
+    proves no cross-node pointer was used)."""
+    if EMULATE:
+        return
+    table = jaxep._ffi.runtime_info()["peer_table"]
+    want = ["local" if r // G == ME // G else "poisoned" for r in range(R)]
+    if table == want:
+        report("peer_table", True, f"{R // G} node(s) x {G}: {table.count('poisoned')} poisoned")
+    else:
+        report("peer_table", False, f"table {table}, want {want}")
+
+
 def run_all(args) -> int:
+    global G, WIRE
+    WIRE = args.wire
     K, H, T = 4, 256, 64
     E = 8 * R
     cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
                        capacity_factor=None, dtype="float32", timeout_s=args.timeout_s,
                        **knobs(args))
     jaxep.initialize(cfg)
+    G = jaxep.runtime.node_size(cfg, R)
     if ME == 0:
         print("runtime", jaxep._ffi.runtime_info(), flush=True)
+        print(f"LAYOUT {R // G}x{G} wire={args.wire}", flush=True)
         print(f"KNOBS num_sms={cfg.num_sms} dispatch_kernel={cfg.dispatch_kernel} "
               f"combine_kernel={cfg.combine_kernel} zero_copy={cfg.zero_copy}", flush=True)
     # The zero-copy and staged cases of tests/gpu/test_multirank.py grep this and ZERO_COPY_CALLS.
@@ -328,6 +356,7 @@ def run_all(args) -> int:
         except Exception as e:  # pylint: disable=broad-except
             report(name, False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
             traceback.print_exc()
+    case_peer_table()
     for fn in (case_grads, case_repeat):
         try:
             fn(cfg)
@@ -345,7 +374,8 @@ def run_all(args) -> int:
 
 def run_killed(args) -> int:
     cfg = jaxep.Config(num_experts=4 * R, topk=2, hidden=128, max_tokens_per_rank=32,
-                       capacity_factor=None, dtype="bfloat16", timeout_s=args.timeout_s)
+                       capacity_factor=None, dtype="bfloat16", timeout_s=args.timeout_s,
+                       ranks_per_node=args.ranks_per_node or None)
     jaxep.initialize(cfg)
     victim = R - 1
     if ME == victim:
@@ -382,7 +412,9 @@ def knobs(args) -> dict:
            if getattr(args, k) is not None}
     if args.num_sms:
         out["num_sms"] = args.num_sms
-    return out
+    if args.ranks_per_node:
+        out["ranks_per_node"] = args.ranks_per_node
+    return out  # --wire applies per case (case_ops): the run's Config is float32
 
 
 def main() -> int:
@@ -395,6 +427,10 @@ def main() -> int:
     p.add_argument("--zero_copy", default=None, action=argparse.BooleanOptionalAction,
                    help="Config.zero_copy (--no-zero_copy: every call stages its rows)")
     p.add_argument("--num_sms", type=int, default=0, help="Config.num_sms; 0 = no cap")
+    p.add_argument("--ranks_per_node", type=int, default=0,
+                   help="Config.ranks_per_node (the node layout); 0 = from the machine")
+    p.add_argument("--wire", default="float32", choices=("float32", "payload"),
+                   help="Config.combine_wire_dtype: float32, or each case's payload dtype")
     args = p.parse_args()
     import logging
     logging.basicConfig(level=logging.INFO if ME == 0 else logging.WARNING,

@@ -47,13 +47,24 @@ _ALT_KERNELS = ("--dispatch_kernel", "row", "--combine_kernel", "thread")
 # "staged" cases turn it off (Config(zero_copy=False), worker flag --no-zero_copy) and require
 # that nothing was left in place.
 _FLAGS = {"default": (), "zero-copy": (), "alternative": _ALT_KERNELS,
-          "staged": ("--no-zero_copy",), "num_sms": ("--num_sms", "1")}
+          "staged": ("--no-zero_copy",), "num_sms": ("--num_sms", "1"),
+          # Internode (hierarchical) path under the node override (SPEC section 4): several
+          # emulated nodes on the one GPU; cross-node bytes move only by NVSHMEM puts, and every
+          # run also checks that the peer table's other-node entries are poisoned.
+          "2x4": ("--ranks_per_node", "4"),
+          "2x4-wire": ("--ranks_per_node", "4", "--wire", "payload"),
+          "2x4-alternative": ("--ranks_per_node", "4", *_ALT_KERNELS),
+          "4x2-staged": ("--ranks_per_node", "2", "--no-zero_copy"),
+          "8x1": ("--ranks_per_node", "1", "--wire", "payload"),
+          "2x8-wire": ("--ranks_per_node", "8", "--wire", "payload")}
 _LOG = {"JAXEP_LOG_LEVEL": "INFO"}  # INFO: "jaxep zero-copy: on|off: <why>" in the output
 
 
 @pytest.mark.parametrize("nproc,kernels", [(2, "default"), (4, "default"), (8, "zero-copy"),
                                            (2, "alternative"), (2, "staged"), (8, "staged"),
-                                           (4, "num_sms")])
+                                           (4, "num_sms"), (8, "2x4"), (8, "2x4-wire"),
+                                           (8, "2x4-alternative"), (8, "4x2-staged"), (8, "8x1"),
+                                           (16, "2x8-wire")])
 def test_multirank_bitwise(nproc, kernels):
     rc, out, secs = _launch(nproc, "--case", "all", *_FLAGS[kernels], timeout=300, env_extra=_LOG)
     calls = re.findall(r"^(?:\[rank \d+\] )?ZERO_COPY_CALLS (\d+) (\d+)$", out, re.M)
@@ -68,6 +79,11 @@ def test_multirank_bitwise(nproc, kernels):
         assert len(calls) == nproc and all(int(n) == 0 for _, n in calls), (calls, out[-3000:])
     if kernels == "alternative":
         assert "KNOBS num_sms=None dispatch_kernel=row combine_kernel=thread" in out, out[-3000:]
+    if "x" in kernels:  # an internode layout: the layout ran, and the poisoned-table check passed
+        layout = kernels.split("-")[0]
+        assert re.search(rf"^(?:\[rank 0\] )?LAYOUT {layout} ", out, re.M), out[-3000:]
+        tables = re.findall(r"^(?:\[rank \d+\] )?RESULT \d+ peer_table ok", out, re.M)
+        assert len(tables) == nproc, out[-6000:]
     # jaxep.launch prefixes every line of rank i with "[rank i] ".
     results = re.findall(r"^(?:\[rank \d+\] )?RESULT (\d+) (\S+) (ok|FAIL) ?(.*)$", out, re.M)
     fails = [r for r in results if r[2] == "FAIL"]
@@ -76,11 +92,14 @@ def test_multirank_bitwise(nproc, kernels):
         f"rc={rc} after {secs:.0f}s; failures: {fails[:8]}\n--- output tail ---\n{out[-6000:]}")
 
 
-def test_killed_peer_times_out():
+@pytest.mark.parametrize("nproc,layout", [(4, ()), (8, ("--ranks_per_node", "4"))])
+def test_killed_peer_times_out(nproc, layout):
+    """The last rank dies after initialize; with 2 x 4 it is on the other node than rank 0."""
     timeout_s = 5.0
-    rc, out, secs = _launch(4, "--case", "killed", "--timeout_s", str(timeout_s), timeout=180)
+    rc, out, secs = _launch(nproc, "--case", "killed", "--timeout_s", str(timeout_s), *layout,
+                            timeout=180)
     oks = re.findall(r"^(?:\[rank \d+\] )?KILLED (\d+) ok TimeoutError after ([\d.]+)s", out, re.M)
-    assert len(oks) == 3, f"rc={rc} after {secs:.0f}s\n--- output tail ---\n{out[-6000:]}"
+    assert len(oks) == nproc - 1, f"rc={rc} after {secs:.0f}s\n--- output tail ---\n{out[-6000:]}"
     for _, waited in oks:
         assert float(waited) < timeout_s + 30, out[-3000:]
     assert "timed out in dispatch" in out, out[-3000:]

@@ -1,0 +1,68 @@
+// The internode transport every cross-rank op shares (hierarchical, like DeepEP / HybridEP):
+// every NVSHMEM put of jaxep is in internode.cu. Plain C++ interface: no XLA, JAX or NVSHMEM types.
+//
+// Node layout: rank = node * G + local index (Team::node_size = G). A rank exchanges with other
+// nodes only through its "peers" there: rank (n, my local index) of each other node n. Peer n
+// hosts a region for me (SymLayout) and I host one for it. What crosses the network:
+//   dispatch, dispatch_rows: my token rows that need node n (one put per token and node: a token
+//     crosses the network at most once per destination node), into my region on peer n, which
+//     then serves as my rows' source for every rank of node n (they read it over NVLink through
+//     peer n's peer pointer: the forwarding hop), plus my metadata (layout arrays or handle);
+//   combine, gather_back: my handle's metadata to peer n; peer n's node reduces / gathers what my
+//     tokens need from it and peer n puts ONE result per (token, node) back into the region I host
+//     for it (combine: the partial P_n in Config.combine_wire_dtype).
+//
+// The steps, inside ffi/exchange.h's sequence (all on XLA's stream, bounded waits):
+//   2b GRANT   after the free wait (my node's readers left my regions): reset my rin_rows
+//              counters, then signal credit[my node] = seq on every peer ("you may write this call");
+//   3b SEND    out_pos / out_count (which of my tokens need node n), WAIT credit[n] >= seq (peer n's
+//              region for me is free), then put my metadata (signal rin_meta = seq) and, for
+//              the row ops, my rows (signal rin_rows += 1 each) into it;
+//   4a ARRIVE  per peer n: WAIT rin_meta[n] >= seq, recompute peer n's out_pos for my node into
+//              its region (region_pos / region_count), row ops: WAIT rin_rows[n] >= that count;
+//              then the ready signal to my node tells my node's ranks my regions are complete;
+//   5  RETURN  combine, gather_back: the op's kernel wrote, into region n's out area, the result
+//              of each of peer n's tokens that need my node; LaunchReturn puts them to peer n (signal
+//              rin_rows += 1 each); WAIT-RETURNS: rin_rows[n] >= my out_count[n].
+// Flow control: a writer puts into a region only after the host granted this call (3b waits the
+// credit), and a host grants only after its node's readers signalled free for the last call
+// (step 2), so regions sized from the Config never overflow or get overwritten while read, for
+// any routing. Returns need no credit wait: peer n returns only after my metadata of this call
+// arrived, which I sent after granting (2b).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "sync.h"
+
+namespace jaxep::cuda::mr {
+
+// Step 2b. No-op with one node.
+cudaError_t LaunchGrant(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream);
+
+// Step 3b. `meta_off`/`meta_bytes`: the span of my block the peers get, inside [counts,
+// slot_expert end) (dispatch: all of it; the others: slot_order and slot_expert, where they staged
+// their handle's send_row and topk_idx). `rows`: my token rows at their local address in NVSHMEM's
+// symmetric heap or a registered pool (nullptr: the op sends no rows), `row_bytes` each.
+struct SendArgs {
+  int32_t tokens = 0, topk = 0, experts = 0;
+  size_t meta_off = 0, meta_bytes = 0;
+  const void* rows = nullptr;
+  int64_t row_bytes = 0;
+};
+cudaError_t LaunchSend(const Team& team, const SendArgs& a, uint64_t seq, int32_t op,
+                       int64_t max_blocks, cudaStream_t stream);
+
+// Step 4a. `rows`: wait for the peers' rows too (dispatch, dispatch_rows).
+cudaError_t LaunchArrive(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
+                         bool rows, uint64_t seq, int32_t op, cudaStream_t stream);
+
+// Step 5: put region n's first region_count[n] results of `bytes` each to peer n, then WAIT until
+// my own out_count[n] results came back from every peer n.
+cudaError_t LaunchReturn(const Team& team, int64_t bytes, uint64_t seq, int32_t op,
+                         int64_t max_blocks, cudaStream_t stream);
+
+}  // namespace jaxep::cuda::mr
