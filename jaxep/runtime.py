@@ -165,16 +165,19 @@ def _init_multi_rank(config: Config) -> None:
         _fail("jax.distributed is not initialized (the unique id travels through its key-value "
               "store); call jax.distributed.initialize() or start with python -m jaxep.launch")
     wait_ms = int(max(60.0, config.timeout_s) * 1000)
-    # The node layout, agreed by every rank (processes per host, or Config.ranks_per_node).
+    # The same config everywhere first (a rank-dependent ranks_per_node would otherwise fail the
+    # layout on some ranks only), then the node layout (processes per host, or the override).
+    try:
+        agree_config(client, config, pe, nproc, _state.generation, wait_ms)
+    except RuntimeError:
+        _state.generation += 1  # every rank raised: a retry publishes under fresh keys
+        raise
     try:
         hosts = node_layout.gather_hosts(client, pe, nproc, _state.generation, timeout_ms=wait_ms)
         node = node_layout.layout_from_hosts(hosts, config.ranks_per_node)
     except RuntimeError:
         _state.generation += 1  # every rank raised: a retry publishes under fresh keys
         raise
-    if config.num_experts % nproc:
-        _fail(f"num_experts must be divisible by the EP size: expected num_experts % {nproc} == 0, "
-              f"got num_experts={config.num_experts}")
     sym = ext.symmetric_bytes(config.max_tokens_per_rank, config.topk, config.num_experts, cap,
                               row_bytes, nproc, node, config.hidden * 4)
     heap_env = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
@@ -198,11 +201,6 @@ def _init_multi_rank(config: Config) -> None:
               f"JAX preallocates its pool (XLA_PYTHON_CLIENT_PREALLOCATE={pre}, "
               f"XLA_PYTHON_CLIENT_MEM_FRACTION={frac}): set XLA_PYTHON_CLIENT_MEM_FRACTION lower "
               "(e.g. 0.75/ranks per GPU) or XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts")
-    try:
-        agree_config(client, config, pe, nproc, _state.generation, wait_ms)
-    except RuntimeError:
-        _state.generation += 1  # every rank raised: a retry publishes under fresh keys
-        raise
     zero_copy.prepare_env(config.zero_copy)  # before NVSHMEM reads its environment (uid, init)
     key = f"jaxep/nvshmem_uid/{_state.generation}"
     if pe == 0:
@@ -240,6 +238,10 @@ def _init_multi_rank(config: Config) -> None:
     if log.isEnabledFor(logging.INFO):
         for line in topology.gpu_report(ordinal):
             log.info("jaxep network: %s", line)
+    if len(set(hosts)) > 1 and pe % node == 0:  # real network traffic: warn once per node
+        for f in topology.summary(nodes=len(set(hosts)))["findings"]:
+            if f["level"] in ("warn", "error"):
+                log.warning("jaxep network: %s; fix: %s", f["what"], f["hint"])
     log.info("jaxep recommends (not set by jaxep): %s%s",
              " ".join(f"{k}={v}" for k, v in rec.items()),
              f"; unset here: {', '.join(missing)}" if missing else "")
