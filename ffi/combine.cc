@@ -106,7 +106,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
   };
   // Several nodes: reduce what the other nodes' tokens need from this node, return it, then the
   // source pull adds the returned partials in node order (ffi/cuda/internode.h step 5).
-  auto pull = [&]() {
+  auto pull = [&](int32_t /*set: every source, combine sends no rows*/) {
     return WithPayloadType(kCombineTarget, "y", y.element_type(), [&](auto v) {
       using T = decltype(v);
       if (ex.internode()) {

@@ -180,7 +180,7 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
         {x, static_cast<size_t>(s.tokens * s.row_bytes), lay.stage}};  // x: last
     return ex.Stage(copies, stage_x ? 6 : 5, s.max_blocks);
   };
-  auto pull = [&]() {
+  auto meta_kernel = [&]() {
     mr::DispatchMetaArgs ma;
     ma.tokens = static_cast<int32_t>(s.tokens);
     ma.topk = static_cast<int32_t>(s.topk);
@@ -193,15 +193,19 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
     ma.group_sizes = o.group_sizes;
     ma.stats = o.stats;
     ma.scratch = meta;
-    if (ffi::Error e = ex.Check("meta", mr::LaunchDispatchMeta(ex.team(), ma, stream));
-        e.failure()) {
-      return e;
+    return ex.Check("meta", mr::LaunchDispatchMeta(ex.team(), ma, stream));
+  };
+  auto pull = [&](int32_t set) {
+    // The layout (meta) once, with the first pass: it needs every source's counts, which the
+    // ready exchange made complete (internode: the metadata arrived before it).
+    if (set != mr::kOtherNodeSources) {
+      if (ffi::Error e = meta_kernel(); e.failure()) return e;
     }
     return ex.Check("pull", mr::LaunchDispatchPull(
                                 ex.team(), static_cast<int32_t>(s.tokens),
                                 static_cast<int32_t>(s.topk), static_cast<int32_t>(s.experts),
                                 static_cast<int32_t>(s.capacity), s.row_bytes, meta, o.x_rows,
-                                o.weights, o.recv_slot, kernel, s.max_blocks, stream));
+                                o.weights, o.recv_slot, kernel, set, s.max_blocks, stream));
   };
   // Other nodes get every layout array (their meta kernels need my counts) and my rows that
   // need them (ffi/cuda/internode.h).
@@ -296,11 +300,12 @@ ffi::Error DispatchRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
     const int last = stage_x ? 3 : 2;
     return ex.Stage(copies + first, last - first, max_blocks);
   };
-  auto pull = [&]() {
+  auto pull = [&](int32_t set) {
     return ex.Check("pull", mr::LaunchRowsPull(ex.team(), static_cast<int32_t>(tokens),
                                                static_cast<int32_t>(topk),
                                                static_cast<int32_t>(rows), row_bytes,
-                                               recv_slot.typed_data(), out, max_blocks, stream));
+                                               recv_slot.typed_data(), out, set, max_blocks,
+                                               stream));
   };
   InterNode inter;
   inter.meta_off = lay.slot_order;

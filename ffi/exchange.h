@@ -54,7 +54,9 @@ class Exchange {
   // when the team has one and they lie inside it, 16-byte aligned; otherwise they are staged.
   //   stage(bool stage_src) -> ffi::Error: step 3, this rank's copies into its own block (the
   //                                        source rows only when stage_src);
-  //   pull() -> ffi::Error:                step 5, the reads of the peers.
+  //   pull(SourceSet) -> ffi::Error:       step 5, the reads of the peers: kAllSources, or for
+  //                                        internode row ops kOwnNodeSources then
+  //                                        kOtherNodeSources (the OVERLAP of internode.h).
   // With several nodes, `inter` says what goes to the other nodes: 2b (grant) after step 2, 3b
   // (send) after step 3 and 4a (arrive) before step 4 of ffi/cuda/internode.h run here; the
   // returns of step 5 (combine, gather_back) are the op's pull's (Return()).
@@ -90,8 +92,7 @@ class Exchange {
         return e;
       }
       if (ffi::Error e = Check("arrive", LaunchArrive(*team_, inter.tokens, inter.topk,
-                                                      inter.experts, inter.rows, seq_, op_,
-                                                      stream_));
+                                                      inter.experts, seq_, op_, stream_));
           e.failure()) {
         return e;
       }
@@ -100,7 +101,22 @@ class Exchange {
         e.failure()) {
       return e;
     }
-    if (ffi::Error e = pull(); e.failure()) return e;
+    if (!internode || !inter.rows) {
+      if (ffi::Error e = pull(kAllSources); e.failure()) return e;
+    } else {
+      // OVERLAP (internode.h): my node's sources while the other nodes' rows are in flight, then
+      // theirs once every rank of my node has them in its regions.
+      if (ffi::Error e = pull(kOwnNodeSources); e.failure()) return e;
+      if (ffi::Error e = Check("arrive rows", LaunchArriveRows(*team_, seq_, op_, stream_));
+          e.failure()) {
+        return e;
+      }
+      if (ffi::Error e = Sync("regions", kFlagRegions, seq_, kFlagRegions, seq_, kPhaseRegions);
+          e.failure()) {
+        return e;
+      }
+      if (ffi::Error e = pull(kOtherNodeSources); e.failure()) return e;
+    }
     if (ffi::Error e = Sync("signal free", kFlagFree, seq_, kFlagNone, 0, kPhaseNone);
         e.failure()) {
       return e;

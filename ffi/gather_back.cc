@@ -40,7 +40,7 @@ ffi::Error GatherBackImpl(cudaStream_t stream, ffi::Buffer<ffi::F32, 1> v,
   };
   // Several nodes: gather what the other nodes' tokens need from this node and return it (K
   // floats per token), then every source reads its slots (ffi/cuda/internode.h step 5).
-  auto pull = [&]() {
+  auto pull = [&](int32_t /*set: every source, gather_back sends no rows*/) {
     if (ex.internode()) {
       if (ffi::Error e = ex.Check("forward", mr::LaunchGatherBackForward(
                                                  ex.team(), static_cast<int32_t>(tokens),

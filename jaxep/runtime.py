@@ -62,6 +62,8 @@ _PHASE_TEXT = {
                    "arrived)",
     "return": "internode return (waiting for the peer's node's partials / values for this rank's "
               "tokens: flag = results arrived)",
+    "regions": "internode regions (waiting for a rank of this node to have the other nodes' rows "
+               "of this call in the regions it hosts)",
 }
 _NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE default
 _HEAP_RESERVE = 128 << 20        # NVSHMEM's own allocations from the symmetric heap

@@ -336,7 +336,7 @@ template <typename Unit>
 __global__ void __launch_bounds__(kRowThreads)
     DispatchPullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t capacity,
                        int64_t units_per_row, const void* meta_scratch, Unit* __restrict__ x_rows,
-                       float* __restrict__ weights, int32_t* __restrict__ recv_slot) {
+                       float* __restrict__ weights, int32_t* __restrict__ recv_slot, int32_t set) {
   if (Aborted(team)) return;
   __shared__ Source s_src[kMaxRanks];  // where every source's arrays and rows are (team.cuh)
   LoadSources(team, s_src);
@@ -351,6 +351,7 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int64_t p = blockIdx.x * wpb + threadIdx.x / kWarpSize; p < capacity; p += nwarps) {
     Unit* dst = x_rows + p * units_per_row;
     if (p >= kept) {
+      if (set == kOtherNodeSources) continue;  // zeroed by the first pass
       for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
       if (lane == 0) {
         weights[p] = 0.0f;
@@ -365,6 +366,7 @@ __global__ void __launch_bounds__(kRowThreads)
       if (m.blk[mid] <= p) lo = mid; else hi = mid - 1;
     }
     const int b = lo, s = b % R;
+    if (!InSet(NodeOf(team, s), NodeOf(team, team.rank), set)) continue;  // uniform per warp
     const int64_t idx = m.srcoff[b] + (p - m.blk[b]);
     const Source& from = s_src[s];
     const char* src_base = from.meta;
@@ -395,7 +397,7 @@ __global__ void __launch_bounds__(kRowThreads)
     DispatchPullTokenKernel(Team team, int32_t tokens, int32_t topk, int32_t experts,
                             int32_t capacity, int64_t units_per_row, const void* meta_scratch,
                             Unit* __restrict__ x_rows, float* __restrict__ weights,
-                            int32_t* __restrict__ recv_slot) {
+                            int32_t* __restrict__ recv_slot, int32_t set) {
   if (Aborted(team)) return;
   constexpr int kWarps = kRowThreads / kWarpSize;
   __shared__ int s_dst[kWarps][kMaxTokenTopk];
@@ -412,6 +414,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const int64_t items = static_cast<int64_t>(tokens) * R;
   for (int64_t it = gw; it < items; it += nwarps) {
     const int s = static_cast<int>(it / tokens);
+    if (!InSet(NodeOf(team, s), NodeOf(team, me), set)) continue;  // uniform per warp
     const int64_t t = it - static_cast<int64_t>(s) * tokens;
     const Source& from = s_src[s];
     const char* src_base = from.meta;
@@ -460,7 +463,7 @@ __global__ void __launch_bounds__(kRowThreads)
     }
     __syncwarp();  // s_dst is rewritten for the next item
   }
-  for (int64_t p = kept + gw; p < capacity; p += nwarps) {
+  for (int64_t p = kept + gw; p < capacity && set != kOtherNodeSources; p += nwarps) {
     Unit* dst = x_rows + p * units_per_row;
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
     if (lane == 0) {
@@ -474,7 +477,8 @@ __global__ void __launch_bounds__(kRowThreads)
 template <typename Unit>
 __global__ void __launch_bounds__(kRowThreads)
     RowsPullKernel(Team team, int32_t tokens, int32_t topk, int32_t rows, int64_t units_per_row,
-                   const int32_t* __restrict__ recv_slot, Unit* __restrict__ x_rows) {
+                   const int32_t* __restrict__ recv_slot, Unit* __restrict__ x_rows,
+                   int32_t set) {
   if (Aborted(team)) return;
   __shared__ Source s_src[kMaxRanks];  // where every source's rows are (team.cuh)
   LoadSources(team, s_src);
@@ -488,12 +492,13 @@ __global__ void __launch_bounds__(kRowThreads)
     Unit* dst = x_rows + c * units_per_row;
     if (slot >= 0 && slot < all) {
       const int s = static_cast<int>(slot / per_rank);
+      if (!InSet(NodeOf(team, s), NodeOf(team, team.rank), set)) continue;  // uniform per warp
       const int64_t t = (slot - s * per_rank) / topk;
       const int64_t i = s_src[s].pos == nullptr ? t : s_src[s].pos[t];
       const Unit* src = reinterpret_cast<const Unit*>(s_src[s].rows) + i * units_per_row;
 #pragma unroll 4
       for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
-    } else {
+    } else if (set != kOtherNodeSources) {
       for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
     }
   }
@@ -513,7 +518,8 @@ cudaError_t LaunchDispatchMeta(const Team& team, const DispatchMetaArgs& a, cuda
 cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                                int32_t capacity, int64_t row_bytes, const void* meta_scratch,
                                void* x_rows, float* weights, int32_t* recv_slot,
-                               DispatchKernel kernel, int64_t max_blocks, cudaStream_t stream) {
+                               DispatchKernel kernel, int32_t set, int64_t max_blocks,
+                               cudaStream_t stream) {
   if (capacity <= 0) return cudaSuccess;
   const bool by_token = kernel == DispatchKernel::kToken && topk <= kMaxTokenTopk;
   const unsigned grid = static_cast<unsigned>(
@@ -524,18 +530,18 @@ cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, i
     if (by_token) {
       DispatchPullTokenKernel<U><<<grid, kRowThreads, 0, stream>>>(
           team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
-          weights, recv_slot);
+          weights, recv_slot, set);
     } else {
       DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
           team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
-          weights, recv_slot);
+          weights, recv_slot, set);
     }
   });
   return cudaGetLastError();
 }
 
 cudaError_t LaunchRowsPull(const Team& team, int32_t tokens, int32_t topk, int32_t rows,
-                           int64_t row_bytes, const int32_t* recv_slot, void* x_rows,
+                           int64_t row_bytes, const int32_t* recv_slot, void* x_rows, int32_t set,
                            int64_t max_blocks, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>(RowBlocks(rows, max_blocks));
@@ -543,7 +549,7 @@ cudaError_t LaunchRowsPull(const Team& team, int32_t tokens, int32_t topk, int32
     using U = decltype(unit);
     RowsPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
         team, tokens, topk, rows, row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot,
-        static_cast<U*>(x_rows));
+        static_cast<U*>(x_rows), set);
   });
   return cudaGetLastError();
 }

@@ -103,15 +103,19 @@ constexpr const char* kDispatchKernelNames[] = {"token", "row"};  // by enum val
 
 // Dispatch pull (destination side): rows [0, kept) from the sources' stages in layout order,
 // zero rows after; weights and recv_slot alike. Uses the scratch written by LaunchDispatchMeta.
+// `set` (SourceSet, sync.h): only the rows of those sources; the zero rows with kAllSources and
+// kOwnNodeSources.
 cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                                int32_t capacity, int64_t row_bytes, const void* meta_scratch,
                                void* x_rows, float* weights, int32_t* recv_slot,
-                               DispatchKernel kernel, int64_t max_blocks, cudaStream_t stream);
+                               DispatchKernel kernel, int32_t set, int64_t max_blocks,
+                               cudaStream_t stream);
 
 // dispatch_rows pull: x_rows[c] = stage row t of source s, slot = recv_slot[c] = s*T*K + t*K + k;
 // zero rows where recv_slot is outside [0, R*T*K).
+// `set` as for LaunchDispatchPull.
 cudaError_t LaunchRowsPull(const Team& team, int32_t tokens, int32_t topk, int32_t rows,
-                           int64_t row_bytes, const int32_t* recv_slot, void* x_rows,
+                           int64_t row_bytes, const int32_t* recv_slot, void* x_rows, int32_t set,
                            int64_t max_blocks, cudaStream_t stream);
 
 }  // namespace jaxep::cuda::mr

@@ -134,18 +134,16 @@ __global__ void __launch_bounds__(kThreads) PutKernel(Team team, SendArgs a, uin
   nvshmem_quiet();
 }
 
-// 4a. Block n: wait peer n's metadata, recompute its positions for my node into region n, and
-// (row ops) wait its rows.
+// 4a. Block n: wait peer n's metadata, recompute its positions for my node into region n.
 __global__ void __launch_bounds__(1024) ArriveKernel(Team team, int32_t tokens, int32_t topk,
-                                                     int32_t experts, bool rows, uint64_t seq,
-                                                     int32_t op) {
+                                                     int32_t experts, uint64_t seq, int32_t op) {
   if (Aborted(team)) return;
   const int n = blockIdx.x, mine = NodeOf(team, team.rank);
   if (n == mine) return;
-  const int pe = PeerOn(team, n);
   __shared__ bool ok;
   if (threadIdx.x == 0) {
-    ok = WaitAtLeast(team, Word(team, team.lay.rin_meta, n), seq, kPhaseRemoteMeta, op, pe, seq);
+    ok = WaitAtLeast(team, Word(team, team.lay.rin_meta, n), seq, kPhaseRemoteMeta, op,
+                     PeerOn(team, n), seq);
   }
   __syncthreads();
   if (!ok) return;
@@ -157,9 +155,20 @@ __global__ void __launch_bounds__(1024) ArriveKernel(Team team, int32_t tokens, 
                                   reinterpret_cast<int32_t*>(region + team.lay.region_pos));
   if (threadIdx.x == 0) {
     reinterpret_cast<int32_t*>(team.peer[team.rank] + team.lay.region_count)[n] = count;
-    if (rows) {
-      WaitAtLeast(team, Word(team, team.lay.rin_rows, n), static_cast<uint64_t>(count),
-                  kPhaseRemoteRows, op, pe, seq);
+  }
+}
+
+// 5a. Every peer n's rows for my node (its region_count[n], from ArriveKernel).
+__global__ void ArriveRowsKernel(Team team, uint64_t seq, int32_t op) {
+  if (Aborted(team)) return;
+  const int mine = NodeOf(team, team.rank);
+  const int32_t* count =
+      reinterpret_cast<const int32_t*>(team.peer[team.rank] + team.lay.region_count);
+  for (int n = threadIdx.x; n < Nodes(team); n += blockDim.x) {
+    if (n == mine) continue;
+    if (!WaitAtLeast(team, Word(team, team.lay.rin_rows, n), static_cast<uint64_t>(count[n]),
+                     kPhaseRemoteRows, op, PeerOn(team, n), seq)) {
+      return;
     }
   }
 }
@@ -232,10 +241,16 @@ cudaError_t LaunchSend(const Team& team, const SendArgs& a, uint64_t seq, int32_
 }
 
 cudaError_t LaunchArrive(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
-                         bool rows, uint64_t seq, int32_t op, cudaStream_t stream) {
+                         uint64_t seq, int32_t op, cudaStream_t stream) {
   const int nodes = Nodes(team);
   if (nodes < 2) return cudaSuccess;
-  ArriveKernel<<<nodes, 1024, 0, stream>>>(team, tokens, topk, experts, rows, seq, op);
+  ArriveKernel<<<nodes, 1024, 0, stream>>>(team, tokens, topk, experts, seq, op);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchArriveRows(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream) {
+  if (Nodes(team) < 2) return cudaSuccess;
+  ArriveRowsKernel<<<1, 32, 0, stream>>>(team, seq, op);
   return cudaGetLastError();
 }
 
@@ -258,8 +273,11 @@ cudaError_t LaunchGrant(const Team&, uint64_t, int32_t, cudaStream_t) {
 cudaError_t LaunchSend(const Team&, const SendArgs&, uint64_t, int32_t, int64_t, cudaStream_t) {
   return cudaErrorNotSupported;
 }
-cudaError_t LaunchArrive(const Team&, int32_t, int32_t, int32_t, bool, uint64_t, int32_t,
+cudaError_t LaunchArrive(const Team&, int32_t, int32_t, int32_t, uint64_t, int32_t,
                          cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+cudaError_t LaunchArriveRows(const Team&, uint64_t, int32_t, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 cudaError_t LaunchReturn(const Team&, int64_t, uint64_t, int32_t, int64_t, cudaStream_t) {

@@ -19,8 +19,14 @@
 //              region for me is free), then put my metadata (signal rin_meta = seq) and, for
 //              the row ops, my rows (signal rin_rows += 1 each) into it;
 //   4a ARRIVE  per peer n: WAIT rin_meta[n] >= seq, recompute peer n's out_pos for my node into
-//              its region (region_pos / region_count), row ops: WAIT rin_rows[n] >= that count;
-//              then the ready signal to my node tells my node's ranks my regions are complete;
+//              its region (region_pos / region_count); then the ready signal tells my node's
+//              ranks my stage and my regions' metadata are complete;
+//   OVERLAP    row ops: the pull of my node's sources runs while the other nodes' rows are still
+//              in flight (puts are non-blocking); then 5a WAIT rin_rows[n] >= region_count[n],
+//              SIGNAL regions[me] = seq on my node, WAIT regions[p] >= seq for my node, and the
+//              pull of the other nodes' sources (exchange.h). On a real cluster the NVLink
+//              pull of the own node overlaps the network; a chunked pipeline of the remote part
+//              (forwarding chunks as they land) is not built;
 //   5  RETURN  combine, gather_back: the op's kernel wrote, into region n's out area, the result
 //              of each of peer n's tokens that need my node; LaunchReturn puts them to peer n (signal
 //              rin_rows += 1 each); WAIT-RETURNS: rin_rows[n] >= my out_count[n].
@@ -56,9 +62,12 @@ struct SendArgs {
 cudaError_t LaunchSend(const Team& team, const SendArgs& a, uint64_t seq, int32_t op,
                        int64_t max_blocks, cudaStream_t stream);
 
-// Step 4a. `rows`: wait for the peers' rows too (dispatch, dispatch_rows).
+// Step 4a: every peer's metadata, and its positions for my node (region_pos / region_count).
 cudaError_t LaunchArrive(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
-                         bool rows, uint64_t seq, int32_t op, cudaStream_t stream);
+                         uint64_t seq, int32_t op, cudaStream_t stream);
+
+// Step 5a (row ops, after the pull of my node's sources): WAIT rin_rows[n] >= region_count[n].
+cudaError_t LaunchArriveRows(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream);
 
 // Step 5: put region n's first region_count[n] results of `bytes` each to peer n, then WAIT until
 // my own out_count[n] results came back from every peer n.

@@ -18,7 +18,7 @@ constexpr int kStageThreads = 256;
 constexpr int64_t kMaxStageBlocks = 1024;
 
 __device__ __forceinline__ size_t FlagOffset(const SymLayout& lay, int32_t flag) {
-  return flag == kFlagReady ? lay.ready : lay.free;
+  return flag == kFlagReady ? lay.ready : flag == kFlagFree ? lay.free : lay.regions;
 }
 
 // One block of 32 threads; thread i handles this node's ranks first + i, first + i + 32, ...
@@ -86,6 +86,7 @@ SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, i
   size_t o = 0;
   s.ready = o;        o += flags;
   s.free = o;         o += flags;
+  s.regions = o;      o += flags;
   s.abort = o;        o += AlignUp(sizeof(uint32_t) + sizeof(uint64_t));
   s.src_off = s.abort + sizeof(uint64_t);  // u64 after the u32 abort word, same 256-byte region
   s.counts = o;       o += AlignUp(static_cast<size_t>(num_experts) * sizeof(int32_t));

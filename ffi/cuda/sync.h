@@ -52,9 +52,10 @@ enum Phase : int32_t {
   kPhaseRemoteMeta = 5,  // waiting for the peer's metadata put of this call
   kPhaseRemoteRows = 6,  // waiting for the peer's row puts of this call (awaited = row count)
   kPhaseReturn = 7,      // waiting for the peer's returned partials / values (awaited = count)
+  kPhaseRegions = 8,     // waiting for a rank of my node: the rows its regions got this call
 };
-constexpr const char* kPhaseNames[] = {"none",        "free",        "ready",       "zero_copy",
-                                       "credit",      "remote_meta", "remote_rows", "return"};
+constexpr const char* kPhaseNames[] = {"none",   "free",        "ready",       "zero_copy", "credit",
+                                       "remote_meta", "remote_rows", "return", "regions"};
 
 // The op of a call, recorded in Diag::op; kOpNames[op] is its name (index 0 unused).
 enum OpCode : int32_t { kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3, kOpGatherBack = 4 };
@@ -80,6 +81,8 @@ struct Diag {
 //                          this node)
 //   free[kMaxRanks]  u64   free[p]  = last seq in which peer p (this node) finished reading my
 //                          stage and the regions I host
+//   regions[kMaxRanks] u64 internode row ops: regions[p] = last seq whose rows from the other
+//                          nodes peer p (this node) has in the regions it hosts
 //   abort            u32   local only: sticky abort word
 //   src_off          u64   zero-copy: byte offset of this call's source rows (x or y) in this
 //                          rank's XLA pool, or kStagedSrc (they are in `stage`); same 256-byte
@@ -114,7 +117,7 @@ struct Diag {
 //     + region_out        Tmax x region_row_bytes: what my node returns for peer n's tokens, put
 //                         from here into peer n's region for my node
 struct SymLayout {
-  size_t ready = 0, free = 0, abort = 0, src_off = 0, counts = 0, sorted_slot = 0, sorted_w = 0,
+  size_t ready = 0, free = 0, regions = 0, abort = 0, src_off = 0, counts = 0, sorted_slot = 0, sorted_w = 0,
          slot_order = 0, slot_expert = 0, stage_w = 0, stage = 0, stage_bytes = 0;
   size_t credit = 0, rin_meta = 0, rin_rows = 0, out_pos = 0, out_count = 0, region_count = 0, region = 0,
          region_stride = 0, meta_span = 0, region_pos = 0, region_rows = 0, region_out = 0,
@@ -166,6 +169,14 @@ __host__ __device__ inline size_t RegionOffset(const SymLayout& l, int writer_no
                         l.region_stride;
 }
 
+// Which sources a pull reads (internode row ops pull their node's sources while the other nodes'
+// rows are still arriving, then the other nodes' sources: internode.h OVERLAP). kAllSources with
+// one node; the rows past the kept ones are zeroed by the kAllSources / kOwnNodeSources pass.
+enum SourceSet : int32_t { kAllSources = 0, kOwnNodeSources = 1, kOtherNodeSources = 2 };
+__host__ __device__ inline bool InSet(int source_node, int my_node, int32_t set) {
+  return set == kAllSources || (set == kOwnNodeSources) == (source_node == my_node);
+}
+
 // The poison base of other nodes' peer-table entries (unmapped: a dereference faults).
 constexpr uintptr_t kPoisonPeer = uintptr_t{0xDEAD} << 36;
 
@@ -174,7 +185,8 @@ __host__ __device__ inline int Nodes(const Team& t) { return t.size / t.node_siz
 
 // Steps 2 / 4 / 6 / 7 (this node's ranks only): signal `flag_signal` on every peer with `value` (kFlagNone: no signal),
 // then wait until this PE's `flag_wait`[p] >= want for every p (kFlagNone: no wait).
-enum FlagId : int32_t { kFlagNone = -1, kFlagReady = 0, kFlagFree = 1 };
+// kFlagRegions: internode row ops, the second ready (my regions' rows arrived: internode.h).
+enum FlagId : int32_t { kFlagNone = -1, kFlagReady = 0, kFlagFree = 1, kFlagRegions = 2 };
 cudaError_t LaunchSync(const Team& team, int32_t flag_signal, uint64_t value, int32_t flag_wait,
                        uint64_t want, int32_t phase, int32_t op, uint64_t seq,
                        cudaStream_t stream);
