@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -96,3 +97,12 @@ def run_in_pty(cmd, env=None, cwd=None, timeout=300):
         p.kill()
     os.close(master)
     return p.wait(timeout=30), out.decode("utf-8", "replace")
+
+
+def cpu_child_env(repo: str) -> dict:
+    """The environment of launched CPU children: CPU jax, one device per process, `repo` importable."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env

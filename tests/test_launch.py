@@ -20,17 +20,14 @@ from jaxep import launch
 from jaxep.launch import cli as launch_cli, env as launch_env, group as launch_group
 from jaxep.launch import mps as launch_mps
 
+import harness  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = re.compile(r"^\[rank (\d+)\] RESULT (.*)$", re.M)
 
 
 def _child_env():
-    """The launcher's environment: CPU jax, one device per process, this checkout importable."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES")}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
+    return harness.cpu_child_env(REPO)
 
 
 def _run_launcher(args, cwd, timeout=90):

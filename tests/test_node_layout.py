@@ -15,6 +15,8 @@ import pytest
 
 from jaxep import launch, node_layout
 
+import harness  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 A4B4 = ["hostA"] * 4 + ["hostB"] * 4
@@ -148,11 +150,7 @@ RESULT = re.compile(r"^\[rank (\d+)\] RESULT (\w+) (.*)$", re.M)
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES")}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
+    return harness.cpu_child_env(REPO)
 
 
 def test_two_nodes_of_four_processes_agree_through_the_real_store(tmp_path):

@@ -158,16 +158,17 @@ __global__ void __launch_bounds__(1024) ArriveKernel(Team team, int32_t tokens, 
   }
 }
 
-// 5a. Every peer n's rows for my node (its region_count[n], from ArriveKernel).
-__global__ void ArriveRowsKernel(Team team, uint64_t seq, int32_t op) {
+// 5a (rows) and 5 (returns): rin_rows[n] >= counts[n] from every peer n, `counts` the i32 array
+// at `counts_off` of my block (region_count: its rows for me; out_count: my results back).
+__global__ void AwaitCountsKernel(Team team, size_t counts_off, int32_t phase, uint64_t seq,
+                                  int32_t op) {
   if (Aborted(team)) return;
   const int mine = NodeOf(team, team.rank);
-  const int32_t* count =
-      reinterpret_cast<const int32_t*>(team.peer[team.rank] + team.lay.region_count);
+  const int32_t* count = reinterpret_cast<const int32_t*>(team.peer[team.rank] + counts_off);
   for (int n = threadIdx.x; n < Nodes(team); n += blockDim.x) {
     if (n == mine) continue;
     if (!WaitAtLeast(team, Word(team, team.lay.rin_rows, n), static_cast<uint64_t>(count[n]),
-                     kPhaseRemoteRows, op, PeerOn(team, n), seq)) {
+                     phase, op, PeerOn(team, n), seq)) {
       return;
     }
   }
@@ -192,21 +193,6 @@ __global__ void __launch_bounds__(kThreads) ReturnKernel(Team team, int64_t byte
     }
   }
   nvshmem_quiet();
-}
-
-// 5, wait: my out_count[n] results back from every peer n.
-__global__ void AwaitReturnsKernel(Team team, uint64_t seq, int32_t op) {
-  if (Aborted(team)) return;
-  const int mine = NodeOf(team, team.rank);
-  const int32_t* count =
-      reinterpret_cast<const int32_t*>(team.peer[team.rank] + team.lay.out_count);
-  for (int n = threadIdx.x; n < Nodes(team); n += blockDim.x) {
-    if (n == mine) continue;
-    if (!WaitAtLeast(team, Word(team, team.lay.rin_rows, n), static_cast<uint64_t>(count[n]),
-                     kPhaseReturn, op, PeerOn(team, n), seq)) {
-      return;
-    }
-  }
 }
 
 #endif  // JAXEP_HAVE_NVSHMEM
@@ -250,7 +236,8 @@ cudaError_t LaunchArrive(const Team& team, int32_t tokens, int32_t topk, int32_t
 
 cudaError_t LaunchArriveRows(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream) {
   if (Nodes(team) < 2) return cudaSuccess;
-  ArriveRowsKernel<<<1, 32, 0, stream>>>(team, seq, op);
+  AwaitCountsKernel<<<1, 32, 0, stream>>>(team, team.lay.region_count, kPhaseRemoteRows, seq,
+                                          op);
   return cudaGetLastError();
 }
 
@@ -261,7 +248,7 @@ cudaError_t LaunchReturn(const Team& team, int64_t bytes, uint64_t seq, int32_t 
   const unsigned blocks = PutBlocks(team.lay.max_tokens, max_blocks);
   ReturnKernel<<<dim3(blocks, static_cast<unsigned>(nodes)), kThreads, 0, stream>>>(team, bytes);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  AwaitReturnsKernel<<<1, 32, 0, stream>>>(team, seq, op);
+  AwaitCountsKernel<<<1, 32, 0, stream>>>(team, team.lay.out_count, kPhaseReturn, seq, op);
   return cudaGetLastError();
 }
 
