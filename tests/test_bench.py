@@ -325,6 +325,22 @@ def test_bench_multirank_passes_the_knobs_as_bench_flags(monkeypatch):
             bm.rank_env(a))
 
 
+def test_bench_multirank_names_each_setup_apart():
+    """Two runs of one device call that differ in any knob (here only the combine wire dtype)
+    write different files: the wire-dtype run once overwrote the f32 run's JSON and plot."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_multirank.py")
+    spec = importlib.util.spec_from_file_location("bench_multirank", path)
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    f32 = bm.run_label(bm.parse_args(["--ranks_per_node", "4"]))
+    bf16 = bm.run_label(bm.parse_args(["--ranks_per_node", "4", "--",
+                                       "--combine_wire_dtype=payload"]))
+    assert f32 == ("token/warp 2x4", "_g4"), f32
+    assert bf16 == ("token/warp 2x4 w:payload", "_g4_combine-wire-dtype-payload"), bf16
+    assert bm.run_label(bm.parse_args([]))[1] == ""
+
+
 def test_sweep_points_cover_num_sms_and_kernels(monkeypatch):
     """The sweep's bookkeeping (the timing itself needs the CUDA backend): one point per num_sms,
     times every kernel pair with sweep_kernels; the best point becomes a Config snippet."""

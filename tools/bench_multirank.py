@@ -140,6 +140,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def run_label(a: argparse.Namespace) -> tuple[str, str]:
+    """(the table's kernels column, the files' name tag) of one setup: every knob that changes the
+    run names its files, so runs of one call never overwrite each other's JSON/log/PNG."""
+    kernels = f"{a.dispatch_kernel}/{a.combine_kernel}"
+    tag = "" if kernels == "token/warp" else f"_{a.dispatch_kernel}_{a.combine_kernel}"
+    if a.staged:
+        kernels, tag = kernels + "+st", tag + "_staged"
+    if a.ranks_per_node:
+        kernels += f" {a.nproc // a.ranks_per_node}x{a.ranks_per_node}"
+        tag += f"_g{a.ranks_per_node}"
+    # Extra jaxep.bench flags (e.g. the combine wire dtype) name the files too.
+    for extra in a.bench_args:
+        tag += "_" + "".join(c if c.isalnum() else "-" for c in extra.lstrip("-"))
+        if extra.startswith("--combine_wire_dtype="):
+            kernels += " w:" + extra.split("=", 1)[1]
+    return kernels, tag
+
+
 def main(argv=None) -> int:
     if os.environ.get("JAXEP_COORDINATOR"):
         print("tools/bench_multirank.py now starts the ranks itself; run it directly:\n"
@@ -151,13 +169,7 @@ def main(argv=None) -> int:
     os.makedirs(a.outdir, exist_ok=True)
     rows, first_rc = [], 0
     for e in (int(v) for v in a.experts.split(",")):
-        kernels = f"{a.dispatch_kernel}/{a.combine_kernel}"
-        tag = "" if kernels == "token/warp" else f"_{a.dispatch_kernel}_{a.combine_kernel}"
-        if a.staged:
-            kernels, tag = kernels + "+st", tag + "_staged"
-        if a.ranks_per_node:
-            kernels += f" {a.nproc // a.ranks_per_node}x{a.ranks_per_node}"
-            tag += f"_g{a.ranks_per_node}"
+        kernels, tag = run_label(a)
         base = os.path.join(a.outdir, f"bench_n{a.nproc}_e{e}{tag}")
         for stale in (base + ".json",):
             if os.path.exists(stale):
