@@ -105,16 +105,9 @@ class Exchange {
       if (ffi::Error e = pull(kAllSources); e.failure()) return e;
     } else {
       // OVERLAP (internode.h): my node's sources while the other nodes' rows are in flight, then
-      // theirs once every rank of my node has them in its regions.
+      // theirs, each row as soon as it landed on its forwarder (the pull waits per row; no
+      // exchange between the two passes).
       if (ffi::Error e = pull(kOwnNodeSources); e.failure()) return e;
-      if (ffi::Error e = Check("arrive rows", LaunchArriveRows(*team_, seq_, op_, stream_));
-          e.failure()) {
-        return e;
-      }
-      if (ffi::Error e = Sync("regions", kFlagRegions, seq_, kFlagRegions, seq_, kPhaseRegions);
-          e.failure()) {
-        return e;
-      }
       if (ffi::Error e = pull(kOtherNodeSources); e.failure()) return e;
     }
     if (ffi::Error e = Sync("signal free", kFlagFree, seq_, kFlagNone, 0, kPhaseNone);

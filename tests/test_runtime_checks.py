@@ -19,8 +19,7 @@ GIB = 1 << 30
 # What the extension's constants() returns (the lead's ffi/module.cc), for the fakes.
 CONSTANTS = dict(max_experts=8192, max_ranks=128,
                  phases=dict(enumerate(["none", "free", "ready", "zero_copy", "credit",
-                                        "remote_meta", "remote_rows", "return",
-                                        "regions"])),
+                                        "remote_meta", "remote_rows", "return"])),
                  ops={1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back"},
                  targets=_ffi.TARGETS, dispatch_kernels=("token", "row"),
                  combine_kernels=("warp", "thread"))

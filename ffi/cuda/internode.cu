@@ -2,11 +2,13 @@
 // waits. The only file of jaxep whose kernels call NVSHMEM; without NVSHMEM the launchers return
 // cudaErrorNotSupported (the runtime never starts then, so no internode call is ever made).
 //
-// Signals: rin_meta is SET to the call's seq by one put-with-signal; rin_rows counts puts with
-// NVSHMEM_SIGNAL_ADD 1 (NVSHMEM delivers each put's data before its signal). A waiter reads its own
-// signal words with ld.acquire.sys (team.cuh WaitAtLeast). Every kernel that puts ends with
+// Signals: rin_meta is SET to the call's seq by one put-with-signal, and so is rin_seq[n][j] by the
+// put of row j (dispatch, dispatch_rows); rin_rows counts returns with NVSHMEM_SIGNAL_ADD 1
+// (NVSHMEM delivers each put's data before its signal). A waiter reads the signal word with
+// ld.acquire.sys (team.cuh WaitAtLeast): its own words, or a row's rin_seq word on its forwarder
+// through the peer pointer (team.cuh AwaitRemoteRow). Every kernel that puts ends with
 // nvshmem_quiet() in every thread, so its puts are complete (source buffers reusable) once the
-// kernel is.
+// kernel is; a writer's puts of one call are therefore complete before any put of its next call.
 #include <algorithm>
 
 #include "internode.h"
@@ -55,7 +57,8 @@ __device__ int NodePositions(const int32_t* order, const int32_t* expert, int32_
 
 #ifdef JAXEP_HAVE_NVSHMEM
 
-// 2b. One block.
+// 2b. One block. Resets the return counters (rin_rows); the rows' rin_seq flags need no reset
+// (they hold a seq, which only grows: sync.h).
 __global__ void GrantKernel(Team team, uint64_t seq) {
   if (Aborted(team)) return;
   const int mine = NodeOf(team, team.rank), nodes = Nodes(team);
@@ -102,7 +105,8 @@ __global__ void CreditKernel(Team team, uint64_t seq, int32_t op) {
 }
 
 // 3b, second half: grid (blocks, nodes). Block 0 of node n puts the metadata; every warp puts the
-// rows of its tokens that need node n.
+// rows of its tokens that need node n, row j signalling rin_seq[my node][j] = seq on peer n (the
+// flag the pulls of peer n's whole node wait for: the forwarding starts row by row).
 __global__ void __launch_bounds__(kThreads) PutKernel(Team team, SendArgs a, uint64_t seq) {
   if (Aborted(team)) return;
   const int n = blockIdx.y, mine = NodeOf(team, team.rank);
@@ -125,10 +129,10 @@ __global__ void __launch_bounds__(kThreads) PutKernel(Team team, SendArgs a, uin
       for (int64_t t = warp; t < a.tokens; t += nwarps) {
         const int32_t j = pos[t];
         if (j < 0) continue;  // uniform across the warp
-        nvshmemx_putmem_signal_nbi_warp(region + team.lay.region_rows + j * a.row_bytes,
-                                        rows + t * a.row_bytes, a.row_bytes,
-                                        SymWord(team, team.lay.rin_rows, mine), 1,
-                                        NVSHMEM_SIGNAL_ADD, pe);
+        nvshmemx_putmem_signal_nbi_warp(
+            region + team.lay.region_rows + j * a.row_bytes, rows + t * a.row_bytes, a.row_bytes,
+            reinterpret_cast<uint64_t*>(team.sym + RowSeqOffset(team.lay, mine, j)), seq,
+            NVSHMEM_SIGNAL_SET, pe);
       }
     }
   }
@@ -159,8 +163,8 @@ __global__ void __launch_bounds__(1024) ArriveKernel(Team team, int32_t tokens, 
   }
 }
 
-// 5a (rows) and 5 (returns): rin_rows[n] >= counts[n] from every peer n, `counts` the i32 array
-// at `counts_off` of my block (region_count: its rows for me; out_count: my results back).
+// 5 (returns): rin_rows[n] >= counts[n] from every peer n, `counts` the i32 array at `counts_off`
+// of my block (out_count: my results back).
 __global__ void AwaitCountsKernel(Team team, size_t counts_off, int32_t phase, uint64_t seq,
                                   int32_t op) {
   if (Aborted(team)) return;
@@ -241,13 +245,6 @@ cudaError_t LaunchArrive(const Team& team, int32_t tokens, int32_t topk, int32_t
   return cudaGetLastError();
 }
 
-cudaError_t LaunchArriveRows(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream) {
-  if (Nodes(team) < 2) return cudaSuccess;
-  AwaitCountsKernel<<<1, 32, 0, stream>>>(team, team.lay.region_count, kPhaseRemoteRows, seq,
-                                          op);
-  return cudaGetLastError();
-}
-
 cudaError_t LaunchReturn(const Team& team, int64_t bytes, uint64_t seq, int32_t op,
                          int64_t max_blocks, cudaStream_t stream) {
   const int nodes = Nodes(team);
@@ -274,9 +271,6 @@ cudaError_t LaunchSend(const Team&, const SendArgs&, uint64_t, int32_t, int64_t,
 }
 cudaError_t LaunchArrive(const Team&, int32_t, int32_t, int32_t, uint64_t, int32_t,
                          cudaStream_t) {
-  return cudaErrorNotSupported;
-}
-cudaError_t LaunchArriveRows(const Team&, uint64_t, int32_t, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 cudaError_t LaunchReturn(const Team&, int64_t, uint64_t, int32_t, int64_t, cudaStream_t) {

@@ -14,19 +14,41 @@
 //
 // The steps, inside ffi/exchange.h's sequence (all on XLA's stream, bounded waits):
 //   2b GRANT   after the free wait (my node's readers left my regions): reset my rin_rows
-//              counters, then signal credit[my node] = seq on every peer ("you may write this call");
+//              (return) counters, then signal credit[my node] = seq on every peer ("you may
+//              write this call");
 //   3b SEND    out_pos / out_count (which of my tokens need node n), WAIT credit[n] >= seq (peer n's
 //              region for me is free), then put my metadata (signal rin_meta = seq) and, for
-//              the row ops, my rows (signal rin_rows += 1 each) into it;
+//              the row ops, my rows into it: row j (my j-th token that needs node n) with the
+//              signal rin_seq[my node][j] = seq on peer n;
 //   4a ARRIVE  per peer n: WAIT rin_meta[n] >= seq, recompute peer n's out_pos for my node into
 //              its region (region_pos / region_count); then the ready signal tells my node's
 //              ranks my stage and my regions' metadata are complete;
 //   OVERLAP    row ops: the pull of my node's sources runs while the other nodes' rows are still
-//              in flight (puts are non-blocking); then 5a WAIT rin_rows[n] >= region_count[n],
-//              SIGNAL regions[me] = seq on my node, WAIT regions[p] >= seq for my node, and the
-//              pull of the other nodes' sources (exchange.h). On a real cluster the NVLink
-//              pull of the own node overlaps the network; a chunked pipeline of the remote part
-//              (forwarding chunks as they land) is not built;
+//              in flight (puts are non-blocking), then the pull of the other nodes' sources
+//              (exchange.h), pipelined row by row: a warp that copies row j of source s (node n)
+//              from its forwarder f = (my node, s's local index) first WAITs f's
+//              rin_seq[n][j] >= seq (team.cuh AwaitRemoteRow), so each row is forwarded over
+//              NVLink as soon as it landed on f while the others are still on the network. No
+//              rank waits for all of its regions' rows, and there is no node-wide exchange after
+//              the ready one. Why this is safe:
+//                - NVSHMEM delivers a put's data before its signal; the reader loads the signal
+//                  with ld.acquire.sys through f's peer pointer and only then the row, so it reads
+//                  the row's data of this call (on a real cluster: the NIC's writes into f's
+//                  memory are ordered at f, where the NVLink loads are served too);
+//                - the flag holds a seq and never goes back: s's puts of one call are complete
+//                  (nvshmem_quiet) before its next call's, and s writes into f's region again only
+//                  after f's grant of that call, i.e. after every reader of my node signalled
+//                  free for this one (2b) - so the flag needs no reset, a late row that nobody
+//                  reads (its slots dropped for capacity everywhere) cannot disturb a later call,
+//                  and no row is overwritten while a reader copies it;
+//                - region_pos / the metadata the pull reads on f are complete since the ready
+//                  exchange (4a precedes f's ready signal); no pull kernel waits for anything a
+//                  later kernel of any stream produces: the row puts of s are issued by its send
+//                  kernel, which had started before f's ready (f waited s's metadata, put by the
+//                  same kernel), and that kernel waits for nothing after its credit (with
+//                  several ranks on one GPU this also relies on the block scheduler serving an
+//                  earlier grid's pending blocks before a later grid's: the spinning pull is
+//                  launched after the send kernel it waits for);
 //   5  RETURN  combine, gather_back: the op's kernel wrote, into region n's out area, the result
 //              of each of peer n's tokens that need my node; gather_back: LaunchReturn puts them
 //              to peer n after it (signal rin_rows += 1 each); combine: the reducer puts each row
@@ -67,9 +89,6 @@ cudaError_t LaunchSend(const Team& team, const SendArgs& a, uint64_t seq, int32_
 // Step 4a: every peer's metadata, and its positions for my node (region_pos / region_count).
 cudaError_t LaunchArrive(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                          uint64_t seq, int32_t op, cudaStream_t stream);
-
-// Step 5a (row ops, after the pull of my node's sources): WAIT rin_rows[n] >= region_count[n].
-cudaError_t LaunchArriveRows(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream);
 
 // Step 5: put region n's first region_count[n] results of `bytes` each to peer n, then WAIT until
 // my own out_count[n] results came back from every peer n (LaunchAwaitReturns).

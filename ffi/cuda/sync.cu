@@ -18,7 +18,7 @@ constexpr int kStageThreads = 256;
 constexpr int64_t kMaxStageBlocks = 1024;
 
 __device__ __forceinline__ size_t FlagOffset(const SymLayout& lay, int32_t flag) {
-  return flag == kFlagReady ? lay.ready : flag == kFlagFree ? lay.free : lay.regions;
+  return flag == kFlagReady ? lay.ready : lay.free;
 }
 
 // One block of 32 threads; thread i handles this node's ranks first + i, first + i + 32, ...
@@ -86,7 +86,6 @@ SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, i
   size_t o = 0;
   s.ready = o;        o += flags;
   s.free = o;         o += flags;
-  s.regions = o;      o += flags;
   s.abort = o;        o += AlignUp(sizeof(uint32_t) + sizeof(uint64_t));
   s.src_off = s.abort + sizeof(uint64_t);  // u64 after the u32 abort word, same 256-byte region
   s.counts = o;       o += AlignUp(static_cast<size_t>(num_experts) * sizeof(int32_t));
@@ -107,6 +106,7 @@ SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, i
     s.credit = o;     o += flags;
     s.rin_meta = o;   o += flags;
     s.rin_rows = o;   o += flags;
+    s.rin_seq = o;    o += AlignUp(n * tmax * sizeof(uint64_t));
     s.out_pos = o;    o += AlignUp(n * tmax * sizeof(int32_t));
     s.out_count = o;  o += AlignUp(n * sizeof(int32_t));
     s.region_count = o;  o += AlignUp(n * sizeof(int32_t));

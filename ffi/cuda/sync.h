@@ -50,12 +50,12 @@ enum Phase : int32_t {
   // Internode (internode.h; the peer is a rank of another node with this rank's local index):
   kPhaseCredit = 4,      // waiting for the peer to free the regions it hosts for me (last call)
   kPhaseRemoteMeta = 5,  // waiting for the peer's metadata put of this call
-  kPhaseRemoteRows = 6,  // waiting for the peer's row puts of this call (awaited = row count)
+  kPhaseRemoteRows = 6,  // row ops' pull: waiting for one row put by the peer (a source of
+                         // another node) into its forwarder on my node (awaited = seq)
   kPhaseReturn = 7,      // waiting for the peer's returned partials / values (awaited = count)
-  kPhaseRegions = 8,     // waiting for a rank of my node: the rows its regions got this call
 };
 constexpr const char* kPhaseNames[] = {"none",   "free",        "ready",       "zero_copy", "credit",
-                                       "remote_meta", "remote_rows", "return", "regions"};
+                                       "remote_meta", "remote_rows", "return"};
 
 // The op of a call, recorded in Diag::op; kOpNames[op] is its name (index 0 unused).
 enum OpCode : int32_t { kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3, kOpGatherBack = 4 };
@@ -81,8 +81,6 @@ struct Diag {
 //                          this node)
 //   free[kMaxRanks]  u64   free[p]  = last seq in which peer p (this node) finished reading my
 //                          stage and the regions I host
-//   regions[kMaxRanks] u64 internode row ops: regions[p] = last seq whose rows from the other
-//                          nodes peer p (this node) has in the regions it hosts
 //   abort            u32   local only: sticky abort word
 //   src_off          u64   zero-copy: byte offset of this call's source rows (x or y) in this
 //                          rank's XLA pool, or kStagedSrc (they are in `stage`); same 256-byte
@@ -100,8 +98,12 @@ struct Diag {
 //   credit[kMaxRanks]   u64  credit[n] = last seq for which I may write into the region peer n
 //                            hosts for me (signalled by peer n once its node freed that region)
 //   rin_meta[kMaxRanks] u64  rin_meta[n] = last seq whose metadata peer n put into my region n
-//   rin_rows[kMaxRanks] u64  rows (dispatch) or returns (combine, gather_back) that peer n put into
-//                            my region n this call (NVSHMEM_SIGNAL_ADD 1 each; reset each call)
+//   rin_rows[kMaxRanks] u64  returns (combine, gather_back) that peer n put into my region n this
+//                            call (NVSHMEM_SIGNAL_ADD 1 each; reset at each GRANT)
+//   rin_seq[nodes][Tmax] u64 rin_seq[n][j] = last seq whose row j (dispatch, dispatch_rows) peer n
+//                            put into my region n (NVSHMEM_SIGNAL_SET seq with the row's put;
+//                            never reset: a writer's calls are ordered, so it only grows; read by
+//                            every rank of my node, RowSeqOffset)
 //   out_pos[nodes][Tmax] i32 source side: token t's index among my tokens that need node n, -1 if
 //                            none of its kept / valid slots is on node n
 //   out_count[nodes]    i32  how many tokens need node n
@@ -117,11 +119,11 @@ struct Diag {
 //     + region_out        Tmax x region_row_bytes: what my node returns for peer n's tokens, put
 //                         from here into peer n's region for my node
 struct SymLayout {
-  size_t ready = 0, free = 0, regions = 0, abort = 0, src_off = 0, counts = 0, sorted_slot = 0, sorted_w = 0,
+  size_t ready = 0, free = 0, abort = 0, src_off = 0, counts = 0, sorted_slot = 0, sorted_w = 0,
          slot_order = 0, slot_expert = 0, stage_w = 0, stage = 0, stage_bytes = 0;
-  size_t credit = 0, rin_meta = 0, rin_rows = 0, out_pos = 0, out_count = 0, region_count = 0, region = 0,
-         region_stride = 0, meta_span = 0, region_pos = 0, region_rows = 0, region_out = 0,
-         region_row_bytes = 0;
+  size_t credit = 0, rin_meta = 0, rin_rows = 0, rin_seq = 0, out_pos = 0, out_count = 0,
+         region_count = 0, region = 0, region_stride = 0, meta_span = 0, region_pos = 0,
+         region_rows = 0, region_out = 0, region_row_bytes = 0;
   size_t total = 0;
   int64_t max_slots = 0;     // N = max_tokens * topk
   int64_t max_tokens = 0;    // Tmax
@@ -169,8 +171,17 @@ __host__ __device__ inline size_t RegionOffset(const SymLayout& l, int writer_no
                         l.region_stride;
 }
 
+// Byte offset, in a rank of another node than `writer_node`, of the word rin_seq[writer_node][j]:
+// the arrival flag of row j of the region that writer_node's peer fills (internode.h SEND).
+__host__ __device__ inline size_t RowSeqOffset(const SymLayout& l, int writer_node, int64_t j) {
+  return l.rin_seq +
+         (static_cast<size_t>(writer_node) * static_cast<size_t>(l.max_tokens) +
+          static_cast<size_t>(j)) * sizeof(uint64_t);
+}
+
 // Which sources a pull reads (internode row ops pull their node's sources while the other nodes'
-// rows are still arriving, then the other nodes' sources: internode.h OVERLAP). kAllSources with
+// rows are still arriving, then the other nodes' sources, each row as soon as it landed on its
+// forwarder: internode.h OVERLAP). kAllSources with
 // one node; the rows past the kept ones are zeroed by the kAllSources / kOwnNodeSources pass.
 enum SourceSet : int32_t { kAllSources = 0, kOwnNodeSources = 1, kOtherNodeSources = 2 };
 __host__ __device__ inline bool InSet(int source_node, int my_node, int32_t set) {
@@ -185,8 +196,7 @@ __host__ __device__ inline int Nodes(const Team& t) { return t.size / t.node_siz
 
 // Steps 2 / 4 / 6 / 7 (this node's ranks only): signal `flag_signal` on every peer with `value` (kFlagNone: no signal),
 // then wait until this PE's `flag_wait`[p] >= want for every p (kFlagNone: no wait).
-// kFlagRegions: internode row ops, the second ready (my regions' rows arrived: internode.h).
-enum FlagId : int32_t { kFlagNone = -1, kFlagReady = 0, kFlagFree = 1, kFlagRegions = 2 };
+enum FlagId : int32_t { kFlagNone = -1, kFlagReady = 0, kFlagFree = 1 };
 cudaError_t LaunchSync(const Team& team, int32_t flag_signal, uint64_t value, int32_t flag_wait,
                        uint64_t want, int32_t phase, int32_t op, uint64_t seq,
                        cudaStream_t stream);

@@ -116,6 +116,29 @@ __device__ __forceinline__ Source SourceOf(const Team& team, int s) {
           reinterpret_cast<const int32_t*>(region + team.lay.region_pos)};
 }
 
+// The sequence number of the call whose pull kernel is running: this rank's ready signal of the
+// call (sync.h step 4) also set its own ready[me] word, and its next call's ready signal comes
+// after this pull in stream order.
+__device__ __forceinline__ uint64_t PullSeq(const Team& team) {
+  return reinterpret_cast<const volatile uint64_t*>(team.peer[team.rank] +
+                                                    team.lay.ready)[team.rank];
+}
+
+// Internode row ops, the pull of the other nodes' sources (internode.h OVERLAP): source s of
+// node n != mine put its row i into region n of its forwarder f = (my node, s's local index)
+// with a signal that sets f's rin_seq[n][i] = seq once the row's data is there (NVSHMEM delivers
+// a put's data before its signal). Waits until that word, read through f's peer pointer with
+// ld.acquire.sys by every lane, reached `seq`: the lanes' later loads of the row then see this
+// call's data. Whole warp, uniform arguments, bounded (the diagnosis names s, the late writer).
+// False: this rank aborted (the caller's warp exits).
+__device__ inline bool AwaitRemoteRow(const Team& team, int s, int64_t i, uint64_t seq,
+                                      int32_t op) {
+  const int f = NodeOf(team, team.rank) * team.node_size + s % team.node_size;
+  const uint64_t* flag =
+      reinterpret_cast<const uint64_t*>(team.peer[f] + RowSeqOffset(team.lay, NodeOf(team, s), i));
+  return __all_sync(kFullMask, WaitAtLeast(team, flag, seq, kPhaseRemoteRows, op, s, seq));
+}
+
 // Fills s_src[s] = SourceOf(team, s) for every rank s, once per block (ends with __syncthreads:
 // call it from every thread of the block, before any early exit of a thread).
 __device__ __forceinline__ void LoadSources(const Team& team, Source* s_src) {
