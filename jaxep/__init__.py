@@ -8,11 +8,15 @@
 Importing jaxep only registers the FFI targets of the CUDA extension, when it was built.
 """
 from jaxep.config import Config
-from jaxep.ops import combine, dispatch
+from jaxep.fp8 import dequantize_fp8
+from jaxep.ops import combine, combine_recv, combine_send, dispatch, dispatch_recv, dispatch_send
 from jaxep.runtime import TimeoutError, check, finalize, initialize  # noqa: A004
-from jaxep.types import DispatchResult, Handle, Stats
+from jaxep.types import (CombinePending, DispatchPending, DispatchResult, Handle,
+                         LowLatencyDispatchResult, Stats)
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "DispatchResult", "Handle", "Stats", "TimeoutError", "check", "combine",
-           "dispatch", "finalize", "initialize"]
+__all__ = ["CombinePending", "Config", "DispatchPending", "DispatchResult", "Handle",
+           "LowLatencyDispatchResult", "Stats", "TimeoutError", "check", "combine", "combine_recv",
+           "combine_send", "dequantize_fp8", "dispatch", "dispatch_recv", "dispatch_send",
+           "finalize", "initialize"]

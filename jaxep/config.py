@@ -19,7 +19,11 @@ import numpy as np
 PAYLOAD_DTYPES = ("bfloat16", "float16", "float32")
 # Modes of SPEC.md section 3; only those in BUILT_MODES run, the others raise at construction.
 MODES = ("normal", "low_latency")
-BUILT_MODES = ("normal",)
+BUILT_MODES = ("normal", "low_latency")
+# FP8 dispatch (low_latency): one f32 scale per FP8_BLOCK channels of a token, e4m3 codes up to
+# FP8_MAX (SPEC section 3; jaxep.reference.fp8_quantize).
+FP8_BLOCK = 128
+FP8_MAX = 448.0
 # Kernel variants (same bits, different speed; docs/design.md). The first of each is the default.
 DISPATCH_KERNELS = ("token", "row")    # multi-rank dispatch pull: warp per (source, token) | per row
 COMBINE_KERNELS = ("warp", "thread")   # multi-rank combine pull: warp per token | thread per 16 B
@@ -118,8 +122,19 @@ class Config:
         time): `capacity(ep_size) = min(recv_capacity, ep_size * max_tokens_per_rank * topk)`.
       dtype: payload dtype the buffers are sized for: one of `PAYLOAD_DTYPES`, spelled as a name,
         a numpy/JAX dtype or scalar type (np.dtype('float32'), jnp.float32); stored as the name.
-      mode: "normal" (throughput: training and prefill). "low_latency" (decode) is not built yet
-        and raises here rather than silently running "normal".
+      mode: "normal" (throughput: training and prefill) or "low_latency" (decode: dispatch
+        returns `jaxep.LowLatencyDispatchResult`, x [L, M, H] per local expert, and each op has
+        a send and a receive half; docs/design.md "Low-latency mode"). low_latency is built on
+        the reference backend only; the CUDA backend raises at trace time, it never runs normal
+        mode in its place. The capacity fields (capacity_factor, recv_capacity) are normal-mode
+        settings: recv_capacity with low_latency raises (it would do nothing).
+      rows_per_expert: low_latency only (raises with "normal"): M, the rows per local expert of
+        dispatch's x [L, M, H]. None = ep_size * max_tokens_per_rank, the no-drop worst case when
+        no token names an expert twice (`expert_rows(ep_size)`). Rows of an expert past M are
+        dropped (the last in layout order first) and counted. Bounded so that L * M rows fit int32.
+      fp8_dispatch: low_latency only (raises with "normal"): dispatch quantizes each token to
+        float8_e4m3fn with one f32 scale per 128 channels (SPEC section 3) and returns x_fp8 and
+        scales [L, M, H/128]; needs hidden % 128 == 0. Its outputs are not differentiable.
       ranks_per_node: the node layout G (ranks r = node * G + local index). None (recommended on
         real clusters) = read from the machine at `jaxep.initialize` (processes per host, agreed
         by every rank; the reference backend without a runtime: one node). An int overrides it,
@@ -166,6 +181,8 @@ class Config:
     recv_capacity: int | None = None
     dtype: str = "bfloat16"
     mode: str = "normal"
+    rows_per_expert: int | None = None
+    fp8_dispatch: bool = False
     ranks_per_node: int | None = None
     combine_wire_dtype: str = "float32"
     num_sms: int | None = None
@@ -205,6 +222,7 @@ class Config:
             raise NotImplementedError(
                 f"jaxep.Config: mode={self.mode!r} is not built yet: expected one of {BUILT_MODES}, "
                 f"got {self.mode!r} (jaxep never runs another mode in its place)")
+        self._check_low_latency()
         if self.ranks_per_node is not None:
             _int(self, "ranks_per_node", 1)
         wire = self.combine_wire_dtype
@@ -225,6 +243,54 @@ class Config:
         t = _number(self, "timeout_s")
         if not 0 < t < 86400:
             raise ValueError(f"jaxep.Config: timeout_s must be in (0, 86400), got {t!r}")
+
+    def _check_low_latency(self) -> None:
+        """rows_per_expert and fp8_dispatch: low_latency settings, refused with another mode."""
+        ll = self.mode == "low_latency"
+        if self.rows_per_expert is not None:
+            if not ll:
+                raise ValueError(f"jaxep.Config: rows_per_expert is a mode='low_latency' setting: "
+                                 f"expected None with mode={self.mode!r}, got "
+                                 f"{self.rows_per_expert!r} (it would do nothing)")
+            _int(self, "rows_per_expert", 1, "int32 rows")
+            rows = self.num_experts * self.rows_per_expert  # L * M <= E * M for every EP size
+            if rows > INT32_MAX:
+                raise ValueError(f"jaxep.Config: num_experts * rows_per_expert must be <= "
+                                 f"{INT32_MAX} (int32 rows of L * M on one rank), got "
+                                 f"{self.num_experts} * {self.rows_per_expert} = {rows}")
+        _bool(self, "fp8_dispatch")
+        if self.fp8_dispatch:
+            if not ll:
+                raise ValueError(f"jaxep.Config: fp8_dispatch is a mode='low_latency' setting: "
+                                 f"expected False with mode={self.mode!r}, got True")
+            if self.hidden % FP8_BLOCK:
+                raise ValueError(f"jaxep.Config: fp8_dispatch needs hidden to be a multiple of "
+                                 f"{FP8_BLOCK} (one scale per {FP8_BLOCK} channels): expected a "
+                                 f"multiple of {FP8_BLOCK}, got hidden={self.hidden}")
+        if ll and self.recv_capacity is not None:
+            raise ValueError(f"jaxep.Config: recv_capacity is a mode='normal' setting: expected "
+                             f"None with mode='low_latency' (set rows_per_expert), got "
+                             f"{self.recv_capacity!r}")
+
+    def expert_rows(self, ep_size: int) -> int:
+        """M, the rows per local expert of low_latency dispatch on `ep_size` ranks (static):
+        rows_per_expert, else ep_size * max_tokens_per_rank (no drop when no token names an
+        expert twice). Raises when the experts do not divide evenly, when the global slot ids of
+        this EP size do not fit int32 (as `capacity`), or when L * M rows do not."""
+        L = self.local_experts(ep_size)
+        worst = self.no_drop_capacity(ep_size)
+        if worst > INT32_MAX:
+            raise ValueError(
+                f"jaxep: ep_size * max_tokens_per_rank * topk must be <= {INT32_MAX} (int32 slot "
+                f"ids), got {ep_size} * {self.max_tokens_per_rank} * {self.topk} = {worst}: this "
+                f"config supports EP sizes up to {self.max_ep_size()}; lower max_tokens_per_rank")
+        M = (self.rows_per_expert if self.rows_per_expert is not None
+             else ep_size * self.max_tokens_per_rank)
+        if L * M > INT32_MAX:
+            raise ValueError(f"jaxep: L * M rows (local experts times rows per expert) must be <= "
+                             f"{INT32_MAX} (int32 rows), got {L} * {M} = {L * M}: set a smaller "
+                             f"rows_per_expert")
+        return M
 
     def local_experts(self, ep_size: int) -> int:
         """L = num_experts / ep_size; raises when the experts do not divide evenly."""

@@ -1,4 +1,5 @@
-"""Pytrees returned by `jaxep.dispatch` and consumed by `jaxep.combine` (see docs/design.md)."""
+"""Pytrees returned by `jaxep.dispatch` and consumed by `jaxep.combine` (see docs/design.md), and
+the pending halves of the low-latency split ops (`jaxep.dispatch_send` / `jaxep.combine_send`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,9 +51,71 @@ class DispatchResult:
     stats: Stats
 
 
+@dataclasses.dataclass(frozen=True)
+class LowLatencyDispatchResult:
+    """What `jaxep.dispatch` / `jaxep.dispatch_recv` return with mode="low_latency".
+
+    x:       [L, M, H] rows of local expert l in (source rank, source token, k) order; rows past
+             counts[l] are zero. The payload dtype, or float8_e4m3fn with Config.fp8_dispatch.
+    scales:  [L, M, H/128] f32 the row's token's scales (fp8_dispatch; zero for empty rows), else
+             None. `jaxep.dequantize_fp8(x, scales)` gives the rows back in bf16.
+    counts:  [L] i32 rows kept per local expert (<= M).
+    weights: [L, M] f32 routing weight of each row, 0 for empty rows (a reshape of
+             handle.weights, the flat rows l * M + m).
+    handle:  a `jaxep.Handle` over the flat rows l * M + m (so combine, its transposes and the
+             normal-mode backend ops reuse it unchanged).
+    stats:   dropped_rows (rows of an expert past M) and invalid_ids, as in normal mode.
+    """
+    x: jax.Array
+    scales: jax.Array | None
+    counts: jax.Array
+    weights: jax.Array
+    handle: Handle
+    stats: Stats
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchPending:
+    """`jaxep.dispatch_send`'s result, for `jaxep.dispatch_recv` (a pytree: jit/scan friendly).
+
+    arrays: the backend's in-flight arrays (what the send half moved; backend specific).
+    x, topk_weights: dispatch's differentiable inputs, carried so that `dispatch_recv`'s VJP can
+      return their cotangents (the send half itself is not differentiated).
+    Static: the config, the EP axis name and the backend.
+    """
+    arrays: tuple
+    x: jax.Array
+    topk_weights: jax.Array
+    config: Config = dataclasses.field(metadata=dict(static=True))
+    axis_name: str = dataclasses.field(metadata=dict(static=True))
+    backend: str = dataclasses.field(metadata=dict(static=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class CombinePending:
+    """`jaxep.combine_send`'s result, for `jaxep.combine_recv` (a pytree: jit/scan friendly).
+
+    arrays: the backend's in-flight arrays (the reference: the expert-side partials, exchanged).
+    y, weights: combine's differentiable inputs (y [L*M, H] flat, weights [L*M] f32), carried for
+      `combine_recv`'s VJP; handle: the dispatch handle (its transposes route with it).
+    """
+    arrays: tuple
+    y: jax.Array
+    weights: jax.Array
+    handle: Handle
+
+
 jax.tree_util.register_dataclass(Stats, data_fields=["dropped_rows", "invalid_ids"], meta_fields=[])
 jax.tree_util.register_dataclass(
     Handle, data_fields=["weights", "send_row", "recv_slot", "topk_idx"],
     meta_fields=["config", "axis_name", "backend"])
 jax.tree_util.register_dataclass(
     DispatchResult, data_fields=["x", "group_sizes", "weights", "handle", "stats"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    LowLatencyDispatchResult, data_fields=["x", "scales", "counts", "weights", "handle", "stats"],
+    meta_fields=[])
+jax.tree_util.register_dataclass(
+    DispatchPending, data_fields=["arrays", "x", "topk_weights"],
+    meta_fields=["config", "axis_name", "backend"])
+jax.tree_util.register_dataclass(
+    CombinePending, data_fields=["arrays", "y", "weights", "handle"], meta_fields=[])

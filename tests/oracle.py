@@ -113,3 +113,98 @@ def combine(ys, weights, send_row, idxs, *, num_experts, ranks_per_node=None, wi
 def cast(a32, dtype):
     """f32 -> dtype, rounded to nearest even once."""
     return np.asarray(a32, np.float32).astype(dtype)
+
+
+# ---- mode="low_latency" (SPEC section 3 "low_latency contract"; docs/design.md) ----
+
+def _e4m3_values():
+    """The 127 non-negative finite float8_e4m3fn codes 0x00..0x7e and their values, from the
+    format itself: 1 sign, 4 exponent (bias 7), 3 mantissa bits; exponent 0 is subnormal
+    (m/8 * 2**-6); 0x7f (all ones) is NaN and there is no infinity, so the largest is 0x7e = 448."""
+    vals = []
+    for code in range(0x7f):
+        e, m = code >> 3, code & 7
+        vals.append(m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return np.array(vals, np.float64)
+
+
+E4M3 = _e4m3_values()
+
+
+def e4m3_encode(v32):
+    """f32 values -> e4m3fn codes (uint8): round to the nearest code, ties to the even mantissa
+    (the even code: neighbours differ in the last mantissa bit), saturated to +-448. The sign bit
+    is the value's (so -0.0 and negatives that round to zero give 0x80). Exhaustive nearest."""
+    v = np.asarray(v32, np.float32)
+    out = np.zeros(v.shape, np.uint8)
+    for i, x in np.ndenumerate(v):
+        a = min(abs(float(x)), 448.0)  # f32 -> f64 is exact; saturate
+        d = np.abs(E4M3 - a)
+        best = np.flatnonzero(d == d.min())
+        code = int(best[0]) if len(best) == 1 else int(best[best % 2 == 0][0])
+        out[i] = code | (0x80 if np.signbit(x) else 0)
+    return out
+
+
+def fp8_quantize(x):
+    """x [T,H] -> (codes [T,H] uint8, scales [T,H/128] f32): per token and 128 channels, in f32,
+    amax = max |x|, scale = amax / 448 (1.0 where amax == 0), q = e4m3(x / scale)."""
+    x32 = np.asarray(x).astype(np.float32)
+    T, H = x32.shape
+    codes = np.zeros((T, H), np.uint8)
+    scales = np.zeros((T, H // 128), np.float32)
+    for t in range(T):
+        for j in range(H // 128):
+            blk = x32[t, 128 * j:128 * (j + 1)]
+            amax = np.float32(np.max(np.abs(blk)))
+            s = np.float32(1.0) if amax == 0 else np.float32(amax / np.float32(448.0))
+            scales[t, j] = s
+            codes[t, 128 * j:128 * (j + 1)] = e4m3_encode(blk / s)  # f32 / f32: one rounding
+    return codes, scales
+
+
+def ll_dispatch(xs, idxs, ws, *, num_experts, rows, fp8=False):
+    """Per-rank lists: x [L,M,H] (uint8 e4m3 codes when fp8), scales [L,M,H/128] (fp8), counts
+    [L], weights [L,M], send_row [T,K] (flat row l*M+m on the destination, -1 if not kept),
+    recv_slot [L*M], dropped, invalid. Rows of expert e = d*L + l on rank d in (source rank,
+    token, k) order; the first M kept, the rest dropped; rows past counts[l] zero."""
+    R, M = len(xs), rows
+    T, K = idxs[0].shape
+    L = num_experts // R
+    H = xs[0].shape[1]
+    if fp8:
+        q = [fp8_quantize(x) for x in xs]
+    out = {k: [] for k in ("x", "scales", "counts", "weights", "recv_slot", "dropped", "invalid")}
+    send_row = [np.full((T, K), -1, np.int32) for _ in range(R)]
+    for d in range(R):
+        x = np.zeros((L, M, H), np.uint8 if fp8 else xs[0].dtype)
+        scales = np.zeros((L, M, H // 128), np.float32)
+        weights = np.zeros((L, M), np.float32)
+        recv_slot = np.full((L * M,), -1, np.int32)
+        counts = np.zeros((L,), np.int32)
+        dropped = 0
+        for l in range(L):
+            m = 0
+            for s in range(R):
+                for t in range(T):
+                    for k in range(K):
+                        if int(idxs[s][t, k]) != d * L + l:
+                            continue
+                        if m >= M:
+                            dropped += 1
+                            continue
+                        x[l, m] = q[s][0][t] if fp8 else xs[s][t]
+                        if fp8:
+                            scales[l, m] = q[s][1][t]
+                        weights[l, m] = ws[s][t, k]
+                        recv_slot[l * M + m] = s * T * K + t * K + k
+                        send_row[s][t, k] = l * M + m
+                        m += 1
+            counts[l] = m
+        for name, v in (("x", x), ("scales", scales), ("counts", counts), ("weights", weights),
+                        ("recv_slot", recv_slot), ("dropped", dropped)):
+            out[name].append(v)
+    for s in range(R):
+        out["invalid"].append(int(np.sum((idxs[s] < -1) | (idxs[s] >= num_experts))))
+    out["send_row"] = send_row
+    return out

@@ -102,8 +102,12 @@ def test_combine_errors():
     (dict(capacity_factor=-1.0), ValueError, r"capacity_factor must be a finite number in \(0, 268435455.875\] .*got -1.0"),
     (dict(dtype="int8"), ValueError, r"jaxep.Config: dtype must be one of .*, got 'int8'"),
     (dict(mode="fast"), ValueError, r"jaxep.Config: mode must be one of .*, got 'fast'"),
-    (dict(mode="low_latency"), NotImplementedError,
-     r"jaxep.Config: mode='low_latency' is not built yet: expected one of \('normal',\), got 'low_latency'"),
+    (dict(rows_per_expert=4), ValueError,
+     r"jaxep.Config: rows_per_expert is a mode='low_latency' setting: expected None with "
+     r"mode='normal', got 4 \(it would do nothing\)"),
+    (dict(mode="low_latency", fp8_dispatch=True), ValueError,
+     r"jaxep.Config: fp8_dispatch needs hidden to be a multiple of 128 \(one scale per 128 "
+     r"channels\): expected a multiple of 128, got hidden=16"),
     (dict(timeout_s=0), ValueError, r"jaxep.Config: timeout_s must be in \(0, 86400\), got 0"),
     (dict(num_sms=0), ValueError, r"jaxep.Config: num_sms must be >= 1, got 0"),
     (dict(num_sms=8.0), TypeError, r"jaxep.Config: num_sms must be an int, got float 8.0"),

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxep import runtime
 from jaxep._numerics import exact_f32
 from jaxep.config import Config, field_diff
-from jaxep.ops import _common
+from jaxep.ops import _common, combine_ll
 from jaxep.types import Handle
 
 
@@ -34,11 +34,15 @@ def combine(y, handle: Handle, *, axis_name: str = "ep", weights=None, config=No
     the shapes a dispatch with that config makes on this EP size, and that config must be the one
     given to `jaxep.initialize`, if any.
 
-    Returns [T, H] in y's dtype.
+    Returns [T, H] in y's dtype. With a handle of a mode="low_latency" dispatch: y is [L, M, H]
+    (bfloat16 or the payload dtype), weights [L, M] when given, and the result [T, H] is in the
+    config's dtype: exactly `combine_recv(combine_send(...))` (`jaxep.ops.combine_ll`).
     """
     if not isinstance(handle, Handle):
         raise TypeError(f"jaxep.combine: handle must be the jaxep.Handle that dispatch returned, "
                         f"got {type(handle).__name__}")
+    if getattr(handle.config, "mode", None) == "low_latency":
+        return combine_ll.combine(y, handle, axis_name=axis_name, weights=weights, config=config)
     if config is not None:
         if not isinstance(config, Config):
             raise TypeError(f"jaxep.combine: config must be a jaxep.Config or None, got "

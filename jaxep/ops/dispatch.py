@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxep import runtime
-from jaxep.ops import _common
+from jaxep.ops import _common, dispatch_ll
 from jaxep.config import Config
 from jaxep.types import DispatchResult, Handle, Stats
 
@@ -41,9 +41,15 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name: str = "ep", config, backen
       config: the `jaxep.Config` (the one given to `jaxep.initialize`, if called).
       backend: "reference", "cuda" or None (automatic).
 
-    Returns a `DispatchResult`: x [C, H], group_sizes [L], weights [C], handle, stats.
+    Returns a `DispatchResult`: x [C, H], group_sizes [L], weights [C], handle, stats. With
+    config.mode="low_latency": a `LowLatencyDispatchResult` (x [L, M, H], scales, counts [L],
+    weights [L, M], handle, stats), exactly `dispatch_recv(dispatch_send(...))`
+    (`jaxep.ops.dispatch_ll`).
     """
     runtime.check_config("dispatch", config)
+    if config.mode == "low_latency":
+        return dispatch_ll.dispatch(x, topk_idx, topk_weights, axis_name=axis_name, config=config,
+                                    backend=backend)
     runtime.check_axis_name("dispatch", axis_name)
     R = _common.ep_size("dispatch", axis_name)
     _common.check_node_layout("dispatch", config, R)

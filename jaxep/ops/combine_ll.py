@@ -1,0 +1,160 @@
+"""Low-latency combine (`Config(mode="low_latency")`): `jaxep.combine_send` / `jaxep.combine_recv`
+and the one-call `jaxep.combine` with a low-latency handle, which is exactly send then recv.
+
+y [L, M, H] is combined as the flat rows l * M + m of the handle: the normal-mode combine of
+y.reshape(L * M, H), bit for bit (the same fixed order: nodes, ranks, k ascending, in f32, each
+product and sum rounded once), cast once to the config's dtype. The transposes are the normal
+mode's on the flat rows: d y = w * dispatch_rows(g_out), d w = <g_rows, y> in f32. The send half
+is not differentiated: the pending carries y and the weights for combine_recv's VJP.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from jaxep import runtime
+from jaxep._numerics import exact_f32
+from jaxep.config import Config, field_diff
+from jaxep.ops import _common
+from jaxep.ops.dispatch_ll import _require_low_latency, detach_empty
+from jaxep.types import CombinePending, Handle
+
+
+def combine_send(y, handle: Handle, *, axis_name: str = "ep", weights=None, config=None
+                 ) -> CombinePending:
+    """The send half of low-latency combine; call inside `jax.shard_map`, then `combine_recv`.
+
+    Args:
+      y: [L, M, H] expert outputs in dispatch's layout (rows past counts[l] are ignored), in
+        bfloat16 or the config's payload dtype.
+      handle: `LowLatencyDispatchResult.handle`.
+      axis_name, config: as for `jaxep.combine`.
+      weights: optional [L, M] f32 per-row weights; default the routing weights (res.weights).
+
+    Returns a `jaxep.CombinePending` (a pytree). On the reference backend the expert-side
+    partial sums and their exchange (all_to_all) happen here, the final node-order sum in
+    `combine_recv`.
+    """
+    return _send("combine_send", y, handle, axis_name, weights, config)
+
+
+def _send(op, y, handle, axis_name, weights, config):
+    """combine_send, its checks naming `op` (the one-call jaxep.combine names itself)."""
+    cfg, R = _check_handle(op, handle, axis_name, config)
+    L, M, H = cfg.local_experts(R), cfg.expert_rows(R), cfg.hidden
+    dtypes = tuple(dict.fromkeys((jnp.dtype(jnp.bfloat16), jnp.dtype(cfg.dtype))))
+    _common.check_array(op, "y", y, (L, M, H), dtypes)
+    if weights is None:
+        w = handle.weights
+    else:
+        _common.check_array(op, "weights", weights, (L, M), (jnp.float32,))
+        w = weights.reshape(L * M)
+    y_flat = y.reshape(L * M, H)
+    ints = (handle.send_row, handle.recv_slot, handle.topk_idx)
+    sent = _common.BACKENDS[handle.backend].combine_send(
+        jax.lax.stop_gradient(y_flat), jax.lax.stop_gradient(w), *ints, axis_name=axis_name,
+        config=cfg)
+    return CombinePending(arrays=tuple(sent), y=y_flat, weights=w, handle=handle)
+
+
+def combine_recv(pending: CombinePending):
+    """The receive half: [T, H] in the config's dtype from `combine_send`'s pending."""
+    if not isinstance(pending, CombinePending):
+        raise TypeError(f"jaxep.combine_recv: pending must be the jaxep.CombinePending that "
+                        f"combine_send returned, got {type(pending).__name__}")
+    h = pending.handle
+    _check_handle("combine_recv", h, h.axis_name, None)
+    static = _Static(h.axis_name, h.config, h.backend)
+    return _recv(*detach_empty((pending.y, pending.weights, pending.arrays,
+                                (h.send_row, h.recv_slot, h.topk_idx))), static)
+
+
+def combine(y, handle, *, axis_name, weights=None, config=None):
+    """`jaxep.combine` with a mode="low_latency" handle: combine_send then combine_recv."""
+    return combine_recv(_send("combine", y, handle, axis_name, weights, config))
+
+
+def _check_handle(op: str, handle, axis_name, config):
+    """The handle is a low-latency dispatch's, for this axis, config and EP size; returns
+    (handle.config, EP size)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"jaxep.{op}: handle must be the jaxep.Handle that dispatch returned, got "
+                        f"{type(handle).__name__}")
+    if config is not None:
+        if not isinstance(config, Config):
+            raise TypeError(f"jaxep.{op}: config must be a jaxep.Config or None, got "
+                            f"{type(config).__name__}")
+        runtime.check_config(op, config)
+        if handle.config != config:
+            raise ValueError(f"jaxep.{op}: handle.config must be the config given to {op}: "
+                             f"{field_diff(config, handle.config)} (the handle comes from a "
+                             "dispatch with another config: another layer's?)")
+    runtime.check_config(op, handle.config, "handle.config")
+    _require_low_latency(op, handle.config, "handle.config")
+    runtime.check_axis_name(op, axis_name)
+    if axis_name != handle.axis_name:
+        raise ValueError(f"jaxep.{op}: axis_name must be the one dispatch used, expected "
+                         f"{handle.axis_name!r}, got {axis_name!r}")
+    R = _common.ep_size(op, axis_name)
+    cfg = handle.config
+    _common.check_node_layout(op, cfg, R)
+    if handle.backend not in _common.BACKENDS:
+        raise ValueError(f"jaxep.{op}: handle.backend must be one of {tuple(_common.BACKENDS)}, "
+                         f"got {handle.backend!r}")
+    K, LM = cfg.topk, cfg.local_experts(R) * cfg.expert_rows(R)
+    T = handle.send_row.shape[0] if hasattr(handle.send_row, "shape") else None
+    fields = (("send_row", (None, K), "[T, handle.config.topk]", jnp.int32),
+              ("topk_idx", (T, K), "[T, handle.config.topk]", jnp.int32),
+              ("recv_slot", (LM,), "[L * M]", jnp.int32), ("weights", (LM,), "[L * M]", jnp.float32))
+    for name, shape, meaning, dtype in fields:
+        try:
+            _common.check_array(op, f"handle.{name}", getattr(handle, name), shape, (dtype,))
+        except ValueError as e:  # add what the expected shape means
+            text = str(e)
+            at = text.index(", got ")
+            raise ValueError(f"{text[:at]} ({meaning}){text[at:]}") from None
+    if T > cfg.max_tokens_per_rank:
+        raise ValueError(f"jaxep.{op}: handle.send_row must have at most "
+                         f"handle.config.max_tokens_per_rank={cfg.max_tokens_per_rank} rows, got {T}")
+    return cfg, R
+
+
+class _Static(NamedTuple):
+    axis_name: str
+    config: Config
+    backend: str
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _recv(y, weights, sent, ints, static):
+    """y and weights only carry the VJP: the sum comes from `sent`."""
+    del y, weights, ints
+    return _common.BACKENDS[static.backend].combine_recv(
+        sent, axis_name=static.axis_name, config=static.config, dtype=static.config.dtype)
+
+
+def _recv_fwd(y, weights, sent, ints, static):
+    val = lambda a: a.value  # noqa: E731
+    y, weights = y.value, weights.value
+    out = _recv(y, weights, jax.tree.map(val, sent), jax.tree.map(val, ints), static)
+    return out, (y, weights, jax.tree.map(val, ints))
+
+
+def _recv_bwd(static, res, g_out):
+    """g_rows = dispatch of g_out; dy = w * g_rows; dw = <g_rows, y> in f32 (flat rows)."""
+    y, weights, (send_row, recv_slot, idx) = res
+    if isinstance(g_out, SymbolicZero):
+        return None, None, None, None
+    g_rows = _common.BACKENDS[static.backend].dispatch_rows(
+        g_out, recv_slot, send_row, idx, axis_name=static.axis_name, config=static.config)
+    g32 = exact_f32(g_rows)
+    dy = (weights[:, None] * g32).astype(y.dtype)
+    dw = jnp.sum(g32 * exact_f32(y), axis=-1)
+    return dy, dw, None, None
+
+
+_recv.defvjp(_recv_fwd, _recv_bwd, symbolic_zeros=True)
