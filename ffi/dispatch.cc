@@ -11,7 +11,9 @@
 //   ranks_per_node   the node layout G (ffi/cuda/internode.h), checked against the runtime's
 // Several nodes run the same handlers: Exchange adds the internode steps (the rows and layout go
 // to the other nodes once, the pull reads them through each source's forwarder, team.cuh
-// SourceOf). The low-latency mode will get its own branch here and its kernels in ffi/cuda/.
+// SourceOf). The low-latency mode (expert_rows M > 0) runs the cross-rank path with the
+// low-latency layout (ffi/cuda/dispatch.h DispatchMetaArgs): capacity L*M, rows of expert l at
+// [l*M, l*M + M).
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -78,6 +80,7 @@ struct DispatchOut {
 
 struct DispatchSizes {
   int64_t tokens, hidden, topk, experts, capacity, row_bytes, ep_size, ranks_per_node, max_blocks;
+  int64_t expert_rows;  // M of the low-latency layout (capacity == L*M), 0: the normal layout
 };
 
 // The layout kernels' arguments: over all E experts with `capacity` rows (C on one rank; T*K,
@@ -186,6 +189,7 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
     ma.topk = static_cast<int32_t>(s.topk);
     ma.experts = static_cast<int32_t>(s.experts);
     ma.capacity = static_cast<int32_t>(s.capacity);
+    ma.expert_rows = static_cast<int32_t>(s.expert_rows);
     ma.topk_idx_out = o.topk_idx_out;
     ma.local_order = order;
     ma.layout_stats = lstats;
@@ -204,7 +208,8 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
     return ex.Check("pull", mr::LaunchDispatchPull(
                                 ex.team(), static_cast<int32_t>(s.tokens),
                                 static_cast<int32_t>(s.topk), static_cast<int32_t>(s.experts),
-                                static_cast<int32_t>(s.capacity), s.row_bytes, meta, o.x_rows,
+                                static_cast<int32_t>(s.capacity),
+                                static_cast<int32_t>(s.expert_rows), s.row_bytes, meta, o.x_rows,
                                 o.weights, o.recv_slot, kernel, set, s.max_blocks, stream));
   };
   // Other nodes get every layout array (their meta kernels need my counts) and my rows that
@@ -222,8 +227,8 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
 
 ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32, 2> topk_idx, ffi::Buffer<ffi::F32, 2> topk_weights,
-                        int64_t num_experts, int64_t capacity, int64_t ep_size,
-                        int64_t ranks_per_node, int64_t num_sms,
+                        int64_t num_experts, int64_t capacity, int64_t expert_rows,
+                        int64_t ep_size, int64_t ranks_per_node, int64_t num_sms,
                         std::string_view dispatch_kernel, bool zero_copy,
                         ffi::Result<ffi::AnyBuffer> x_rows,
                         ffi::ResultBuffer<ffi::F32, 1> weights,
@@ -238,6 +243,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   s.topk = topk_idx.dimensions()[1];
   s.experts = num_experts;
   s.capacity = capacity;
+  s.expert_rows = expert_rows;
   s.ep_size = ep_size;
   s.ranks_per_node = ranks_per_node;
   s.max_blocks = cuda::MaxBlocksForSms(num_sms);
@@ -252,6 +258,10 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
                       recv_slot->typed_data(),    topk_idx_out->typed_data(),
                       stats->typed_data()};
   if (ep_size == 1) {
+    if (expert_rows > 0) {  // jaxep/cuda_backend.py refuses it at trace time
+      return ffi::Error::InvalidArgument(StrCat(kDispatchTarget, ": the low-latency layout "
+                                                "(expert_rows > 0) needs ep_size > 1, got 1"));
+    }
     return SingleRankDispatch(stream, scratch, s, x.untyped_data(), topk_idx.typed_data(),
                               topk_weights.typed_data(), o);
   }
@@ -331,6 +341,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<jaxep::F32Mat>()                              // topk_weights [T, K]
         .Attr<int64_t>("num_experts")                      // E
         .Attr<int64_t>("capacity")                         // C, receive rows per rank
+        .Attr<int64_t>("expert_rows")                      // M (low-latency: C = L*M), 0: normal
         .Attr<int64_t>("ep_size")                          // R, EP axis size
         .Attr<int64_t>("ranks_per_node")                   // G, the node layout (R: one node)
         .Attr<int64_t>("num_sms")                          // Config.num_sms (0: no grid cap)

@@ -280,13 +280,15 @@ def _nbytes(a) -> int:
 
 
 def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int = 1,
-             ranks_per_node: int = 1):
+             ranks_per_node: int = 1, expert_rows: int = 0):
   """``jaxep_dispatch``: x[T,H], topk_idx[T,K] int32, topk_weights[T,K] f32.
 
-  Attributes: num_experts, capacity, ep_size, ranks_per_node, num_sms (int64); dispatch_kernel (str);
-  zero_copy (bool). Returns ``(x_rows[C,H], weights[C] f32, group_sizes[L] i32, send_row[T,K] i32,
-  recv_slot[C] i32, topk_idx_out[T,K] i32, stats[2] i32)`` with C = capacity,
-  L = num_experts // ep_size, stats = (dropped_rows, invalid_ids).
+  Attributes: num_experts, capacity, expert_rows, ep_size, ranks_per_node, num_sms (int64);
+  dispatch_kernel (str); zero_copy (bool). Returns ``(x_rows[C,H], weights[C] f32,
+  group_sizes[L] i32, send_row[T,K] i32, recv_slot[C] i32, topk_idx_out[T,K] i32, stats[2] i32)``
+  with C = capacity, L = num_experts // ep_size, stats = (dropped_rows, invalid_ids).
+  expert_rows M > 0 (low-latency mode, ep_size > 1, capacity == L*M): rows of local expert l at
+  [l*M, l*M + M) (ffi/cuda/dispatch.h), group_sizes = the experts' kept counts.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -308,9 +310,13 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
       jax.ShapeDtypeStruct((t, k), i32),      # topk_idx_out
       jax.ShapeDtypeStruct((2,), i32),        # stats
   )
+  if expert_rows and (ep_size < 2 or c != l * int(expert_rows)):
+    _fail(op, "expert_rows", f"a low-latency layout with ep_size > 1 and capacity == L*M "
+          f"({l} x {expert_rows})", f"ep_size={ep_size}, capacity={c}")
   call = jax.ffi.ffi_call("jaxep_dispatch", out_types, vmap_method="sequential")
   return tuple(call(x, topk_idx, topk_weights, num_experts=_i64(config.num_experts),
-                    capacity=_i64(c), ep_size=_i64(ep_size), ranks_per_node=_i64(ranks_per_node),
+                    capacity=_i64(c), expert_rows=_i64(expert_rows), ep_size=_i64(ep_size),
+                    ranks_per_node=_i64(ranks_per_node),
                     **_knob_attrs(config, "num_sms", "dispatch_kernel", "zero_copy")))
 
 

@@ -77,3 +77,81 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
     (out,) = _ffi.gather_back(v.astype(jnp.float32), send_row, topk_idx, config=config,
                               ep_size=ep, ranks_per_node=_node_size(config, ep))
     return _varying(out, axis_name)
+
+
+# ---- mode="low_latency" (docs/design.md "Low-latency mode") ----------------------------------
+# First version, multi-rank only: the exchange is the normal mode's (stage, ready, pull) with the
+# low-latency layout (the `expert_rows` attribute: rows of local expert l at [l*M, l*M + M) of
+# C = L*M rows), so both halves of the split ops run in the receive half here (the send half only
+# packs); combine is the normal combine kernel on the flat rows l*M + m (the same fixed order).
+# fp8_dispatch quantizes in an XLA fusion before the dispatch kernel (the reference's
+# fp8_quantize, same bits) and moves each token's codes and scales as one packed row of
+# H + 4*H/128 bytes. Not yet: quantizing inside the kernel, a send/recv split on the device,
+# CUDA-graph compatible handlers (device-side sequence numbers), EP size 1.
+
+
+def _ll_check(op, config, ep):
+    if ep == 1:
+        raise NotImplementedError(
+            f"jaxep.{op}: mode='low_latency' on the CUDA backend needs an EP size > 1 (one rank "
+            "is not built yet), got 1; use backend='reference'")
+    check_limits(config)
+
+
+def _pack_fp8(q, scales):
+    """q [T,H] float8_e4m3fn and scales [T,H/128] f32 -> one bf16 row of (H + 4*H/128) / 2 per
+    token (bytes moved as they are: the dispatch kernels copy rows byte for byte)."""
+    t = q.shape[0]
+    codes = jax.lax.bitcast_convert_type(q, jnp.uint8)
+    scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(t, -1)
+    row = jnp.concatenate([codes, scale_bytes], axis=1)
+    return jax.lax.bitcast_convert_type(row.reshape(t, -1, 2), jnp.bfloat16)
+
+
+def _unpack_fp8(rows, hidden):
+    n = rows.shape[0]
+    b = jax.lax.bitcast_convert_type(rows, jnp.uint8).reshape(n, -1)
+    q = jax.lax.bitcast_convert_type(b[:, :hidden], jnp.float8_e4m3fn)
+    scales = jax.lax.bitcast_convert_type(b[:, hidden:].reshape(n, -1, 4), jnp.float32)
+    return q, scales
+
+
+def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config):
+    ep = _ep_size(axis_name)
+    _ll_check("dispatch_send", config, ep)
+    if config.fp8_dispatch:
+        from jaxep.reference import fp8_quantize  # pylint: disable=g-import-not-at-top
+        x = _pack_fp8(*fp8_quantize(x))
+    return (x, topk_idx, topk_weights)
+
+
+def ll_dispatch_recv(sent, *, axis_name, config):
+    payload, topk_idx, topk_weights = sent
+    ep = _ep_size(axis_name)
+    _ll_check("dispatch_recv", config, ep)
+    L, M, H = config.num_experts // ep, config.expert_rows(ep), config.hidden
+    rows, weights, counts, send_row, recv_slot, idx, stats = _ffi.dispatch(
+        payload, topk_idx, topk_weights, config=config, capacity=L * M, ep_size=ep,
+        ranks_per_node=_node_size(config, ep), expert_rows=M)
+    scales = None
+    if config.fp8_dispatch:
+        rows, scales = _unpack_fp8(rows, H)
+        scales = scales.reshape(L, M, -1)
+    return _varying((rows.reshape(L, M, H), scales, counts, weights.reshape(L, M), send_row,
+                     recv_slot, idx, stats), axis_name)
+
+
+def combine_send(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config):
+    ep = _ep_size(axis_name)
+    _ll_check("combine_send", config, ep)
+    if jnp.dtype(y.dtype) != jnp.dtype(config.dtype):
+        raise NotImplementedError(
+            f"jaxep.combine_send: on the CUDA backend y must have the config's dtype "
+            f"{config.dtype} (the kernel casts once, to y's dtype), got {y.dtype}")
+    return (y, weights, send_row, recv_slot, topk_idx)
+
+
+def combine_recv(sent, *, axis_name, config, dtype):
+    y, weights, send_row, recv_slot, topk_idx = sent
+    out = combine(y, weights, send_row, recv_slot, topk_idx, axis_name=axis_name, config=config)
+    return out.astype(dtype)

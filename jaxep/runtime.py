@@ -58,12 +58,11 @@ _PHASE_TEXT = {
     "credit": "internode credit (waiting for the peer's node to free the region the peer hosts "
               "for this rank)",
     "remote_meta": "internode metadata (waiting for the peer's metadata put of this call)",
-    "remote_rows": "internode rows (waiting for the peer's row puts of this call: flag = rows "
-                   "arrived)",
+    "remote_rows": "internode rows (the pull of the other nodes' sources waiting for one row the "
+                   "peer puts into its forwarder on this node, the rank with the peer's local "
+                   "index: flag = the row's last call seq)",
     "return": "internode return (waiting for the peer's node's partials / values for this rank's "
               "tokens: flag = results arrived)",
-    "regions": "internode regions (waiting for a rank of this node to have the other nodes' rows "
-               "of this call in the regions it hosts)",
 }
 _NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE default
 _HEAP_RESERVE = 128 << 20        # NVSHMEM's own allocations from the symmetric heap
@@ -160,7 +159,9 @@ def _init_multi_rank(config: Config) -> None:
     device = local[0]
     ordinal = getattr(device, "local_hardware_id", None)
     ordinal = device.id if ordinal is None else int(ordinal)
-    cap = config.capacity(nproc)
+    # Receive rows per rank: C (normal), or L * M (low_latency: dispatch's [L, M, H] rows).
+    cap = (config.capacity(nproc) if config.mode == "normal"
+           else config.local_experts(nproc) * config.expert_rows(nproc))
     row_bytes = _row_bytes(config)
     client = _jax_private.distributed_client()
     if client is None:

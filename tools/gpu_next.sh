@@ -9,6 +9,7 @@
 #   mr         pytest tests/gpu/test_multirank.py: N = 2/4/8 bitwise, alternative kernels, killed
 #              peer, the internode layouts (gputier runs it again: leave one of the two out)
 #   mrn        only the internode cases of test_multirank.py (node override layouts, killed peer)
+#   ll         only the low-latency cases of test_multirank.py (4, 8 ranks; 2 x 4), ~100 s
 #   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
 #              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
@@ -85,6 +86,9 @@ bench() {  # name nproc experts cap [dispatch kernel] [combine kernel] [more fla
 step mr 420 120 "$LOGS/mr.log" python3 -m pytest -v -rs -p no:cacheprovider tests/gpu/test_multirank.py
 step mrn 300 120 "$LOGS/mrn.log" python3 -m pytest -v -rs -p no:cacheprovider \
   tests/gpu/test_multirank.py -k "x4 or x2 or x1 or x8 or killed"
+# mode="low_latency" on the CUDA backend (4 and 8 ranks, one node and 2 x 4; mr runs it too).
+step ll 240 90 "$LOGS/ll.log" python3 -m pytest -v -rs -p no:cacheprovider \
+  tests/gpu/test_multirank.py -k low_latency
 bench bench8_64 8 64 150
 # Internode under the node override (8 ranks as 2 emulated nodes x 4; same inputs as bench8_64):
 # f32 wire, then the payload (bf16) wire. bench16seed: the seed's 2 x 8 shape (--preset=seed_2x8).
@@ -123,7 +127,7 @@ timeout 30 python3 -m jaxep.doctor > "$LOGS/doctor.log" 2>&1 || true
 {
   echo "--- layer test and example (from nn.log) ---"
   grep -hE "^rank [0-9]+ (hlo|step[0-9]) (ok|FAIL)|cuda [0-9]+ tokens/s, reference" "$LOGS/nn.log" 2>/dev/null | cut -c1-200 | head -16
-  grep -hE "^(FAILED|ERROR) |(PASSED|FAILED|SKIPPED|ERROR) +\[" "$LOGS/nn.log" "$LOGS/mr.log" "$LOGS/mrn.log" "$LOGS/gputier.log" "$LOGS/ep1.log" 2>/dev/null \
+  grep -hE "^(FAILED|ERROR) |(PASSED|FAILED|SKIPPED|ERROR) +\[" "$LOGS/nn.log" "$LOGS/mr.log" "$LOGS/mrn.log" "$LOGS/ll.log" "$LOGS/gputier.log" "$LOGS/ep1.log" 2>/dev/null \
     | grep -vE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" | cut -c1-160 | head -14
   cat "$LOGS/gputier.log" "$LOGS/ep1.log" 2>/dev/null | grep -cE "test_cuda_ep1.py.*PASSED|test_backends_bitwise.py.*PASSED" \
     | sed 's/^/EP=1 tier tests passed: /'

@@ -14,6 +14,7 @@
 //   gather: rows are copied from x by recv_slot (shared with jaxep_dispatch_rows).
 // Cross rank (after the ready exchange of ffi/exchange.h): the meta kernel turns every source's
 // counts into row positions, the pulls read the sources' staged rows (or XLA pools) in that order.
+// A source of another node: its forwarder's region, each row once it landed (AwaitRemoteRow).
 #include <algorithm>
 
 #include "dispatch.h"
@@ -250,8 +251,12 @@ constexpr int kMetaThreads = 1024;
 //   blk[E+1]  first row of block b = l*R + s on this destination; blk[E] = rows wanted here
 //   srcoff[E] index of block b's first slot in source s's sorted_slot
 //   kept[1]   min(rows wanted here, C)
+//   end[L]    one past the last kept row of local expert l (a slot's row is kept iff < end[l])
+// Low-latency layout (expert_rows M > 0, C = L*M): expert l owns rows [l*M, l*M + M); a block's
+// first row is l*M + (rows of earlier sources for e), clamped to l*M + M (a clamped block's rows
+// are all dropped: row >= end[l]), so blk stays non-decreasing and the row kernel's search holds.
 struct MetaScratch {
-  int32_t *cnt, *pre, *g, *base, *blk, *srcoff, *kept;
+  int32_t *cnt, *pre, *g, *base, *blk, *srcoff, *kept, *end;
   __host__ __device__ MetaScratch(void* p, int64_t r, int64_t e) {
     int32_t* s = static_cast<int32_t*>(p);
     cnt = s;
@@ -261,9 +266,16 @@ struct MetaScratch {
     blk = base + e;
     srcoff = blk + e + 1;
     kept = srcoff + e;
+    end = kept + 1;
   }
-  static size_t Ints(int64_t r, int64_t e) { return static_cast<size_t>(2 * r * e + 4 * e + 3); }
+  static size_t Ints(int64_t r, int64_t e) { return static_cast<size_t>(2 * r * e + 5 * e + 3); }
 };
+
+// Whether destination row p (of C) holds no slot: past the kept rows (normal layout) or past its
+// expert's kept rows (low-latency layout, M = expert_rows).
+__device__ __forceinline__ bool EmptyRow(const MetaScratch& m, int64_t p, int32_t expert_rows) {
+  return expert_rows > 0 ? p >= m.end[p / expert_rows] : p >= *m.kept;
+}
 
 __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, DispatchMetaArgs a) {
   if (Aborted(team)) return;
@@ -290,9 +302,12 @@ __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, Di
   if (threadIdx.x == 0) m.g[E] = grand;
   __syncthreads();
   // 4. Layout order on destination d = e / L is (local expert, source, t, k): the block of
-  //    (e, s) starts at G[e] - G[d*L] + sum_{s' < s} cnt[s'][e].
+  //    (e, s) starts at G[e] - G[d*L] + sum_{s' < s} cnt[s'][e]; low-latency (M > 0): at
+  //    (e % L) * M + sum_{s' < s} cnt[s'][e].
+  const int M = a.expert_rows;
+  auto expert_start = [&](int e) { return M > 0 ? (e % L) * M : m.g[e] - m.g[(e / L) * L]; };
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int b = m.g[e] - m.g[(e / L) * L];
+    int b = expert_start(e);
     for (int s = 0; s < me; ++s) b += m.cnt[s * E + e];
     m.base[e] = b;  // where my (source me) slots of expert e start on their destination
   }
@@ -300,32 +315,41 @@ __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, Di
   const int total_me = m.g[first + L] - m.g[first];
   for (int b = threadIdx.x; b < L * R; b += blockDim.x) {
     const int l = b / R, s = b % R, e = first + l;
-    int start = m.g[e] - m.g[first];
+    int start = expert_start(e);
     for (int s2 = 0; s2 < s; ++s2) start += m.cnt[s2 * E + e];
-    m.blk[b] = start;
+    m.blk[b] = M > 0 ? min(start, (l + 1) * M) : start;  // clamped: see MetaScratch
     m.srcoff[b] = m.pre[s * E + e];
   }
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
-    const int start = m.g[first + l] - m.g[first];
+    const int start = expert_start(first + l);
     const int count = m.g[first + l + 1] - m.g[first + l];
-    a.group_sizes[l] = max(0, min(count, a.capacity - start));
+    const int kept_l = max(0, min(count, M > 0 ? M : a.capacity - start));
+    a.group_sizes[l] = kept_l;
+    m.end[l] = start + kept_l;
   }
+  __syncthreads();
   if (threadIdx.x == 0) {
-    m.blk[L * R] = total_me;
-    const int kept = min(total_me, a.capacity);
-    *m.kept = kept;
+    m.blk[L * R] = M > 0 ? L * M : total_me;
+    int kept = min(total_me, a.capacity);
+    if (M > 0) {
+      kept = 0;
+      for (int l = 0; l < L; ++l) kept += a.group_sizes[l];
+    }
+    *m.kept = kept;                       // low-latency: the kept rows, not a row bound
     a.stats[0] = total_me - kept;         // dropped rows, this rank as destination
     a.stats[1] = a.layout_stats[1];       // invalid ids, this rank as source
   }
   __syncthreads();
-  // 5. send_row of my slots: base + position among my slots of that expert, if below capacity.
+  // 5. send_row of my slots: base + position among my slots of that expert, if below capacity
+  //    (low-latency: if its position within the expert is below M).
   const int64_t n = static_cast<int64_t>(a.tokens) * a.topk;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const int e = a.topk_idx_out[i];
     int row = -1;
     if (e >= 0 && e < E && a.local_order[i] >= 0) {
       const int r = m.base[e] + (a.local_order[i] - m.pre[me * E + e]);
-      row = r < a.capacity ? r : -1;
+      const int lim = M > 0 ? (e % L) * M + M : a.capacity;
+      row = r < lim ? r : -1;
     }
     a.send_row[i] = row;
   }
@@ -335,22 +359,23 @@ __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, Di
 template <typename Unit>
 __global__ void __launch_bounds__(kRowThreads)
     DispatchPullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t capacity,
-                       int64_t units_per_row, const void* meta_scratch, Unit* __restrict__ x_rows,
-                       float* __restrict__ weights, int32_t* __restrict__ recv_slot, int32_t set) {
+                       int32_t expert_rows, int64_t units_per_row, const void* meta_scratch,
+                       Unit* __restrict__ x_rows, float* __restrict__ weights,
+                       int32_t* __restrict__ recv_slot, int32_t set) {
   if (Aborted(team)) return;
   __shared__ Source s_src[kMaxRanks];  // where every source's arrays and rows are (team.cuh)
   LoadSources(team, s_src);
   const int R = team.size;
   const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
+  const uint64_t seq = PullSeq(team);  // this call's (AwaitRemoteRow)
   const int nblk = experts;  // L * R blocks (l, s)
-  const int kept = *m.kept;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t wpb = blockDim.x / kWarpSize;
   const int64_t nwarps = gridDim.x * wpb;
   const int64_t slots_per_rank = static_cast<int64_t>(tokens) * topk;
   for (int64_t p = blockIdx.x * wpb + threadIdx.x / kWarpSize; p < capacity; p += nwarps) {
     Unit* dst = x_rows + p * units_per_row;
-    if (p >= kept) {
+    if (EmptyRow(m, p, expert_rows)) {
       if (set == kOtherNodeSources) continue;  // zeroed by the first pass
       for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
       if (lane == 0) {
@@ -359,7 +384,7 @@ __global__ void __launch_bounds__(kRowThreads)
       }
       continue;
     }
-    // Last block b with blk[b] <= p: it is non-empty because blk[nblk] >= kept > p.
+    // Last block b with blk[b] <= p: it holds p, since p is a kept row (blk[nblk] > p).
     int lo = 0, hi = nblk - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
@@ -373,6 +398,7 @@ __global__ void __launch_bounds__(kRowThreads)
     const int32_t slot = reinterpret_cast<const int32_t*>(src_base + team.lay.sorted_slot)[idx];
     const int64_t t = slot / topk;
     const int64_t i = from.pos == nullptr ? t : from.pos[t];
+    if (from.pos != nullptr && !AwaitRemoteRow(team, s, i, seq, kOpDispatch)) return;
     const Unit* src = reinterpret_cast<const Unit*>(from.rows) + i * units_per_row;
 #pragma unroll 4
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
@@ -395,9 +421,10 @@ constexpr int kTokenBatch = 4;  // 16-byte units loaded per lane before storing 
 template <typename Unit>
 __global__ void __launch_bounds__(kRowThreads)
     DispatchPullTokenKernel(Team team, int32_t tokens, int32_t topk, int32_t experts,
-                            int32_t capacity, int64_t units_per_row, const void* meta_scratch,
-                            Unit* __restrict__ x_rows, float* __restrict__ weights,
-                            int32_t* __restrict__ recv_slot, int32_t set) {
+                            int32_t capacity, int32_t expert_rows, int64_t units_per_row,
+                            const void* meta_scratch, Unit* __restrict__ x_rows,
+                            float* __restrict__ weights, int32_t* __restrict__ recv_slot,
+                            int32_t set) {
   if (Aborted(team)) return;
   constexpr int kWarps = kRowThreads / kWarpSize;
   __shared__ int s_dst[kWarps][kMaxTokenTopk];
@@ -405,7 +432,7 @@ __global__ void __launch_bounds__(kRowThreads)
   LoadSources(team, s_src);
   const int R = team.size, me = team.rank, L = experts / R;
   const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
-  const int kept = *m.kept;
+  const uint64_t seq = PullSeq(team);  // this call's (AwaitRemoteRow)
   const int lane = threadIdx.x % kWarpSize;
   const int wib = threadIdx.x / kWarpSize;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + wib;
@@ -427,7 +454,7 @@ __global__ void __launch_bounds__(kRowThreads)
         if (idx >= 0) {
           const int b = (e - me * L) * R + s;
           const int row = m.blk[b] + (idx - m.srcoff[b]);
-          if (row < kept) {  // kept <= C: rows past it were dropped for capacity
+          if (row < m.end[e - me * L]) {  // rows past it were dropped for capacity
             q = row;
             weights[row] = reinterpret_cast<const float*>(src_base + team.lay.sorted_w)[idx];
             recv_slot[row] = static_cast<int32_t>(s * slots_per_rank + slot);
@@ -440,8 +467,10 @@ __global__ void __launch_bounds__(kRowThreads)
     const int n = __popc(mask);
     if (q >= 0) s_dst[wib][__popc(mask & ((1u << lane) - 1u))] = q;
     __syncwarp();
-    // A kept slot here means t needs this node, so a source of another node sent row pos[t].
+    // A kept slot here means t needs this node, so a source of another node sent row pos[t]
+    // (read once it landed on its forwarder).
     const int64_t row_t = from.pos == nullptr ? t : from.pos[t];
+    if (from.pos != nullptr && !AwaitRemoteRow(team, s, row_t, seq, kOpDispatch)) return;
     const Unit* src = reinterpret_cast<const Unit*>(from.rows) + row_t * units_per_row;
     // kTokenBatch loads in flight per lane before the stores (the compiler cannot hoist a load
     // above stores that might alias it).
@@ -463,7 +492,10 @@ __global__ void __launch_bounds__(kRowThreads)
     }
     __syncwarp();  // s_dst is rewritten for the next item
   }
-  for (int64_t p = kept + gw; p < capacity && set != kOtherNodeSources; p += nwarps) {
+  // The empty rows: [kept, C), or each expert's tail with the low-latency layout.
+  for (int64_t p = (expert_rows > 0 ? 0 : *m.kept) + gw; p < capacity && set != kOtherNodeSources;
+       p += nwarps) {
+    if (!EmptyRow(m, p, expert_rows)) continue;  // uniform per warp
     Unit* dst = x_rows + p * units_per_row;
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
     if (lane == 0) {
@@ -482,6 +514,7 @@ __global__ void __launch_bounds__(kRowThreads)
   if (Aborted(team)) return;
   __shared__ Source s_src[kMaxRanks];  // where every source's rows are (team.cuh)
   LoadSources(team, s_src);
+  const uint64_t seq = PullSeq(team);  // this call's (AwaitRemoteRow)
   const int lane = threadIdx.x % kWarpSize;
   const int64_t wpb = blockDim.x / kWarpSize;
   const int64_t nwarps = gridDim.x * wpb;
@@ -495,6 +528,7 @@ __global__ void __launch_bounds__(kRowThreads)
       if (!InSet(NodeOf(team, s), NodeOf(team, team.rank), set)) continue;  // uniform per warp
       const int64_t t = (slot - s * per_rank) / topk;
       const int64_t i = s_src[s].pos == nullptr ? t : s_src[s].pos[t];
+      if (s_src[s].pos != nullptr && !AwaitRemoteRow(team, s, i, seq, kOpDispatchRows)) return;
       const Unit* src = reinterpret_cast<const Unit*>(s_src[s].rows) + i * units_per_row;
 #pragma unroll 4
       for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
@@ -516,7 +550,8 @@ cudaError_t LaunchDispatchMeta(const Team& team, const DispatchMetaArgs& a, cuda
 }
 
 cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
-                               int32_t capacity, int64_t row_bytes, const void* meta_scratch,
+                               int32_t capacity, int32_t expert_rows, int64_t row_bytes,
+                               const void* meta_scratch,
                                void* x_rows, float* weights, int32_t* recv_slot,
                                DispatchKernel kernel, int32_t set, int64_t max_blocks,
                                cudaStream_t stream) {
@@ -529,12 +564,12 @@ cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, i
     const int64_t units = row_bytes / static_cast<int64_t>(sizeof(U));
     if (by_token) {
       DispatchPullTokenKernel<U><<<grid, kRowThreads, 0, stream>>>(
-          team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
-          weights, recv_slot, set);
+          team, tokens, topk, experts, capacity, expert_rows, units, meta_scratch,
+          static_cast<U*>(x_rows), weights, recv_slot, set);
     } else {
       DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
-          team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
-          weights, recv_slot, set);
+          team, tokens, topk, experts, capacity, expert_rows, units, meta_scratch,
+          static_cast<U*>(x_rows), weights, recv_slot, set);
     }
   });
   return cudaGetLastError();

@@ -19,18 +19,20 @@ import gpu_env
 
 ROOT = gpu_env.ROOT
 WORKER = os.path.join(ROOT, "tests", "gpu", "multirank_worker.py")
+LL_WORKER = os.path.join(ROOT, "tests", "gpu", "ll_multirank_worker.py")
 
 
 _REASON = gpu_env.multirank_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
-def _launch(nproc: int, *args: str, timeout: float, env_extra=None) -> tuple[int, str, float]:
+def _launch(nproc: int, *args: str, timeout: float, env_extra=None, worker=WORKER
+            ) -> tuple[int, str, float]:
     env = dict(os.environ, **(env_extra or {}))
     env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", str(nproc), "--share-gpu",
-           "--timeout", str(timeout), WORKER, *args]
+           "--timeout", str(timeout), worker, *args]
     t0 = time.time()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=timeout + 60)
@@ -84,12 +86,28 @@ def test_multirank_bitwise(nproc, kernels):
         assert re.search(rf"^(?:\[rank 0\] )?LAYOUT {layout} ", out, re.M), out[-3000:]
         tables = re.findall(r"^(?:\[rank \d+\] )?RESULT \d+ peer_table ok", out, re.M)
         assert len(tables) == nproc, out[-6000:]
+    _assert_all_passed(nproc, rc, out, secs)
+
+
+def _assert_all_passed(nproc, rc, out, secs):
     # jaxep.launch prefixes every line of rank i with "[rank i] ".
     results = re.findall(r"^(?:\[rank \d+\] )?RESULT (\d+) (\S+) (ok|FAIL) ?(.*)$", out, re.M)
     fails = [r for r in results if r[2] == "FAIL"]
     summaries = re.findall(r"^(?:\[rank \d+\] )?SUMMARY (\d+) (\d+)/(\d+)$", out, re.M)
-    assert rc == 0 and not fails and len(summaries) == nproc, (
+    assert rc == 0 and results and not fails and len(summaries) == nproc, (
         f"rc={rc} after {secs:.0f}s; failures: {fails[:8]}\n--- output tail ---\n{out[-6000:]}")
+
+
+# Config(mode="low_latency") on the CUDA backend (tests/gpu/ll_multirank_worker.py): bitwise vs
+# the oracle (x [L,M,H], counts, drops, bad ids, fp8 codes and scales, combine), split == one
+# call, a jitted decode loop; one node and 2 emulated nodes x 4.
+@pytest.mark.parametrize("nproc,layout", [(4, ()), (8, ()), (8, ("--ranks_per_node", "4")),
+                                          (8, ("--ranks_per_node", "4", "--wire", "payload"))])
+def test_low_latency_bitwise(nproc, layout):
+    rc, out, secs = _launch(nproc, *layout, timeout=300, worker=LL_WORKER)
+    if layout:
+        assert re.search(r"^(?:\[rank 0\] )?LL LAYOUT 2x4 ", out, re.M), out[-3000:]
+    _assert_all_passed(nproc, rc, out, secs)
 
 
 @pytest.mark.parametrize("nproc,layout", [(4, ()), (8, ("--ranks_per_node", "4"))])

@@ -1,0 +1,216 @@
+"""One rank of the low-latency GPU tier; started by tests/gpu/test_multirank.py through
+`python -m jaxep.launch --nproc N --share-gpu tests/gpu/ll_multirank_worker.py [--ranks_per_node G]`.
+
+Config(mode="low_latency") on the CUDA backend, every rank comparing its own shard bitwise with
+the NumPy oracle of tests/oracle.py (ll_dispatch, fp8_quantize, combine over the flat rows
+l*M + m), as tests/gpu/multirank_worker.py does for normal mode (whose helpers it reuses):
+  * the public ops (jaxep.dispatch / jaxep.combine with the initialized low-latency config):
+    x [L,M,H], counts, weights, send_row, recv_slot, sanitized ids, stats, combine;
+  * the split ops (dispatch_send/recv, combine_send/recv) give the one-call bits;
+  * cuda_backend directly with other sizes: M small enough to drop rows, bad ids, fp8_dispatch
+    (codes and scales), f16;
+  * a jitted lax.scan decode loop of dispatch + combine, every step against the oracle.
+Prints `RESULT <rank> <case> ok|FAIL <detail>` and `SUMMARY <rank> <passed>/<total>`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import multirank_worker as mw  # noqa: E402  (R, ME, glob, mine, smap, compare, report, inputs)
+
+import jaxep  # noqa: E402
+from jaxep import cuda_backend, reference  # noqa: E402
+from tests import oracle  # noqa: E402
+
+BE = reference if mw.EMULATE else cuda_backend
+G = mw.R
+
+
+def _sanitized(idx, E):
+    return np.where((idx >= 0) & (idx < E), idx, -1).astype(np.int32)
+
+
+def _oracle_combine(ys, o, idxs, E, wire):
+    """combine of y [L,M,H] per rank as the flat rows l*M + m (oracle.combine's [C,H] rows)."""
+    flat = [y.reshape(-1, y.shape[-1]) for y in ys]
+    w = [wt.reshape(-1) for wt in o["weights"]]
+    return oracle.combine(flat, w, o["send_row"], idxs, num_experts=E, ranks_per_node=G,
+                          wire_dtype=wire)[mw.ME]
+
+
+def case_backend(name, cfg, *, T, H, K, E, M, dtype, routing, bad_frac=0.0, fp8=False, seed=0):
+    """ll_dispatch_send/recv + combine_send/recv of the backend with a config of these sizes."""
+    xs, idxs, ws = mw.make_inputs(seed, T, H, K, E, dtype, routing, bad_frac)
+    L = E // mw.R
+    rng = np.random.default_rng(seed + 1000)
+    ys = [rng.standard_normal((L, M, H)).astype(np.float32).astype(dtype) for _ in range(mw.R)]
+    dt = np.dtype(dtype).name
+    wire = dt if mw.WIRE == "payload" else "float32"
+    ecfg = dataclasses.replace(cfg, num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
+                               dtype=dt, rows_per_expert=M, fp8_dispatch=fp8,
+                               combine_wire_dtype=wire)
+
+    def body(x, idx, w, y):
+        kw = dict(axis_name="ep", config=ecfg)
+        rows, scales, counts, wts, send_row, recv_slot, idx_out, stats = BE.ll_dispatch_recv(
+            BE.ll_dispatch_send(x, idx, w, **kw), **kw)
+        y = y.reshape(L, M, H)
+        out = BE.combine_recv(BE.combine_send(y.reshape(L * M, H), wts.reshape(-1), send_row,
+                                              recv_slot, idx_out, **kw),
+                              dtype=ecfg.dtype, **kw)
+        if fp8:
+            rows = jax.lax.bitcast_convert_type(rows, jnp.uint8)
+        else:
+            scales = jnp.zeros((L, M, 1), jnp.float32)
+        return (rows.reshape(L * M, H), scales.reshape(L * M, -1), counts, wts.reshape(-1),
+                send_row, recv_slot, idx_out, stats, out)
+
+    f = mw.smap(body, 4, 9)
+    flat_ys = [y.reshape(L * M, H) for y in ys]
+    res = f(*(mw.glob(a) for a in (xs, idxs, ws, flat_ys)))
+    jax.block_until_ready(res)
+    jaxep.check()
+    got = [mw.mine(a) for a in res]
+    o = oracle.ll_dispatch(xs, idxs, ws, num_experts=E, rows=M, fp8=fp8)
+    me = mw.ME
+    checks = [("x", got[0], o["x"][me].reshape(L * M, H)),
+              ("counts", got[2], o["counts"][me]), ("weights", got[3], o["weights"][me].reshape(-1)),
+              ("send_row", got[4], o["send_row"][me]), ("recv_slot", got[5], o["recv_slot"][me]),
+              ("topk_idx", got[6], _sanitized(idxs[me], E)),
+              ("stats", got[7], np.array([o["dropped"][me], o["invalid"][me]], np.int32)),
+              ("combine", got[8], _oracle_combine(ys, o, idxs, E, wire))]
+    if fp8:
+        checks.append(("scales", got[1], o["scales"][me].reshape(L * M, -1)))
+    ok = all([mw.compare(name, n, g, w) for n, g, w in checks])
+    if ok:
+        mw.report(name, True, f"dropped={o['dropped'][me]} invalid={o['invalid'][me]} "
+                              f"rows={int(o['counts'][me].sum())}/{L * M}")
+
+
+def case_public(cfg, seed=3):
+    """jaxep.dispatch / jaxep.combine (one call) and the split ops with the initialized config."""
+    E, K, H, T = cfg.num_experts, cfg.topk, cfg.hidden, cfg.max_tokens_per_rank
+    L, M = E // mw.R, cfg.expert_rows(mw.R)
+    xs, idxs, ws = mw.make_inputs(seed, T, H, K, E, np.dtype(cfg.dtype), "skewed", 0.05)
+    rng = np.random.default_rng(seed + 1)
+    ys = [rng.standard_normal((L * M, H)).astype(np.float32).astype(cfg.dtype)
+          for _ in range(mw.R)]
+
+    def one(x, idx, w, y):
+        res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg)
+        out = jaxep.combine(y.reshape(L, M, H), res.handle, axis_name="ep")
+        return res.x.reshape(L * M, H), res.counts, res.handle.send_row, out
+
+    def split(x, idx, w, y):
+        res = jaxep.dispatch_recv(jaxep.dispatch_send(x, idx, w, axis_name="ep", config=cfg))
+        out = jaxep.combine_recv(jaxep.combine_send(y.reshape(L, M, H), res.handle,
+                                                    axis_name="ep"))
+        return res.x.reshape(L * M, H), res.counts, res.handle.send_row, out
+
+    args = [mw.glob(a) for a in (xs, idxs, ws, ys)]
+    a = [mw.mine(v) for v in mw.smap(one, 4, 4)(*args)]
+    b = [mw.mine(v) for v in mw.smap(split, 4, 4)(*args)]
+    jaxep.check()
+    o = oracle.ll_dispatch(xs, idxs, ws, num_experts=E, rows=M)
+    me = mw.ME
+    want_out = _oracle_combine([y.reshape(L, M, H) for y in ys], o, idxs, E,
+                               cfg.combine_wire_dtype)
+    checks = [("x", a[0], o["x"][me].reshape(L * M, H)), ("counts", a[1], o["counts"][me]),
+              ("send_row", a[2], o["send_row"][me]), ("combine", a[3], want_out)]
+    checks += [(f"split_{n}", g, w) for (n, w), g in
+               zip([("x", a[0]), ("counts", a[1]), ("send_row", a[2]), ("combine", a[3])], b)]
+    if all([mw.compare("public", n, g, w) for n, g, w in checks]):
+        mw.report("public", True, f"one-call and split equal the oracle, M={M}")
+
+
+def case_decode_loop(cfg, steps=4, seed=21):
+    """A jitted lax.scan over decode steps (dispatch, a local 'expert', combine): every step's
+    output against the oracle, so no step reads a stale buffer or sequence number."""
+    E, K, H, T = cfg.num_experts, cfg.topk, cfg.hidden, cfg.max_tokens_per_rank
+    L, M = E // mw.R, cfg.expert_rows(mw.R)
+    per = [mw.make_inputs(seed + i, T, H, K, E, np.dtype(cfg.dtype), "uniform") for i in range(steps)]
+    xs = [np.stack([per[i][0][r] for i in range(steps)], 1) for r in range(mw.R)]  # [T,S,H]
+    idxs = [np.stack([per[i][1][r] for i in range(steps)], 1) for r in range(mw.R)]
+    ws = [np.stack([per[i][2][r] for i in range(steps)], 1) for r in range(mw.R)]
+
+    def body(x, idx, w):
+        def step(carry, inp):
+            xi, ii, wi = inp
+            res = jaxep.dispatch(xi, ii, wi, axis_name="ep", config=cfg)
+            y = res.x * jnp.asarray(2, res.x.dtype)  # exact: a power of two
+            return carry, jaxep.combine(y, res.handle, axis_name="ep")
+        _, outs = jax.lax.scan(step, 0, (x.swapaxes(0, 1), idx.swapaxes(0, 1), w.swapaxes(0, 1)))
+        return (outs.swapaxes(0, 1),)
+
+    got = mw.mine(mw.smap(body, 3, 1)(*(mw.glob(a) for a in (xs, idxs, ws)))[0])
+    jaxep.check()
+    ok = True
+    for i in range(steps):
+        xi, ii, wi = per[i]
+        o = oracle.ll_dispatch(xi, ii, wi, num_experts=E, rows=M)
+        ys = [(x.astype(np.float32) * 2).astype(cfg.dtype) for x in o["x"]]
+        want = _oracle_combine(ys, o, ii, E, cfg.combine_wire_dtype)
+        ok = mw.compare("decode_loop", f"step {i}", got[:, i], want) and ok
+    if ok:
+        mw.report("decode_loop", True, f"{steps} steps bitwise")
+
+
+def main() -> int:
+    global G
+    p = argparse.ArgumentParser()
+    p.add_argument("--timeout_s", type=float, default=60.0)
+    p.add_argument("--ranks_per_node", type=int, default=0)
+    p.add_argument("--wire", default="float32", choices=("float32", "payload"))
+    args = p.parse_args()
+    mw.WIRE = args.wire
+    K, H, T = 4, 256, 32
+    E = 8 * mw.R
+    extra = {"ranks_per_node": args.ranks_per_node} if args.ranks_per_node else {}
+    # The runtime is sized from this config (rows L*M with M = R*T); the backend cases stay within.
+    cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T, dtype="bfloat16",
+                       mode="low_latency", timeout_s=args.timeout_s, **extra)
+    jaxep.initialize(cfg)
+    G = jaxep.runtime.node_size(cfg, mw.R)
+    mw.G = G
+    if mw.ME == 0:
+        print(f"LL LAYOUT {mw.R // G}x{G} wire={args.wire} M={cfg.expert_rows(mw.R)}", flush=True)
+    cases = [
+        ("ll_bf16_nodrop", dict(T=T, H=H, K=K, E=E, M=mw.R * T, dtype=jnp.bfloat16, routing="uniform")),
+        ("ll_bf16_drop_bad_ids", dict(T=T, H=H, K=K, E=E, M=3, dtype=jnp.bfloat16, routing="skewed",
+                                      bad_frac=0.2)),
+        ("ll_f16_odd", dict(T=19, H=136, K=3, E=E, M=5, dtype=jnp.float16, routing="uniform",
+                            bad_frac=0.1)),
+        ("ll_fp8", dict(T=T, H=H, K=K, E=E, M=16, dtype=jnp.bfloat16, routing="uniform", fp8=True)),
+        ("ll_fp8_one_expert", dict(T=T, H=H, K=K, E=E, M=2 * T, dtype=jnp.bfloat16,
+                                   routing="one_expert", fp8=True)),
+    ]
+    for name, kw in cases:
+        try:
+            case_backend(name, cfg, **kw)
+        except Exception as e:  # pylint: disable=broad-except
+            mw.report(name, False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
+            traceback.print_exc()
+    for fn in (case_public, case_decode_loop):
+        try:
+            fn(cfg)
+        except Exception as e:  # pylint: disable=broad-except
+            mw.report(fn.__name__[5:], False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
+            traceback.print_exc()
+    passed = sum(ok for _, ok, _ in mw.RESULTS)
+    print(f"SUMMARY {mw.ME} {passed}/{len(mw.RESULTS)}", flush=True)
+    jaxep.finalize()
+    sys.stdout.flush()
+    return 0 if passed == len(mw.RESULTS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
