@@ -116,8 +116,8 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
             e.failure()) {
           return e;
         }
-        // The reducer put each partial to its peer as it went (internode.cuh): only wait.
-        if (ffi::Error e = ex.AwaitReturns(); e.failure()) return e;
+        const int64_t wire_bytes = hidden * (wire_f32 ? 4 : static_cast<int64_t>(sizeof(T)));
+        if (ffi::Error e = ex.Return(wire_bytes, max_blocks); e.failure()) return e;
       }
       return ex.Check("pull", mr::LaunchCombinePull<T>(ex.team(), tokens, topk, experts, rows,
                                                        hidden, send_row.typed_data(),

@@ -125,10 +125,6 @@ class Exchange {
   ffi::Error Return(int64_t bytes, int64_t max_blocks) const {
     return Check("return", cuda::mr::LaunchReturn(*team_, bytes, seq_, op_, max_blocks, stream_));
   }
-  // Step 5's wait alone: the op's kernel put its results itself (combine's reducer).
-  ffi::Error AwaitReturns() const {
-    return Check("await returns", cuda::mr::LaunchAwaitReturns(*team_, seq_, op_, stream_));
-  }
   bool internode() const { return cuda::mr::Nodes(*team_) > 1; }
 
   // Step 3 helper: copies into this rank's block (LaunchStage), as an ffi::Error.

@@ -6,7 +6,6 @@
 
 #include "combine.h"
 #include "fixed_order_sum.cuh"
-#include "internode.cuh"
 #include "team.cuh"
 
 namespace jaxep::cuda {
@@ -289,10 +288,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 // Internode reducer (forwarder side): for every other node n and every token t of peer n (rank
 // (n, my local index)) that needs this node, P_mine[t] over this node's ranks from peer n's
 // handle in my region n (send_row in its slot_order field, topk_idx in its slot_expert field),
-// rounded once to W and written to region n's out area at t's position; the same warp then puts
-// that row to peer n at once (internode.cuh PutReturnRow), so the returns stream out while the
-// other rows are still being reduced (step 5 of internode.h, pipelined per row). Warp per (n, t).
-// Ends with every thread's quiet: the puts are complete when the kernel is.
+// rounded once to W and written to region n's out area at t's position (then LaunchReturn puts
+// it to peer n). Warp per (n, t).
 template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kCombineThreads)
     CombineReduceKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
@@ -331,14 +328,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
       for (int v = 0; v < VEC; ++v) dst[u * VEC + v] = Convert<W>::FromF32(p[v]);
     }
-#ifdef JAXEP_HAVE_NVSHMEM
-    PutReturnRow(team, n, j, hidden * static_cast<int64_t>(sizeof(W)));  // syncs the warp first
-#endif
     __syncwarp();
   }
-#ifdef JAXEP_HAVE_NVSHMEM
-  QuietPuts();
-#endif
 }
 
 template <typename T, typename W>

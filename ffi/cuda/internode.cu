@@ -12,7 +12,6 @@
 #include <algorithm>
 
 #include "internode.h"
-#include "internode.cuh"
 #include "team.cuh"
 
 #ifdef JAXEP_HAVE_NVSHMEM
@@ -184,11 +183,18 @@ __global__ void __launch_bounds__(kThreads) ReturnKernel(Team team, int64_t byte
   if (Aborted(team)) return;
   const int n = blockIdx.y, mine = NodeOf(team, team.rank);
   if (n != mine) {
+    const int pe = PeerOn(team, n);
     const int32_t count =
         reinterpret_cast<const int32_t*>(team.peer[team.rank] + team.lay.region_count)[n];
+    const char* src = team.sym + RegionOffset(team.lay, n, mine) + team.lay.region_out;
+    char* dst = team.sym + RegionOffset(team.lay, mine, n) + team.lay.region_rows;  // on peer n
     const int64_t warp = static_cast<int64_t>(blockIdx.x) * kPutWarps + threadIdx.x / kWarpSize;
     const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kPutWarps;
-    for (int64_t j = warp; j < count; j += nwarps) PutReturnRow(team, n, j, bytes);
+    for (int64_t j = warp; j < count; j += nwarps) {
+      nvshmemx_putmem_signal_nbi_warp(dst + j * bytes, src + j * bytes, bytes,
+                                      SymWord(team, team.lay.rin_rows, mine), 1,
+                                      NVSHMEM_SIGNAL_ADD, pe);
+    }
   }
   nvshmem_quiet();
 }
@@ -203,19 +209,6 @@ unsigned PutBlocks(int64_t items, int64_t max_blocks) {
 }  // namespace
 
 #ifdef JAXEP_HAVE_NVSHMEM
-
-__device__ void PutReturnRow(const Team& team, int n, int32_t j, int64_t bytes) {
-  const int mine = NodeOf(team, team.rank);
-  const char* src = team.sym + RegionOffset(team.lay, n, mine) + team.lay.region_out;
-  char* dst = team.sym + RegionOffset(team.lay, mine, n) + team.lay.region_rows;  // on peer n
-  __syncwarp();
-  __threadfence();  // the lanes' writes of row j are visible to whatever reads it (NIC, peer)
-  nvshmemx_putmem_signal_nbi_warp(dst + j * bytes, src + j * bytes, bytes,
-                                  SymWord(team, team.lay.rin_rows, mine), 1, NVSHMEM_SIGNAL_ADD,
-                                  PeerOn(team, n));
-}
-
-__device__ void QuietPuts() { nvshmem_quiet(); }
 
 cudaError_t LaunchGrant(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream) {
   (void)op;
@@ -252,11 +245,6 @@ cudaError_t LaunchReturn(const Team& team, int64_t bytes, uint64_t seq, int32_t 
   const unsigned blocks = PutBlocks(team.lay.max_tokens, max_blocks);
   ReturnKernel<<<dim3(blocks, static_cast<unsigned>(nodes)), kThreads, 0, stream>>>(team, bytes);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  return LaunchAwaitReturns(team, seq, op, stream);
-}
-
-cudaError_t LaunchAwaitReturns(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream) {
-  if (Nodes(team) < 2) return cudaSuccess;
   AwaitCountsKernel<<<1, 32, 0, stream>>>(team, team.lay.out_count, kPhaseReturn, seq, op);
   return cudaGetLastError();
 }
@@ -274,9 +262,6 @@ cudaError_t LaunchArrive(const Team&, int32_t, int32_t, int32_t, uint64_t, int32
   return cudaErrorNotSupported;
 }
 cudaError_t LaunchReturn(const Team&, int64_t, uint64_t, int32_t, int64_t, cudaStream_t) {
-  return cudaErrorNotSupported;
-}
-cudaError_t LaunchAwaitReturns(const Team&, uint64_t, int32_t, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 

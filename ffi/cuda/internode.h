@@ -50,10 +50,8 @@
 //                  earlier grid's pending blocks before a later grid's: the spinning pull is
 //                  launched after the send kernel it waits for);
 //   5  RETURN  combine, gather_back: the op's kernel wrote, into region n's out area, the result
-//              of each of peer n's tokens that need my node; gather_back: LaunchReturn puts them
-//              to peer n after it (signal rin_rows += 1 each); combine: the reducer puts each row
-//              itself as soon as it is reduced (internode.cuh), so the returns overlap the rest of
-//              the reduction; WAIT-RETURNS: rin_rows[n] >= my out_count[n].
+//              of each of peer n's tokens that need my node; LaunchReturn puts them to peer n (signal
+//              rin_rows += 1 each); WAIT-RETURNS: rin_rows[n] >= my out_count[n].
 // Flow control: a writer puts into a region only after the host granted this call (3b waits the
 // credit), and a host grants only after its node's readers signalled free for the last call
 // (step 2), so regions sized from the Config never overflow or get overwritten while read, for
@@ -91,10 +89,8 @@ cudaError_t LaunchArrive(const Team& team, int32_t tokens, int32_t topk, int32_t
                          uint64_t seq, int32_t op, cudaStream_t stream);
 
 // Step 5: put region n's first region_count[n] results of `bytes` each to peer n, then WAIT until
-// my own out_count[n] results came back from every peer n (LaunchAwaitReturns).
+// my own out_count[n] results came back from every peer n.
 cudaError_t LaunchReturn(const Team& team, int64_t bytes, uint64_t seq, int32_t op,
                          int64_t max_blocks, cudaStream_t stream);
-// Step 5's wait alone, for an op whose kernel put its results itself (PutReturnRow).
-cudaError_t LaunchAwaitReturns(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream);
 
 }  // namespace jaxep::cuda::mr
