@@ -26,6 +26,7 @@ constexpr std::string_view kDispatchTarget = "jaxep_dispatch";
 constexpr std::string_view kDispatchRowsTarget = "jaxep_dispatch_rows";
 constexpr std::string_view kCombineTarget = "jaxep_combine";
 constexpr std::string_view kGatherBackTarget = "jaxep_gather_back";
+constexpr std::string_view kFp8QuantizeTarget = "jaxep_fp8_quantize";
 
 // Typed buffer aliases (also keep template commas out of the XLA_FFI_DEFINE_HANDLER_SYMBOL macro).
 using F32Vec = ffi::Buffer<ffi::F32, 1>;

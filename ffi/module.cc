@@ -27,6 +27,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepDispatchRows);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepCombine);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepGatherBack);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepFp8Quantize);
 
 void RegisterRuntime(nb::module_& m);  // ffi/runtime.cc
 
@@ -72,6 +73,7 @@ NB_MODULE(_jaxep_cuda, m) {
         d[Str(jaxep::kDispatchRowsTarget)] = Capsule(JaxepDispatchRows);
         d[Str(jaxep::kCombineTarget)] = Capsule(JaxepCombine);
         d[Str(jaxep::kGatherBackTarget)] = Capsule(JaxepGatherBack);
+        d[Str(jaxep::kFp8QuantizeTarget)] = Capsule(JaxepFp8Quantize);
         return d;
       },
       "Target name -> PyCapsule of its XLA FFI handler (register with platform='CUDA').");
@@ -93,7 +95,8 @@ NB_MODULE(_jaxep_cuda, m) {
         d["phases"] = phases;  // Diag::phase code -> name
         d["ops"] = ops;        // Diag::op code -> op name
         d["targets"] = nb::make_tuple(Str(jaxep::kDispatchTarget), Str(jaxep::kDispatchRowsTarget),
-                                      Str(jaxep::kCombineTarget), Str(jaxep::kGatherBackTarget));
+                                      Str(jaxep::kCombineTarget), Str(jaxep::kGatherBackTarget),
+                                      Str(jaxep::kFp8QuantizeTarget));
         d["dispatch_kernels"] = Names(mr::kDispatchKernelNames);  // dispatch_kernel attribute
         d["combine_kernels"] = Names(mr::kCombineKernelNames);    // combine_kernel attribute
         return d;

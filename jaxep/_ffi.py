@@ -42,7 +42,8 @@ import numpy as np
 from jaxep import config as _config
 
 # The custom-call targets this module emits; the extension's constants()["targets"] must match.
-TARGETS = ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine", "jaxep_gather_back")
+TARGETS = ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine", "jaxep_gather_back",
+           "jaxep_fp8_quantize")
 
 _module: Any = None
 _constants: dict | None = None  # the extension's constants(), normalized; None until loaded
@@ -385,3 +386,20 @@ def gather_back(v, send_row, topk_idx, *, config, ep_size: int, ranks_per_node: 
   call = jax.ffi.ffi_call("jaxep_gather_back", out_types, vmap_method="sequential")
   return tuple(call(v, send_row, topk_idx, num_experts=_i64(config.num_experts),
                     ep_size=_i64(ep_size), ranks_per_node=_i64(ranks_per_node)))
+
+
+def fp8_quantize(x):
+  """``jaxep_fp8_quantize`` (local, any EP size): x[T,H] bf16|f16|f32, H % 128 == 0 ->
+  ``(codes[T,H] uint8 (float8_e4m3fn bytes), scales[T,H/128] f32)``: SPEC section 3's
+  quantization with IEEE divisions (jaxep.reference.fp8_quantize computes the same bits)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  op = "fp8_quantize"
+  _require(op)
+  t, h = x.shape
+  if h % _config.FP8_BLOCK:
+    _fail(op, "x.shape[1]", f"a multiple of {_config.FP8_BLOCK}", h)
+  out_types = (jax.ShapeDtypeStruct((t, h), np.uint8),
+               jax.ShapeDtypeStruct((t, h // _config.FP8_BLOCK), np.float32))
+  call = jax.ffi.ffi_call("jaxep_fp8_quantize", out_types, vmap_method="sequential")
+  return tuple(call(x))

@@ -84,9 +84,10 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 # low-latency layout (the `expert_rows` attribute: rows of local expert l at [l*M, l*M + M) of
 # C = L*M rows), so both halves of the split ops run in the receive half here (the send half only
 # packs); combine is the normal combine kernel on the flat rows l*M + m (the same fixed order).
-# fp8_dispatch quantizes in an XLA fusion before the dispatch kernel (the reference's
-# fp8_quantize, same bits) and moves each token's codes and scales as one packed row of
-# H + 4*H/128 bytes. Not yet: quantizing inside the kernel, a send/recv split on the device,
+# fp8_dispatch quantizes in its own kernel before the dispatch (jaxep_fp8_quantize: IEEE
+# divisions, which XLA's own GPU division is not, so the reference's jnp code would not give the
+# same bits here) and moves each token's codes and scales as one packed row of H + 4*H/128 bytes.
+# Not yet: quantizing inside the dispatch kernel, a send/recv split on the device,
 # CUDA-graph compatible handlers (device-side sequence numbers), EP size 1.
 
 
@@ -98,11 +99,11 @@ def _ll_check(op, config, ep):
     check_limits(config)
 
 
-def _pack_fp8(q, scales):
-    """q [T,H] float8_e4m3fn and scales [T,H/128] f32 -> one bf16 row of (H + 4*H/128) / 2 per
-    token (bytes moved as they are: the dispatch kernels copy rows byte for byte)."""
-    t = q.shape[0]
-    codes = jax.lax.bitcast_convert_type(q, jnp.uint8)
+def _pack_fp8(codes, scales):
+    """codes [T,H] uint8 (e4m3fn bytes) and scales [T,H/128] f32 -> one bf16 row of
+    (H + 4*H/128) / 2 per token (bytes moved as they are: the dispatch kernels copy rows byte
+    for byte)."""
+    t = codes.shape[0]
     scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(t, -1)
     row = jnp.concatenate([codes, scale_bytes], axis=1)
     return jax.lax.bitcast_convert_type(row.reshape(t, -1, 2), jnp.bfloat16)
@@ -119,9 +120,8 @@ def _unpack_fp8(rows, hidden):
 def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config):
     ep = _ep_size(axis_name)
     _ll_check("dispatch_send", config, ep)
-    if config.fp8_dispatch:
-        from jaxep.reference import fp8_quantize  # pylint: disable=g-import-not-at-top
-        x = _pack_fp8(*fp8_quantize(x))
+    if config.fp8_dispatch:  # jaxep_fp8_quantize: IEEE divisions, the reference's bits
+        x = _pack_fp8(*_ffi.fp8_quantize(x))
     return (x, topk_idx, topk_weights)
 
 

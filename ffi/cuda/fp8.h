@@ -1,0 +1,22 @@
+// Launcher of the FP8 quantization kernel (ffi/cuda/fp8.cu) behind `jaxep_fp8_quantize`: the
+// low-latency dispatch's FP8 option (SPEC section 3), bit for bit with jaxep.reference.
+// Plain C++: raw device pointers, sizes and a stream.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace jaxep::cuda {
+
+constexpr int kFp8Block = 128;  // channels per scale (jaxep.config.FP8_BLOCK)
+
+// x [T, H] (T = tokens, H % 128 == 0) -> codes [T, H] e4m3fn bytes, scales [T, H/128] f32:
+// per token and block j, in f32: amax = max |x[t, 128j:128j+128]|, scale = amax / 448 (IEEE
+// division, round to nearest; 1.0 where amax == 0), code = x / scale (IEEE division) rounded to
+// nearest even and saturated to +-448. T is float, __nv_bfloat16 or __half.
+template <typename T>
+cudaError_t LaunchFp8Quantize(const T* x, int64_t tokens, int64_t hidden, uint8_t* codes,
+                              float* scales, cudaStream_t stream);
+
+}  // namespace jaxep::cuda

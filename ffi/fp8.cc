@@ -1,0 +1,43 @@
+// XLA FFI handler `jaxep_fp8_quantize` (CUDA platform, any EP size): the FP8 option of the
+// low-latency dispatch (SPEC section 3), x [T, H] -> codes [T, H] u8 (e4m3fn bytes), scales
+// [T, H/128] f32 (ffi/cuda/fp8.h). A local kernel: the dispatch then moves each token's codes and
+// scales as one row (jaxep/cuda_backend.py). Shapes were checked at trace time.
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "common.h"
+#include "cuda/fp8.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxep {
+
+// One name per buffer type: a template's comma would split the handler macro's arguments.
+using U8Mat = ffi::Buffer<ffi::U8, 2>;
+
+namespace {
+
+ffi::Error Fp8QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                           ffi::ResultBuffer<ffi::U8, 2> codes,
+                           ffi::ResultBuffer<ffi::F32, 2> scales) {
+  const int64_t tokens = x.dimensions()[0], hidden = x.dimensions()[1];
+  return WithPayloadType(kFp8QuantizeTarget, "x", x.element_type(), [&](auto v) {
+    using T = decltype(v);
+    return FromCuda(kFp8QuantizeTarget, "quantize kernel",
+                    cuda::LaunchFp8Quantize<T>(static_cast<const T*>(x.untyped_data()), tokens,
+                                               hidden, codes->typed_data(), scales->typed_data(),
+                                               stream));
+  });
+}
+
+}  // namespace
+}  // namespace jaxep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxepFp8Quantize, jaxep::Fp8QuantizeImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()     // XLA's compute stream
+        .Arg<xla::ffi::AnyBuffer>()                        // x [T, H] bf16|f16|f32
+        .Ret<jaxep::U8Mat>()                               // codes [T, H] e4m3fn bytes
+        .Ret<jaxep::F32Mat>(),                             // scales [T, H/128]
+    {xla::ffi::Traits::kCmdBufferCompatible});             // local, no per-call host state
