@@ -275,14 +275,27 @@ def test_knobs_go_from_bench_config_to_jaxep_config():
     assert BenchConfig(mode="low_latency", **SMALL).jaxep_config().mode == "low_latency"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14: jaxep.Config builds mode='low_latency' now, but "
-                   "jaxep-bench does not run it yet (it reads group_sizes and fails with an "
-                   "AttributeError); the bench must run it or refuse it with a usage error")
-def test_cli_low_latency_mode_is_run_or_refused_cleanly():
-    bad = subprocess.run([sys.executable, "-m", "jaxep.bench", "--tokens=16", "--hidden=32",
-                          "--topk=2", "--experts=8", "--iters=1", "--warmup=1", "--inner=1",
-                          "--mode=low_latency"], capture_output=True, text=True, timeout=300)
-    assert "Traceback" not in bad.stderr, bad.stderr[-1000:]
+def test_cli_low_latency_mode(tmp_path):
+    """--mode=low_latency runs the decode bench (jaxep/bench/low_latency.py) on the reference
+    backend here: correctness against its host oracle first, then the table and the JSON keys
+    tools/bench_multirank.py reads; with --fp8_dispatch the codes, scales and combine too."""
+    for extra in ([], ["--fp8_dispatch", "--hidden=256"]):
+        out = tmp_path / "ll.json"
+        p = subprocess.run([sys.executable, "-m", "jaxep.bench", "--tokens=4", "--hidden=32",
+                            "--topk=2", "--experts=8", "--iters=1", "--warmup=1", "--inner=1",
+                            "--cpu_devices=2", "--mode=low_latency", f"--json={out}", *extra],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "correctness: OK" in p.stdout and "jaxep-bench low_latency: T=4" in p.stdout, p.stdout
+        doc = json.loads(out.read_text())
+        assert doc["mode"] == "low_latency" and doc["correctness"]["passed"], doc["correctness"]
+        ll = doc["low_latency"]
+        assert ll["fp8_dispatch"] == bool(extra) and ll["rows_per_expert"] == 8, ll
+        # Dispatch moves codes + scales (H + 4H/128 bytes) with fp8, the payload row otherwise.
+        assert ll["row_bytes_dispatch"] == (256 + 8 if extra else 32 * 2), ll
+        for op in ("dispatch", "combine", "both"):
+            assert doc["ops"][op]["time_s"]["median"] > 0
+            assert doc["ops"][op]["payload"]["copy_over_op"] > 0
 
 
 def test_cli_knob_flags(tmp_path):

@@ -150,11 +150,17 @@ def run_label(a: argparse.Namespace) -> tuple[str, str]:
     if a.ranks_per_node:
         kernels += f" {a.nproc // a.ranks_per_node}x{a.ranks_per_node}"
         tag += f"_g{a.ranks_per_node}"
+    if a.tokens != 4096:
+        tag += f"_t{a.tokens}"
     # Extra jaxep.bench flags (e.g. the combine wire dtype) name the files too.
     for extra in a.bench_args:
         tag += "_" + "".join(c if c.isalnum() else "-" for c in extra.lstrip("-"))
         if extra.startswith("--combine_wire_dtype="):
             kernels += " w:" + extra.split("=", 1)[1]
+        elif extra == "--mode=low_latency":
+            kernels += f" LL T={a.tokens}"
+        elif extra == "--fp8_dispatch":
+            kernels += " fp8"
     return kernels, tag
 
 

@@ -10,6 +10,8 @@
 #              peer, the internode layouts (gputier runs it again: leave one of the two out)
 #   mrn        only the internode cases of test_multirank.py (node override layouts, killed peer)
 #   ll         only the low-latency cases of test_multirank.py (4, 8 ranks; 2 x 4), ~100 s
+#   benchll1 benchll1f ... benchll128 benchll128f   jaxep-bench --mode=low_latency, 8 ranks, E=256,
+#              T = 1/8/32/128, bf16 / FP8 dispatch (...f), ~20 s each
 #   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
 #              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
@@ -98,6 +100,13 @@ step bench16seed 240 120 "$LOGS/bench16seed.log" \
   python3 tools/bench_multirank.py --nproc 16 --experts 128 --ranks_per_node 8 --iters 10 \
   --timeout 220 --outdir "$LOGS" --summary_json "$LOGS/bench16seed.rows.json" -- \
   --preset=seed_2x8 --combine_wire_dtype=payload
+# mode="low_latency" (jaxep-bench --mode=low_latency): 8 ranks, E=256, H=7168, K=8, bf16 and
+# FP8 dispatch, at T = 1, 8, 32, 128 per rank (one launch each; ops vs the same-run sync floor and
+# payload copy).
+for t in 1 8 32 128; do
+  bench "benchll$t" 8 256 90 token warp "--tokens $t -- --mode=low_latency"
+  bench "benchll${t}f" 8 256 90 token warp "--tokens $t -- --mode=low_latency --fp8_dispatch"
+done
 bench bench8_64a 8 64 120 row thread   # the alternative pull kernels: same inputs, same call
 bench bench8_64s 8 64 120 token warp --staged   # zero-copy off (Config zero_copy=False): same-run A/B
 step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider tests/gpu/test_nn_multirank.py
@@ -148,6 +157,9 @@ for r in rows:
         print(f"N={r['N']} E={r['E']}: no JSON (rc={r['rc']}); see logs/bench_n{r['N']}_e{r['E']}.log")
 EOF
   grep -hE "BenchCorrectnessError|TimeoutError|Traceback|failed:|error:" "$LOGS"/bench_n*_e*.log 2>/dev/null | cut -c1-200 | head -6
+  for f in "$LOGS"/bench_n*_mode-low-latency*.log; do   # the low-latency tables (rank 0's)
+    [ -f "$f" ] && grep -hE -A6 "jaxep-bench low_latency:" "$f" | sed 's/^\[rank 0\] //' | head -7
+  done
   echo "--- steps ---"
   cat "$ROWS"
   echo "total $(( $(date +%s) - T0 ))s of ${BUDGET}s"

@@ -21,7 +21,14 @@ TOKENS = flags.DEFINE_integer("tokens", 4096, "Tokens per rank (T).", lower_boun
 HIDDEN = flags.DEFINE_integer("hidden", 7168, "Hidden size (H).", lower_bound=1, upper_bound=1 << 16)
 TOPK = flags.DEFINE_integer("topk", 8, "Experts per token (K).", lower_bound=1, upper_bound=64)
 EXPERTS = flags.DEFINE_integer("experts", 64, "Experts in the model (E).", lower_bound=1, upper_bound=1 << 14)
-MODE = flags.DEFINE_enum("mode", "normal", list(MODES), "jaxep.Config.mode (only normal is built).")
+MODE = flags.DEFINE_enum("mode", "normal", list(MODES), "jaxep.Config.mode: normal, or low_latency "
+                         "(the decode ops at T=--tokens, against the same-run sync floor and "
+                         "payload copy: jaxep/bench/low_latency.py).")
+ROWS_PER_EXPERT = flags.DEFINE_integer("rows_per_expert", 0, "jaxep.Config.rows_per_expert (M, "
+                                       "--mode=low_latency); 0 = room for 4x an expert's uniform "
+                                       "load.", lower_bound=0, upper_bound=1 << 24)
+FP8_DISPATCH = flags.DEFINE_bool("fp8_dispatch", False, "jaxep.Config.fp8_dispatch "
+                                 "(--mode=low_latency): e4m3 codes + f32 scales per 128 channels.")
 DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(PAYLOAD_DTYPES), "Payload dtype.")
 ROUTING = flags.DEFINE_enum("routing", "uniform", list(_ROUTINGS), "Routing distribution.")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of routing and payload.", lower_bound=0)
@@ -107,6 +114,7 @@ def bench_config():
         ranks_per_gpu=nz(RANKS_PER_GPU.value), combine_wire_dtype=COMBINE_WIRE_DTYPE.value,
         nvlink_gbps=nz(NVLINK_GBPS.value), rdma_gbps=nz(RDMA_GBPS.value), hbm_gbps=nz(HBM_GBPS.value),
         check=CHECK.value, timeout_s=TIMEOUT_S.value, sweep=SWEEP.value,
+        rows_per_expert=nz(ROWS_PER_EXPERT.value), fp8_dispatch=FP8_DISPATCH.value,
         sweep_num_sms=tuple(_sms(v) for v in SWEEP_NUM_SMS.value), sweep_kernels=SWEEP_KERNELS.value)
     if PRESET.value:
         given = {k: kw[k] for k, holder in _FIELDS.items() if flags.FLAGS[holder.name].present}
@@ -178,10 +186,18 @@ def main(argv):
         raise app.UsageError(str(e)) from e
     if not lead:
         return
-    report.print_report(result, console)
+    low_latency = result.get("mode") == "low_latency"
+    if low_latency:
+        from jaxep.bench import low_latency as ll  # pylint: disable=g-import-not-at-top
+        console.print(ll.report(result), soft_wrap=True)
+    else:
+        report.print_report(result, console)
     if JSON.value:
         report.write_json(result, JSON.value)
-    if PLOT.value:
+    if PLOT.value and low_latency:
+        console.print("plot: not drawn for --mode=low_latency (the table is the report)",
+                      soft_wrap=True)
+    elif PLOT.value:
         report.plot(result, PLOT.value)
         console.print(f"plot: {PLOT.value}", soft_wrap=True)
 

@@ -74,6 +74,10 @@ class BenchConfig:
     sweep: bool = False
     sweep_num_sms: tuple = (0, 16, 24, 32, 48, 64)   # 0: no cap (num_sms=None)
     sweep_kernels: bool = False             # also every dispatch_kernel x combine_kernel
+    # mode="low_latency" (jaxep/bench/low_latency.py): Config.rows_per_expert (None: room for 4x
+    # an expert's uniform load) and Config.fp8_dispatch.
+    rows_per_expert: int | None = None
+    fp8_dispatch: bool = False
 
     def jaxep_config(self, **override) -> jaxep.Config:
         kw = dict(num_experts=self.experts, topk=self.topk, hidden=self.hidden,
@@ -386,7 +390,11 @@ def _runtime(bc: BenchConfig):
     if bc.ep_size not in (None, jax.device_count()):
         raise ValueError(f"jaxep-bench: with {jax.process_count()} processes the EP size is every "
                          f"device ({jax.device_count()}), got ep_size={bc.ep_size}")
-    jaxep.initialize(bc.jaxep_config())
+    if bc.mode == "low_latency":
+        from jaxep.bench import low_latency  # pylint: disable=g-import-not-at-top
+        jaxep.initialize(low_latency.config(bc, jax.device_count()))
+    else:
+        jaxep.initialize(bc.jaxep_config())
     yield
     timing.barrier()
     jaxep.finalize()
@@ -425,6 +433,10 @@ def run(bc: BenchConfig, emit=print, progress=None) -> dict:
 def _run(bc: BenchConfig, emit, stage=None) -> dict:
     stage = stage or _Stages(None)
     mesh, R = _mesh(bc)
+    if bc.mode == "low_latency":  # the decode ops at one small T: their own report
+        from jaxep.bench import low_latency  # pylint: disable=g-import-not-at-top
+        stage.total = int(bc.check) + 6
+        return low_latency.run(bc, mesh, R, select_backend("bench", bc.backend, R), emit, stage)
     dev = mesh.devices.flat[0]
     platform = dev.platform
     rpg = _ranks_per_gpu(bc, R, platform)

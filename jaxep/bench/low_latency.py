@@ -1,0 +1,314 @@
+"""`jaxep-bench --mode=low_latency`: the decode ops at one small T per run, against same-run floors.
+
+One run times, at T = --tokens per rank (decode sizes: 1 ... 256):
+  * dispatch, combine and both (dispatch, barrier, combine) of Config(mode="low_latency"), with
+    `--fp8_dispatch` the FP8 dispatch (codes + scales per row) and the bf16 combine;
+  * the sync floor: one cross-rank exchange that moves 4 bytes (jaxep_gather_back of one masked
+    slot: wait free, stage, the ready round, the free round), the least a call of jaxep's
+    protocol costs; for tiny T an op can be no faster than this (the "signal round trip");
+  * the payload copy: every rank copies its share of the op's payload bytes at once (the rows
+    that land in x: kept (token, expert) rows x row bytes; combine: the same rows back in y's
+    dtype), the floor for large T.
+Correctness first: every rank checks its x, counts and combine(x) bitwise against a host oracle
+written from SPEC section 3 (vectorized NumPy here; tests/oracle.py holds the loop version).
+
+M (Config.rows_per_expert) defaults to min(R*T, max(8, 4 * R*T*K/E)) rounded up to 8: room for
+4x the uniform load of an expert (x [L, M, H] is written in full every call, rows past counts
+zero, so M sets the op's least memory traffic). The JSON keeps the keys of the normal bench that
+tools/bench_multirank.py reads (ops.*.time_s, payload, baselines) plus a "low_latency" block.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import jaxep
+from jaxep import _ffi, runtime
+from jaxep.bench import check, routing, timing
+
+AXIS = "ep"
+OPS = ("dispatch", "combine", "both")
+
+
+def rows_per_expert(bc, R: int) -> int:
+    """M of the run: the flag, else room for 4x an expert's uniform load (multiple of 8)."""
+    if bc.rows_per_expert:
+        return bc.rows_per_expert
+    load = R * bc.tokens * bc.topk / bc.experts
+    return min(R * bc.tokens, int(math.ceil(max(8.0, 4 * load) / 8) * 8))
+
+
+def config(bc, R: int) -> jaxep.Config:
+    return bc.jaxep_config(mode="low_latency", capacity_factor=None,
+                           rows_per_expert=rows_per_expert(bc, R), fp8_dispatch=bc.fp8_dispatch)
+
+
+def fp8_quantize(x):
+    """Host FP8 quantization of one rank's tokens (SPEC section 3): NumPy f32 divisions are IEEE
+    and ml_dtypes' cast to float8_e4m3fn rounds to nearest even. -> (codes uint8, scales f32)."""
+    import ml_dtypes  # pylint: disable=g-import-not-at-top
+    T, H = x.shape
+    x32 = x.astype(np.float32).reshape(T, H // 128, 128)
+    amax = np.abs(x32).max(-1)
+    scales = np.where(amax == 0, np.float32(1), (amax / np.float32(448)).astype(np.float32))
+    q = np.clip((x32 / scales[..., None]).astype(np.float32), -448, 448)
+    return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(T, H), scales.astype(np.float32)
+
+
+def dequantize(codes, scales, dtype):
+    """jaxep.dequantize_fp8 on the host: f32(code) * its block's scale, cast once."""
+    import ml_dtypes  # pylint: disable=g-import-not-at-top
+    c32 = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return (c32 * np.repeat(scales, 128, axis=-1)).astype(np.float32).astype(dtype)
+
+
+def oracle(idx_all, xs, E: int, M: int, d: int):
+    """Host oracle for destination rank d: x [L,M,...] from the per-rank token rows `xs` (rows in
+    (source, t, k) order per expert, the first M kept, zeros after), counts [L], and the
+    source-side kept mask [R,T,K] (every rank's)."""
+    R, T, K = idx_all.shape
+    L = E // R
+    x = np.zeros((L, M) + xs[0].shape[1:], xs[0].dtype)
+    counts = np.zeros((L,), np.int32)
+    kept = np.zeros((R, T, K), bool)
+    for r in range(R):  # kept[s,t,k]: position of the slot within its expert < M (all ranks)
+        for e in range(r * L, (r + 1) * L):
+            s, t, k = np.nonzero(idx_all == e)  # C order: (s, t, k) ascending
+            kept[s[:M], t[:M], k[:M]] = True
+            if r == d:
+                n = min(len(s), M)
+                counts[e - d * L] = n
+                for m in range(n):
+                    x[e - d * L, m] = xs[s[m]][t[m]]
+    return x, counts, kept
+
+
+def oracle_combine(idx_all, w_all, kept, x_r, E: int, r: int, out_dtype, G: int, wire):
+    """combine of rows equal to their token's row x_r[t] (the dispatched rows, or their
+    dequantized fp8), source rank r, SPEC section 3: out[t] = sum over nodes n asc of P_n[t],
+    P_n[t] = sum over n's ranks asc of (sum over k asc with expert there and kept of w*x[t]); f32,
+    one rounding per op; P_n of another node than r's rounded once to the wire dtype."""
+    R, T, K = idx_all.shape
+    L = E // R
+    x32 = x_r.astype(np.float32)
+    out = np.zeros(x32.shape, np.float32)
+    for n in range(R // G):
+        p_n = np.zeros(x32.shape, np.float32)
+        for d in range(n * G, (n + 1) * G):
+            part = np.zeros(x32.shape, np.float32)
+            for k in range(K):
+                on = (idx_all[r, :, k] // L == d) & kept[r, :, k]
+                prod = (w_all[r, :, k:k + 1].astype(np.float32) * x32).astype(np.float32)
+                part = np.where(on[:, None], (part + prod).astype(np.float32), part)
+            p_n = (p_n + part).astype(np.float32)
+        if n != r // G:
+            p_n = p_n.astype(wire).astype(np.float32)
+        out = (out + p_n).astype(np.float32)
+    return out.astype(out_dtype)
+
+
+def _global(mesh, R, per_rank, dtype):
+    shape = (R * per_rank[0].shape[0],) + per_rank[0].shape[1:]
+
+    def cb(index):
+        start = index[0].start or 0
+        return per_rank[start // per_rank[0].shape[0]].astype(dtype)
+
+    return jax.make_array_from_callback(shape, jax.sharding.NamedSharding(mesh, P(AXIS)), cb)
+
+
+def _programs(cfg, backend, mesh):
+    def disp(x, idx, w):
+        return jaxep.dispatch(x, idx, w, axis_name=AXIS, config=cfg, backend=backend)
+
+    def comb(y, handle):
+        return jaxep.combine(y, handle, axis_name=AXIS)
+
+    def expert_input(res):  # what the experts see: the dequantized rows with fp8
+        return (jaxep.dequantize_fp8(res.x, res.scales, jnp.dtype(cfg.dtype))
+                if cfg.fp8_dispatch else res.x)
+
+    def both(x, idx, w):
+        res = disp(x, idx, w)
+        rows, handle = jax.lax.optimization_barrier((expert_input(res), res.handle))
+        return comb(rows, handle)
+
+    def check_step(x, idx, w):
+        res = disp(x, idx, w)
+        scales = res.scales if cfg.fp8_dispatch else jnp.zeros(res.x.shape[:2] + (1,), jnp.float32)
+        return res.x, scales, res.counts, comb(expert_input(res), res.handle)
+
+    sm = lambda f, n, outs=P(AXIS): jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS),) * n,
+                                                          out_specs=outs))
+    loops = {"dispatch": timing.device_loop(disp, mesh, AXIS),
+             "combine": timing.device_loop(comb, mesh, AXIS),
+             "both": timing.device_loop(both, mesh, AXIS)}
+    return sm(disp, 3), sm(check_step, 3, (P(AXIS),) * 4), loops, expert_input
+
+
+def _sync_floor(bc, cfg, mesh, R, G, backend):
+    """One exchange of 4 bytes: jaxep_gather_back of one masked slot (CUDA, several ranks)."""
+    if backend != "cuda" or R == 1:
+        return None
+
+    def ping(v, send_row, idx):
+        return _ffi.gather_back(v, send_row, idx, config=cfg, ep_size=R, ranks_per_node=G)[0]
+
+    v = _global(mesh, R, [np.zeros((1,), np.float32)] * R, np.float32)
+    neg = _global(mesh, R, [np.full((1, 1), -1, np.int32)] * R, np.int32)
+    loop = timing.device_loop(ping, mesh, AXIS)
+    return timing.over_processes(timing.time_loop(loop, (v, neg, neg), warmup=bc.warmup,
+                                                  iters=bc.iters, inner=bc.inner,
+                                                  calls_per_op=1))
+
+
+def _time_copy(bc, mesh, R, bytes_per_rank):
+    n = max(1, int(bytes_per_rank) // 8)
+    a = _global(mesh, R, [np.random.default_rng([bc.seed, 5, r]).integers(0, 2**32, n, dtype=np.uint32)
+                          for r in range(R)], np.uint32)
+    loop = timing.device_loop(lambda c: c ^ np.uint32(1), mesh, AXIS)
+    return timing.over_processes(timing.time_loop(loop, (a,), warmup=bc.warmup, iters=bc.iters,
+                                                  inner=bc.inner))
+
+
+def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
+    """The low-latency bench on `mesh` (R ranks); returns the JSON document."""
+    cfg = config(bc, R)
+    G = runtime.node_size(cfg, R)
+    M, L = cfg.expert_rows(R), bc.experts // R
+    T, H, K, E = bc.tokens, bc.hidden, bc.topk, bc.experts
+    dt = np.dtype(jnp.dtype(bc.dtype))
+    idx_all = routing.topk_ids(bc.routing, R, T, K, E, seed=bc.seed, zipf_alpha=bc.zipf_alpha,
+                               imbalance=bc.imbalance)
+    w_all = routing.topk_weights(R, T, K, seed=bc.seed)
+    xs = [routing.tokens_for_rank(r, T, H, dt, seed=bc.seed) for r in range(R)]
+    x = _global(mesh, R, xs, dt)
+    idx = _global(mesh, R, list(idx_all), np.int32)
+    w = _global(mesh, R, list(w_all), np.float32)
+    disp_once, check_once, loops, expert_input = _programs(cfg, backend, mesh)
+
+    checked, error = [], None
+    if bc.check:
+        stage("checking correctness")
+        got_x, got_s, got_counts, got_out = check_once(x, idx, w)
+        jax.block_until_ready(got_out)
+        jaxep.check()
+        sh = check.local_shards
+        gx, gs, gc, go = sh(got_x, L), sh(got_s, L), sh(got_counts, L), sh(got_out, T)
+        q = [fp8_quantize(v) for v in xs] if cfg.fp8_dispatch else None
+        wire = np.dtype(jnp.dtype(cfg.combine_wire_dtype))
+        try:
+            for r in gx:
+                if q is None:
+                    want_x, want_c, kept = oracle(idx_all, xs, E, M, r)
+                    check.bitwise_equal("x vs host oracle", r, gx[r], want_x)
+                    y_r = xs[r]
+                else:
+                    want_x, want_c, kept = oracle(idx_all, [c for c, _ in q], E, M, r)
+                    want_s, _, _ = oracle(idx_all, [s_ for _, s_ in q], E, M, r)
+                    check.bitwise_equal("fp8 codes vs host oracle", r,
+                                        np.asarray(gx[r]).view(np.uint8), want_x)
+                    check.bitwise_equal("fp8 scales vs host oracle", r, gs[r], want_s)
+                    y_r = dequantize(*q[r], dt)
+                check.bitwise_equal("counts vs host oracle", r, gc[r], want_c)
+                check.bitwise_equal("combine(x) vs host oracle", r, go[r],
+                                    oracle_combine(idx_all, w_all, kept, y_r, E, r, dt, G, wire))
+        except check.BenchCorrectnessError as e:
+            error = str(e)
+        errors = timing.allgather(error)
+        bad = [e for e in errors if e is not None]
+        if bad:
+            raise check.BenchCorrectnessError("; ".join(bad))
+        checked = ["x [L,M,H]" + (" fp8 codes and scales" if cfg.fp8_dispatch else "") +
+                   ", counts and combine(x) bitwise == host oracle"]
+        emit("correctness: OK (" + "; ".join(checked) + ")")
+
+    res = disp_once(x, idx, w)
+    y = jax.jit(jax.shard_map(expert_input, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(res)
+    args = {"dispatch": (x, idx, w), "combine": (y, res.handle), "both": (x, idx, w)}
+    calls = {"dispatch": 1, "combine": 1, "both": 2} if backend == "cuda" and R > 1 else {}
+    times = {}
+    for op in OPS:
+        stage(f"timing {op}")
+        times[op] = timing.over_processes(timing.time_loop(
+            loops[op], args[op], warmup=bc.warmup, iters=bc.iters, inner=bc.inner,
+            calls_per_op=calls.get(op, 0)))
+        jaxep.check()
+    stage("timing the sync floor")
+    floor = _sync_floor(bc, cfg, mesh, R, G, backend)
+
+    # Payload: the rows that land in x (kept slots) and come back from y.
+    kept_rows = 0
+    for r in range(R):
+        for e in range(r * L, (r + 1) * L):
+            kept_rows += min(int((idx_all == e).sum()), M)
+    row_d = H + 4 * (H // 128) if cfg.fp8_dispatch else H * dt.itemsize
+    row_c = H * dt.itemsize
+    pay = {"dispatch": kept_rows * row_d, "combine": kept_rows * row_c}
+    pay["both"] = pay["dispatch"] + pay["combine"]
+    stage("timing the payload copies")
+    copies = {op: _time_copy(bc, mesh, R, 2 * pay[op] // R) for op in ("dispatch", "combine")}
+    copies["both"] = dict(copies["dispatch"], median=copies["dispatch"]["median"] +
+                          copies["combine"]["median"])
+    ops = {}
+    for op in OPS:
+        t = times[op]
+        c = copies[op]["median"]
+        ops[op] = dict(
+            time_s=t,
+            payload=dict(bytes_total=pay[op], copy_time_s=c, copy_over_op=c / t["median"],
+                         note="kept (token, expert) rows x row bytes over all ranks; copy: every "
+                              "rank copies 1/R of them at once, same run"),
+            baselines=dict(copy=dict(time_s=c, ratio=t["median"] / c),
+                           sync_floor=(dict(time_s=floor["median"],
+                                            ratio=t["median"] / floor["median"])
+                                       if floor else None)))
+    dropped = int(sum(max(0, int((idx_all == e).sum()) - M) for e in range(E)))
+    return dict(
+        schema_version=1, tool="jaxep-bench", mode="low_latency", jaxep_version=jaxep.__version__,
+        jax_version=jax.__version__,
+        time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        config={**dataclasses.asdict(bc), "backend_used": backend,
+                "jaxep_config": dataclasses.asdict(cfg)},
+        topology=dict(ep_size=R, num_processes=jax.process_count(), ranks_per_node=G,
+                      zero_copy_enabled=runtime.zero_copy_enabled(),
+                      device_kind=mesh.devices.flat[0].device_kind),
+        correctness=dict(checked=checked, passed=bool(checked) or None),
+        copy_baseline=dict(payload=dict(bytes_total=pay["both"], time_s=copies["both"])),
+        low_latency=dict(tokens=T, rows_per_expert=M, local_experts=L, fp8_dispatch=cfg.fp8_dispatch,
+                         kept_rows=kept_rows, dropped_rows=dropped,
+                         row_bytes_dispatch=row_d, row_bytes_combine=row_c,
+                         x_bytes_per_rank=L * M * row_d,
+                         sync_floor_s=floor,
+                         sync_floor_note="one cross-rank exchange of 4 bytes (jaxep_gather_back "
+                                         "of one masked slot): free wait, ready round, free round"),
+        ops=ops, notes=["low-latency mode; link classes emulated when ranks share a GPU"])
+
+
+def report(r: dict) -> str:
+    """The table of one run (plain text)."""
+    ll = r["low_latency"]
+    f = ll["sync_floor_s"]
+    lines = [f"jaxep-bench low_latency: T={ll['tokens']} per rank, EP {r['topology']['ep_size']}, "
+             f"M={ll['rows_per_expert']} rows x {ll['local_experts']} local experts, "
+             f"fp8={ll['fp8_dispatch']}, kept rows {ll['kept_rows']} (dropped {ll['dropped_rows']})",
+             f"sync floor (one 4-byte exchange): "
+             f"{f['median'] * 1e6:.1f} us" if f else "sync floor: not measured (one rank or not CUDA)",
+             f"{'op':<9} {'median us':>10} {'payload KB':>11} {'copy us':>9} {'copy/op':>8} "
+             f"{'op/floor':>9}"]
+    for op in OPS:
+        o = r["ops"][op]
+        fl = o["baselines"]["sync_floor"]
+        lines.append(f"{op:<9} {o['time_s']['median'] * 1e6:>10.1f} "
+                     f"{o['payload']['bytes_total'] / 1e3:>11.1f} "
+                     f"{o['payload']['copy_time_s'] * 1e6:>9.1f} {o['payload']['copy_over_op']:>8.2f} "
+                     f"{(fl['ratio'] if fl else float('nan')):>9.2f}")
+    lines.append("copy/op: same-run copy of the payload bytes / op (> 1: faster than that copy); "
+                 "op/floor: op / the sync floor")
+    return "\n".join(lines)
