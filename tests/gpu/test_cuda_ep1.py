@@ -201,7 +201,8 @@ def test_dispatch_and_combine_bitwise(case, dtype_name):
 
   # dispatch_rows of other data with the same layout.
   x2 = rng.standard_normal(x.shape).astype(np.float32).astype(x.dtype)
-  (rows2,) = _ffi.dispatch_rows(jnp.asarray(x2), jnp.asarray(recv_slot), config=cfg(e, idx.shape[1]))
+  (rows2,) = _ffi.dispatch_rows(jnp.asarray(x2), jnp.asarray(recv_slot), jnp.asarray(send_row),
+                                jnp.asarray(topk_idx_out), config=cfg(e, idx.shape[1]))
   want2 = np.zeros_like(want[0])
   keep = recv_slot >= 0
   want2[keep] = x2[recv_slot[keep] // idx.shape[1]]
@@ -264,7 +265,8 @@ def test_multi_rank_is_a_clear_error():
     _ffi.combine(jnp.zeros((16, 64), jnp.float32), jnp.zeros((16,)), jnp.asarray(idx),
                  jnp.full((16,), -1, jnp.int32), jnp.asarray(idx), config=cfg(8, 2), ep_size=2)
   with pytest.raises(errs, match="ep_size = 4"):
-    _ffi.dispatch_rows(jnp.asarray(x), jnp.full((16,), -1, jnp.int32), config=cfg(8, 2), ep_size=4)
+    _ffi.dispatch_rows(jnp.asarray(x), jnp.full((16,), -1, jnp.int32), jnp.asarray(idx),
+                       jnp.asarray(idx), config=cfg(8, 2), ep_size=4)
 
 
 @pytest.mark.parametrize("knobs", [dict(num_sms=1), dict(num_sms=3), dict(zero_copy=False),
@@ -291,7 +293,9 @@ out = (jax.ShapeDtypeStruct((4, 8), jnp.float32),)
 try:
   jax.block_until_ready(jax.ffi.ffi_call("jaxep_dispatch_rows", out)(
       jnp.ones((2, 8), jnp.float32), jnp.full((4,), -1, jnp.int32),
-      ep_size=np.int64(2), topk=np.int64(1), num_sms=np.int64(0), zero_copy=True))
+      jnp.full((2, 1), -1, jnp.int32), jnp.full((2, 1), -1, jnp.int32), num_experts=np.int64(2),
+      ep_size=np.int64(2), ranks_per_node=np.int64(2), topk=np.int64(1), num_sms=np.int64(0),
+      zero_copy=True))
   print("NO ERROR RAISED")
 except Exception as e:  # the handler's ffi::Error, as a JAX runtime error
   print("RAISED:", e)
