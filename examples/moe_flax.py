@@ -5,12 +5,16 @@ RMSNorm, jaxep MoE FFN), a final norm and an LM head. The data is made here, not
 sequences from three "languages" the model must tell apart from context (a type marker, then an
 arithmetic progression mod V, a repeated random pattern, or a walk on a fixed sparse bigram graph).
 Training uses optax AdamW. At the end the MoE layer of block 0 is checked against the dense
-single-device computation of the same layer on real activations (`MoE.reference`).
+single-device computation of the same layer on real activations (`MoE.reference`). Then a short
+greedy generation (`--generate_tokens`, default 8): a few sequences, one token per step, each step
+through the attention KV cache and the MoE layers' decode path (`moe(x, decode=True)`: jaxep's
+`mode="low_latency"`), with the first step's logits checked against the normal full-sequence path.
 
 Commands:
     python examples/moe_flax.py             # CPU: 4 emulated devices, EP size 4, reference backend
     python examples/moe_flax.py --short     # what CI runs (< 2 minutes on 2 cores)
     python examples/moe_flax.py --ep 8 --steps 500
+    python examples/moe_flax.py --generate_tokens 16   # longer generation (0: none)
     python examples/moe_flax.py --backend cuda --ep 1 --dtype bfloat16   # one GPU, CUDA custom calls
     python examples/moe_flax.py --compare_backends --dtype bfloat16      # one GPU, EP 1: the same
         # training with the CUDA backend, then with the reference backend, in this one process;
@@ -62,6 +66,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 from rich import progress as rp  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+import jaxep  # noqa: E402
 import jaxep.nn  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 500, "training steps", lower_bound=1)
@@ -89,6 +94,9 @@ _CF = flags.DEFINE_float("capacity_factor", 1.25, "receive capacity factor; 0 = 
 _LB = flags.DEFINE_float("lb_weight", 1e-2, "weight of the load-balancing loss", lower_bound=0.0)
 _LR = flags.DEFINE_float("lr", 3e-3, "peak learning rate", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 0, "seed for data and parameters")
+_GEN = flags.DEFINE_integer("generate_tokens", 8,
+                            "after training, tokens to generate greedily, one per step through the "
+                            "MoE decode path (low_latency mode); 0 = no generation", lower_bound=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,6 +145,13 @@ class Block(nnx.Module):
         y, aux = self.moe(self.norm2(h))
         return h + y, aux
 
+    def decode(self, h):
+        """One new position per sequence (h: [B, 1, d]): attention over the KV cache, then the MoE
+        layer's decode path (jaxep low_latency mode)."""
+        h = h + self.attn(self.norm1(h), decode=True)
+        y, _ = self.moe(self.norm2(h), decode=True)
+        return h + y
+
 
 class MoELM(nnx.Module):
     def __init__(self, vocab: int, seq_len: int, d: int, heads: int, layers: int, moe_kw: dict,
@@ -159,6 +174,18 @@ class MoELM(nnx.Module):
             lb, drop = lb + aux["load_balancing_loss"], drop + aux["drop_fraction"]
         n = len(self.blocks)
         return self.head(self.norm(h)).astype(jnp.float32), lb / n, drop / n
+
+    def decode(self, tokens, pos):
+        """Logits [B, 1, V] of the next token after `tokens` [B, 1] at position `pos` (a scalar),
+        given the KV caches of the positions before it (`init_cache`)."""
+        h = self.embed(tokens) + self.pos(pos)[None, None]
+        for block in self.blocks:
+            h = block.decode(h)
+        return self.head(self.norm(h)).astype(jnp.float32)
+
+    def init_cache(self, batch: int, length: int, dtype):
+        for block in self.blocks:
+            block.attn.init_cache((batch, length, block.attn.in_features), dtype)
 
 
 @nnx.jit(static_argnames=("lb_weight",))
@@ -234,10 +261,21 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
                              " (on CPU: raise --xla_force_host_platform_device_count in XLA_FLAGS)")
     if _BATCH.value % ep:
         raise app.UsageError(f"--batch={_BATCH.value} must be divisible by --ep={ep}")
+    prompt_len = _SEQ.value // 4  # generation: prompt + new tokens fit the position embedding
+    if prompt_len + _GEN.value > _SEQ.value:
+        raise app.UsageError(f"--generate_tokens={_GEN.value} must be <= seq_len - prompt = "
+                             f"{_SEQ.value} - {prompt_len} = {_SEQ.value - prompt_len}")
     dtype = jnp.dtype(_DTYPE.value)
     mesh = jax.make_mesh((ep,), ("ep",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ep])
+    # Generation: a few sequences (a multiple of the EP size), so gen_batch / ep tokens per rank
+    # per decode step; that is the decode config's max_tokens_per_rank (M = ep * it: no drops).
+    gen_batch = ep * max(2, -(-4 // ep))
+    decode_config = jaxep.Config(_E.value, _K.value, _D.value, gen_batch // ep,
+                                 mode="low_latency", dtype=dtype.name)
     moe_kw = dict(ffn=_F.value, num_experts=_E.value, topk=_K.value, mesh=mesh, backend=backend,
-                  capacity_factor=_CF.value or None)
+                  capacity_factor=_CF.value or None, decode_config=decode_config,
+                  # the CUDA backend's low_latency mode needs EP > 1: EP 1 decodes on the reference
+                  decode_backend="reference" if ep == 1 else None)
     model = MoELM(_VOCAB.value, _SEQ.value, _D.value, _HEADS.value, _LAYERS.value, moe_kw,
                   rngs=nnx.Rngs(_SEED.value), dtype=dtype)
     schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, max(1, steps // 10), steps,
@@ -262,7 +300,13 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
           f"capacity_factor={_CF.value or None} steps={steps} params={n_params}", flush=True)
 
     with jax.set_mesh(mesh):
-        return _train_and_check(model, optimizer, batch, steps, dtype)
+        result = _train_and_check(model, optimizer, batch, steps, dtype)
+        result["generate_ok"] = True
+        if _GEN.value:
+            rng = np.random.default_rng((_SEED.value, 2**31 - 1))  # not a training step
+            seqs = make_batch(rng, gen_batch, _SEQ.value, _VOCAB.value, bigram)
+            result["generate_ok"] = generate(model, seqs, prompt_len, _GEN.value, mesh, dtype)
+        return result
 
 
 def _train(model, optimizer, batch, steps, bar):
@@ -315,6 +359,67 @@ def _train_and_check(model, optimizer, batch, steps, dtype) -> dict:
     return dict(first=first, last=last, tokens_per_s=tok_s, dense_ok=ok, dense_err=err)
 
 
+def generate(model, seqs: np.ndarray, prompt_len: int, new_tokens: int, mesh, dtype) -> bool:
+    """Greedy generation of `new_tokens` after the first `prompt_len` tokens (the prompt) of each
+    sequence of `seqs` [B, S] (prompt_len + new_tokens <= S), one
+    token per sequence per step through `MoELM.decode` (KV cache + the MoE decode path); the
+    prompt goes in through the same step, one position at a time. Prints the generated ids, how
+    many equal the sequence's true continuation, the time per step, and checks the logits of the
+    first generated token against the normal path (`model(prompt)`, full causal attention, the
+    MoE layers' normal mode without capacity drops, as the decode config never drops). Returns
+    whether that check passed."""
+    B = seqs.shape[0]
+    sharding = NamedSharding(mesh, P("ep"))
+    host_prompt = np.ascontiguousarray(seqs[:, :prompt_len])
+    prompt = jax.make_array_from_callback(host_prompt.shape, sharding, lambda i: host_prompt[i])
+
+    normal = nnx.clone(model)  # the normal path, without drops: same weights
+    for block in normal.blocks:
+        block.moe.capacity_factor = None
+    ref = nnx.jit(lambda m, t: m(t)[0][:, -1])(normal, prompt)
+
+    model.init_cache(B, prompt_len + new_tokens, dtype)
+    place_on_mesh(model, mesh)
+    step = nnx.jit(lambda m, tok, pos: m.decode(tok, pos)[:, 0])
+    t_compile = time.perf_counter()
+    for p in range(prompt_len):  # prefill through the decode step
+        logits = step(model, prompt[:, p:p + 1], jnp.int32(p))
+    first = np.asarray(to_host(logits))
+    t_compile = time.perf_counter() - t_compile
+    out, times = [], []
+    for i in range(new_tokens):
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+        out.append(np.asarray(to_host(tok))[:, 0])
+        if i == new_tokens - 1:
+            break
+        t = time.perf_counter()
+        logits = step(model, tok, jnp.int32(prompt_len + i))
+        logits.block_until_ready()
+        times.append(time.perf_counter() - t)
+    gen = np.stack(out, axis=1)  # [B, new_tokens]
+
+    ref = np.asarray(to_host(ref))
+    err = float(np.max(np.abs(first - ref)))
+    scale = max(1.0, float(np.max(np.abs(ref))))
+    tol = (1e-4 if dtype == jnp.float32 else 5e-2) * scale
+    ok = bool(err <= tol)
+    truth = seqs[:, prompt_len:prompt_len + new_tokens]
+    cfg = model.blocks[0].moe.decode_config
+    print(f"generate: {B} sequences, prompt {prompt_len} tokens, {new_tokens} new tokens, one "
+          f"token per sequence per step; MoE decode path mode={cfg.mode} "
+          f"({cfg.max_tokens_per_rank} tokens per rank per step, M={cfg.expert_rows(mesh.size)} "
+          f"rows per expert), backend={model.blocks[0].moe.decode_backend or 'auto'}")
+    for b in range(B):
+        print(f"  seq {b}: prompt {seqs[b, :prompt_len].tolist()} -> {gen[b].tolist()}")
+    ms = 1e3 * np.asarray(times) if times else np.zeros(1)
+    print(f"generate: {int(np.sum(gen == truth))}/{gen.size} tokens equal the true continuation; "
+          f"per decode step {ms.mean():.2f} ms mean ({ms.min():.2f} min, {ms.max():.2f} max, "
+          f"{len(times)} steps after compile; prefill and compile {t_compile:.1f}s)")
+    print(f"generate check (first step's logits, decode path vs normal path over the prompt): "
+          f"max |diff| = {err:.3e}, tol {tol:.1e}: {'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
 def quiet_backend_probe() -> None:
     """absl routes Python logging at INFO, so jax's backend probe prints "Unable to initialize
     backend 'tpu'" on every machine without a TPU (logger jax._src.xla_bridge, INFO). This
@@ -347,6 +452,9 @@ def main(argv):
     for b, r in results.items():
         if not r["dense_ok"]:
             raise SystemExit(f"moe_flax: FAILED ({b}): the MoE layer differs from its dense reference")
+        if not r["generate_ok"]:
+            raise SystemExit(f"moe_flax: FAILED ({b}): the decode path's logits differ from the "
+                             "normal path's")
         fell = r["last"] < 0.75 * r["first"]
         if not fell:
             msg = f"loss did not fall enough ({b}): first {r['first']:.4f}, last {r['last']:.4f}"

@@ -195,17 +195,26 @@ def test_multirank_layer_worker_on_cpu():
 
 def test_example_on_a_terminal_rich_progress_and_no_tpu_probe_line():
     """examples/moe_flax.py on a terminal (a pseudo-terminal): rich's progress bar, the dense check
-    passes, and no absl "Unable to initialize backend 'tpu'" line (JAX_PLATFORMS unset, as a user
-    runs it). Short: 12 steps, the loss is reported, not enforced."""
+    passes, the greedy generation through the MoE decode path (--generate_tokens) runs and its
+    first-step logits match the normal path's, and no absl "Unable to initialize backend 'tpu'"
+    line (JAX_PLATFORMS unset, as a user runs it). Short: 12 steps, the loss is reported, not
+    enforced."""
     import os
+    import re
     import sys
     root = os.path.join(os.path.dirname(__file__), "..")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_LOGGING_LEVEL")}
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
         [os.path.abspath(root)] + [p for p in [env.get("PYTHONPATH")] if p]))
     rc, text = harness.run_in_pty([sys.executable, os.path.join(root, "examples", "moe_flax.py"),
-                                   "--short", "--steps", "12"], env=env, cwd=root, timeout=300)
+                                   "--short", "--steps", "12", "--generate_tokens", "3"],
+                                  env=env, cwd=root, timeout=300)
     assert rc == 0, text[-4000:]
     assert "\u2501" in text and "12/12" in text, text[-3000:]  # rich's bar, drawn to the end
     assert ": PASS" in text and "moe_flax: OK" in text, text[-3000:]
+    assert "3 new tokens, one token per sequence per step; MoE decode path mode=low_latency" in text
+    assert re.search(r"seq 7: prompt \[.*\] -> \[\d+, \d+, \d+\]", text), text[-3000:]
+    assert re.search(r"per decode step [\d.]+ ms mean", text), text[-3000:]
+    assert re.search(r"generate check \(first step's logits.*max \|diff\| = [\d.e+-]+, "
+                     r"tol [\d.e+-]+: ok", text), text[-3000:]
     assert "Unable to initialize backend" not in text, text[:3000]

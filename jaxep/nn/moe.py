@@ -32,6 +32,16 @@ Worked example (8 CPU devices: run with XLA_FLAGS=--xla_force_host_platform_devi
 With a capacity (the default `capacity_factor=1.25`), rows beyond a rank's capacity are dropped,
 last in jaxep's layout order first; a dropped (token, expert) pair contributes zero to `y` and is
 counted in `aux["dropped_rows"]`; `moe.reference(x, slot_mask=aux["kept"])` reproduces that.
+
+Decode: `moe(x, decode=True)` is the same layer (same router, experts and weighting) through jaxep's
+low-latency mode: `jaxep.dispatch` with a `Config(mode="low_latency")` gives this rank's rows as
+x [L, M, H] (M rows per local expert, fp8 dequantized with `jaxep.dequantize_fp8` when the config
+has `fp8_dispatch`), the experts run as batched matmuls (`einsum("lmh,lhf->lmf")`) over the padded
+rows, and the low-latency `jaxep.combine` sums them back. Meant for a few tokens per rank per step::
+
+    moe = jaxep.nn.MoE(..., decode_config=jaxep.Config(8, 2, 64, max_tokens_per_rank=4,
+                                                       mode="low_latency", dtype="float32"))
+    y, aux = nnx.jit(lambda m, x: m(x, decode=True))(moe, x_step)   # x_step: [B, 1, 64]
 """
 from __future__ import annotations
 
@@ -180,6 +190,39 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: _Routing, config: 
     return y, stats
 
 
+def _experts_batched(x: Array, w_gate: Array, w_up: Array, w_down: Array, dtype: Any) -> Array:
+    """`_experts` over padded rows: x [L,M,H] with expert l's weights for every row of x[l]
+    ([L,M,H] -> [L,M,H]). Zero rows (past counts[l]) give zero rows (no bias, silu(0) * 0 = 0)."""
+    f32 = jnp.float32
+    mm = lambda a, w: jnp.einsum("lmh,lhf->lmf", a, w.astype(dtype),  # noqa: E731
+                                 preferred_element_type=f32)
+    a = (jax.nn.silu(mm(x, w_gate)) * mm(x, w_up)).astype(dtype)
+    return mm(a, w_down).astype(dtype)
+
+
+def moe_local_decode(params: dict[str, Array], x: Array, *, routing: _Routing, config: Config,
+                     axis_name: str, backend: str | None = None) -> tuple[Array, dict[str, Array]]:
+    """`moe_local` through the low-latency mode (`config.mode == "low_latency"`): the decode path.
+
+    Same arguments and results as `moe_local`. dispatch returns this rank's rows as [L, M, H]
+    (fp8 rows are dequantized to the compute dtype when `config.fp8_dispatch`); the experts run as
+    batched matmuls over all M rows of each expert (rows past counts[l] are zero and give zero);
+    `jaxep.combine` sums the rows back in jaxep's fixed order. "dropped_rows" counts the rows of
+    an expert past M (none with the default M = R * max_tokens_per_rank and distinct top-k ids).
+    """
+    idx, w, probs = route(x, params["router"], routing)
+    res = jaxep.dispatch(x, idx, w, axis_name=axis_name, config=config, backend=backend)
+    rows = res.x if res.scales is None else jaxep.dequantize_fp8(res.x, res.scales, routing.dtype)
+    out = _experts_batched(rows, params["w_gate"], params["w_up"], params["w_down"], routing.dtype)
+    y = jaxep.combine(out, res.handle, axis_name=axis_name)
+    counts, prob_sum = _routing_stats(idx, probs, routing.num_experts)
+    stats = dict(expert_counts=counts[None], prob_sum=prob_sum[None],
+                 dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
+                 invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
+                 kept=res.handle.send_row >= 0)
+    return y, stats
+
+
 def load_balancing_loss(expert_counts: Array, prob_sum: Array, num_tokens: int, topk: int) -> Array:
     """Switch/GShard auxiliary loss E * sum_e f_e * P_e (1.0 when routing is uniform).
 
@@ -231,6 +274,22 @@ def moe_reference(params: dict[str, Array], x: Array, *, topk: int, score_fn: st
     return y.astype(dtype).reshape(shape), aux
 
 
+def _check_decode_config(cfg: Any, num_experts: int, topk: int, hidden: int, dtype: Any,
+                         ep_size: int) -> None:
+    """decode_config: a low-latency `jaxep.Config` of this layer's sizes and dtype."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"jaxep.nn.MoE: decode_config must be a jaxep.Config, got {cfg!r}")
+    if cfg.mode != "low_latency":
+        raise ValueError(f"jaxep.nn.MoE: decode_config.mode must be 'low_latency', got "
+                         f"{cfg.mode!r} (the normal-mode config is `config=`)")
+    want = dict(num_experts=num_experts, topk=topk, hidden=hidden, dtype=jnp.dtype(dtype).name)
+    for name, value in want.items():
+        if getattr(cfg, name) != value:
+            raise ValueError(f"jaxep.nn.MoE: decode_config.{name} must equal the layer's {name}: "
+                             f"expected {value!r}, got {getattr(cfg, name)!r}")
+    cfg.expert_rows(ep_size)  # E divisible by the EP size, L * M rows fit int32
+
+
 def _to_spec(tree: Any, mesh: Mesh, specs: Any) -> Any:
     """Reshards arrays to `specs` on a mesh with Explicit axes (shard_map reshards Auto axes itself)."""
     if all(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types):
@@ -267,8 +326,8 @@ def _default_mesh(axis_name: str) -> Mesh:
 class MoE(nnx.Module):
     """Mixture-of-experts FFN (router, top-k, gated SiLU experts) on jaxep dispatch/combine.
 
-    See the module docstring for a worked example. `__call__(x)` takes [..., H] and returns
-    `(y, aux)`: y like x (in `dtype`) and a dict of arrays:
+    See the module docstring for a worked example. `__call__(x, *, decode=False)` takes [..., H]
+    and returns `(y, aux)`: y like x (in `dtype`) and a dict of arrays:
       - "load_balancing_loss": f32 scalar, E * sum_e f_e * P_e over all tokens of the call (scale it
         yourself, e.g. 1e-2, and add it to the training loss);
       - "expert_counts" [E] int32: routing slots per expert, before capacity drops;
@@ -277,6 +336,9 @@ class MoE(nnx.Module):
       - "drop_fraction": f32 scalar, dropped rows / (N * K);
       - "kept" [..., K] bool: which (token, k) pairs reached their expert (`reference(x,
         slot_mask=kept)` reproduces a call with drops).
+    With `decode=True` the same layer runs through jaxep's low-latency mode (`moe_local_decode`:
+    rows [L, M, H], batched expert matmuls, optional fp8 dispatch), with the same aux keys;
+    "dropped_rows" then counts rows of an expert past the decode config's M.
 
     Args:
       hidden: H, model width. ffn: F, each expert's hidden width.
@@ -292,6 +354,12 @@ class MoE(nnx.Module):
         capacity_factor / recv_capacity / max_tokens_per_rank. Its num_experts, topk, hidden and
         dtype must match the layer's.
       backend: jaxep backend, "reference", "cuda" or None (automatic).
+      decode_config: the `jaxep.Config(mode="low_latency", ...)` of `decode=True` calls (its
+        max_tokens_per_rank: tokens per rank of one decode step; rows_per_expert, fp8_dispatch).
+        Its num_experts, topk, hidden and dtype must match the layer's. Default: a low-latency
+        config sized for each call's tokens per rank (M = R * T, never drops), fp8 off.
+      decode_backend: the jaxep backend of `decode=True` calls; default: `backend`. (The CUDA
+        backend's low-latency mode needs EP size > 1: on one GPU pass "reference".)
       dtype: compute and payload dtype. param_dtype: parameter dtype.
       kernel_init / router_init: initializers for the expert weights and the router kernel.
     """
@@ -301,7 +369,9 @@ class MoE(nnx.Module):
                  score_fn: str = "softmax", renormalize: bool = True,
                  capacity_factor: float | None = 1.25, recv_capacity: int | None = None,
                  max_tokens_per_rank: int | None = None, config: Config | None = None,
-                 backend: str | None = None, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+                 backend: str | None = None, decode_config: Config | None = None,
+                 decode_backend: str | None = None, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32,
                  kernel_init: Callable = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1,
                                                                       batch_axis=(0,)),
                  router_init: Callable = nnx.initializers.normal(0.02)):
@@ -327,7 +397,10 @@ class MoE(nnx.Module):
                 raise ValueError(f"jaxep.nn.MoE: config must have (num_experts, topk, hidden, dtype)"
                                  f" = {want}, got {got}")
             config.local_experts(self.ep_size)
-        self.config = config
+        if decode_config is not None:
+            _check_decode_config(decode_config, num_experts, topk, hidden, dtype, self.ep_size)
+        self.config, self.decode_config = config, decode_config
+        self.decode_backend = decode_backend if decode_backend is not None else backend
         self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
         self.sharding, self.score_fn, self.renormalize = sharding, score_fn, renormalize
         self.capacity_factor, self.recv_capacity = capacity_factor, recv_capacity
@@ -359,7 +432,16 @@ class MoE(nnx.Module):
                       capacity_factor=self.capacity_factor, recv_capacity=self.recv_capacity,
                       dtype=jnp.dtype(self.dtype).name)
 
-    def __call__(self, x: Array) -> tuple[Array, dict[str, Array]]:
+    def decode_ep_config(self, tokens_per_rank: int) -> Config:
+        """The low-latency `jaxep.Config` a `decode=True` call with `tokens_per_rank` uses."""
+        if self.decode_config is not None:
+            return self.decode_config
+        return Config(self.num_experts, self.topk, self.hidden, max(1, tokens_per_rank),
+                      dtype=jnp.dtype(self.dtype).name, mode="low_latency")
+
+    def __call__(self, x: Array, *, decode: bool = False) -> tuple[Array, dict[str, Array]]:
+        """The layer on x [..., H]: `(y, aux)` (see the class docstring). decode=True: the
+        low-latency path (`decode_config`, `decode_backend`), same math as the normal path."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"jaxep.nn.MoE: x must be [..., {self.hidden}], got shape {x.shape}")
         shape = x.shape
@@ -371,7 +453,11 @@ class MoE(nnx.Module):
                              f"{shards} token shards of the mesh, got {n} tokens (x shape {shape})")
         s = self.sharding
         routing = _Routing(self.num_experts, self.topk, self.score_fn, self.renormalize, self.dtype)
-        config = self.ep_config(n // shards)
+        if decode:
+            config, backend = self.decode_ep_config(n // shards), self.decode_backend
+        else:
+            config, backend = self.ep_config(n // shards), self.backend
+        local_fn = moe_local_decode if decode else moe_local
         params = self.params_dict()
         pspec = dict(router=s.router, w_gate=s.experts, w_up=s.experts, w_down=s.experts)
         one_device = self.mesh.size == 1
@@ -383,8 +469,8 @@ class MoE(nnx.Module):
         def local(p, xs):
             if one_device:
                 p = dict(p, router=p["router"][0])
-            return moe_local(p, xs, routing=routing, config=config, axis_name=s.axis_name,
-                             backend=self.backend)
+            return local_fn(p, xs, routing=routing, config=config, axis_name=s.axis_name,
+                            backend=backend)
 
         stat_spec = dict(expert_counts=P(s.token_axes), prob_sum=P(s.token_axes),
                          dropped_rows=P(s.token_axes), invalid_ids=P(s.token_axes), kept=s.tokens)
