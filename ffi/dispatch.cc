@@ -70,6 +70,7 @@ ffi::Error ParseDispatchKernel(std::string_view name, mr::DispatchKernel* out) {
 // The outputs of jaxep_dispatch, as device pointers.
 struct DispatchOut {
   void* x_rows;
+  void* x_tail;  // row_split > 0: the rows' bytes past row_split (else nullptr)
   float* weights;
   int32_t* group_sizes;
   int32_t* send_row;
@@ -81,6 +82,7 @@ struct DispatchOut {
 struct DispatchSizes {
   int64_t tokens, hidden, topk, experts, capacity, row_bytes, ep_size, ranks_per_node, max_blocks;
   int64_t expert_rows;  // M of the low-latency layout (capacity == L*M), 0: the normal layout
+  int64_t row_split;    // bytes of each row that go to x_rows, the rest to x_tail; 0: no split
 };
 
 // The layout kernels' arguments: over all E experts with `capacity` rows (C on one rank; T*K,
@@ -210,6 +212,7 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
                                 static_cast<int32_t>(s.topk), static_cast<int32_t>(s.experts),
                                 static_cast<int32_t>(s.capacity),
                                 static_cast<int32_t>(s.expert_rows), s.row_bytes, meta, o.x_rows,
+                                s.row_split, o.x_tail,
                                 o.weights, o.recv_slot, kernel, set, s.max_blocks, stream));
   };
   // Other nodes get every layout array (their meta kernels need my counts) and my rows that
@@ -228,15 +231,16 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
 ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32, 2> topk_idx, ffi::Buffer<ffi::F32, 2> topk_weights,
                         int64_t num_experts, int64_t capacity, int64_t expert_rows,
-                        int64_t ep_size, int64_t ranks_per_node, int64_t num_sms,
-                        std::string_view dispatch_kernel, bool zero_copy,
+                        int64_t row_split, int64_t ep_size, int64_t ranks_per_node,
+                        int64_t num_sms, std::string_view dispatch_kernel, bool zero_copy,
                         ffi::Result<ffi::AnyBuffer> x_rows,
                         ffi::ResultBuffer<ffi::F32, 1> weights,
                         ffi::ResultBuffer<ffi::S32, 1> group_sizes,
                         ffi::ResultBuffer<ffi::S32, 2> send_row,
                         ffi::ResultBuffer<ffi::S32, 1> recv_slot,
                         ffi::ResultBuffer<ffi::S32, 2> topk_idx_out,
-                        ffi::ResultBuffer<ffi::S32, 1> stats) {
+                        ffi::ResultBuffer<ffi::S32, 1> stats,
+                        ffi::Result<ffi::AnyBuffer> x_tail) {
   DispatchSizes s{};
   s.tokens = x.dimensions()[0];
   s.hidden = x.dimensions()[1];
@@ -244,6 +248,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   s.experts = num_experts;
   s.capacity = capacity;
   s.expert_rows = expert_rows;
+  s.row_split = row_split;
   s.ep_size = ep_size;
   s.ranks_per_node = ranks_per_node;
   s.max_blocks = cuda::MaxBlocksForSms(num_sms);
@@ -253,7 +258,14 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   }
   mr::DispatchKernel kernel = mr::DispatchKernel::kToken;
   if (ffi::Error e = ParseDispatchKernel(dispatch_kernel, &kernel); e.failure()) return e;
-  const DispatchOut o{x_rows->untyped_data(),     weights->typed_data(),
+  if (row_split != 0 && (ep_size == 1 || row_split < 0 || row_split >= s.row_bytes)) {
+    return ffi::Error::InvalidArgument(StrCat(kDispatchTarget, ": row_split must be 0 or in (0, ",
+                                              s.row_bytes, ") with ep_size > 1, got ",
+                                              row_split, " (ep_size ", ep_size, ")"));
+  }
+  const DispatchOut o{x_rows->untyped_data(),
+                      row_split > 0 ? x_tail->untyped_data() : nullptr,
+                      weights->typed_data(),
                       group_sizes->typed_data(),  send_row->typed_data(),
                       recv_slot->typed_data(),    topk_idx_out->typed_data(),
                       stats->typed_data()};
@@ -342,6 +354,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("num_experts")                      // E
         .Attr<int64_t>("capacity")                         // C, receive rows per rank
         .Attr<int64_t>("expert_rows")                      // M (low-latency: C = L*M), 0: normal
+        .Attr<int64_t>("row_split")                        // bytes per row into x_rows; 0: all
         .Attr<int64_t>("ep_size")                          // R, EP axis size
         .Attr<int64_t>("ranks_per_node")                   // G, the node layout (R: one node)
         .Attr<int64_t>("num_sms")                          // Config.num_sms (0: no grid cap)
@@ -353,7 +366,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<jaxep::S32Mat>()                              // send_row [T, K]
         .Ret<jaxep::S32Vec>()                              // recv_slot [C]
         .Ret<jaxep::S32Mat>()                              // topk_idx_out [T, K]
-        .Ret<jaxep::S32Vec>());                            // stats [2] {dropped, invalid}
+        .Ret<jaxep::S32Vec>()                              // stats [2] {dropped, invalid}
+        .Ret<xla::ffi::AnyBuffer>());                      // x_tail [C, row bytes - row_split] u8
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxepDispatchRows, jaxep::DispatchRowsImpl,

@@ -86,7 +86,8 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 # packs); combine is the normal combine kernel on the flat rows l*M + m (the same fixed order).
 # fp8_dispatch quantizes in its own kernel before the dispatch (jaxep_fp8_quantize: IEEE
 # divisions, which XLA's own GPU division is not, so the reference's jnp code would not give the
-# same bits here) and moves each token's codes and scales as one packed row of H + 4*H/128 bytes.
+# same bits here) and moves each token's codes and scales as one packed row of H + 4*H/128 bytes,
+# which the pull splits into the two outputs (the `row_split` attribute: no copy after it).
 # Not yet: quantizing inside the dispatch kernel, a send/recv split on the device,
 # CUDA-graph compatible handlers (device-side sequence numbers), EP size 1.
 
@@ -109,14 +110,6 @@ def _pack_fp8(codes, scales):
     return jax.lax.bitcast_convert_type(row.reshape(t, -1, 2), jnp.bfloat16)
 
 
-def _unpack_fp8(rows, hidden):
-    n = rows.shape[0]
-    b = jax.lax.bitcast_convert_type(rows, jnp.uint8).reshape(n, -1)
-    q = jax.lax.bitcast_convert_type(b[:, :hidden], jnp.float8_e4m3fn)
-    scales = jax.lax.bitcast_convert_type(b[:, hidden:].reshape(n, -1, 4), jnp.float32)
-    return q, scales
-
-
 def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config):
     ep = _ep_size(axis_name)
     _ll_check("dispatch_send", config, ep)
@@ -130,13 +123,17 @@ def ll_dispatch_recv(sent, *, axis_name, config):
     ep = _ep_size(axis_name)
     _ll_check("dispatch_recv", config, ep)
     L, M, H = config.num_experts // ep, config.expert_rows(ep), config.hidden
-    rows, weights, counts, send_row, recv_slot, idx, stats = _ffi.dispatch(
-        payload, topk_idx, topk_weights, config=config, capacity=L * M, ep_size=ep,
-        ranks_per_node=_node_size(config, ep), expert_rows=M)
+    # fp8: the packed rows split in the pull, codes (H bytes) to rows, scales to the tail.
+    out = _ffi.dispatch(payload, topk_idx, topk_weights, config=config, capacity=L * M,
+                        ep_size=ep, ranks_per_node=_node_size(config, ep), expert_rows=M,
+                        row_split=H if config.fp8_dispatch else 0)
+    rows, weights, counts, send_row, recv_slot, idx, stats = out[:7]
     scales = None
-    if config.fp8_dispatch:
-        rows, scales = _unpack_fp8(rows, H)
-        scales = scales.reshape(L, M, -1)
+    if config.fp8_dispatch:  # bitcasts only: [C, H/2] bf16 -> [C, H] e4m3; [C, H/32] u8 -> f32
+        n = rows.shape[0]
+        codes = jax.lax.bitcast_convert_type(rows, jnp.uint8).reshape(n, H)
+        rows = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+        scales = jax.lax.bitcast_convert_type(out[7].reshape(L, M, -1, 4), jnp.float32)
     return _varying((rows.reshape(L, M, H), scales, counts, weights.reshape(L, M), send_row,
                      recv_slot, idx, stats), axis_name)
 

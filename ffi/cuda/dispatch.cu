@@ -355,12 +355,25 @@ __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, Di
   }
 }
 
+// Where the pull writes destination row p: one array of `units` per row, or (split, b != nullptr)
+// the first `first` units of every row into `a` and the rest into `b` (fp8: the codes and the
+// scales of a packed row land in their own outputs, nothing is copied after the pull).
+template <typename Unit>
+struct RowsOut {
+  Unit* a = nullptr;
+  Unit* b = nullptr;
+  int64_t first = 0, units = 0;  // units per row in all; not split: first == units
+  __device__ __forceinline__ Unit& At(int64_t p, int64_t u) const {
+    return (b == nullptr || u < first) ? a[p * first + u] : b[p * (units - first) + (u - first)];
+  }
+};
+
 // Destination side of dispatch: warp per row p of [0, C).
 template <typename Unit>
 __global__ void __launch_bounds__(kRowThreads)
     DispatchPullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t capacity,
                        int32_t expert_rows, int64_t units_per_row, const void* meta_scratch,
-                       Unit* __restrict__ x_rows, float* __restrict__ weights,
+                       RowsOut<Unit> out, float* __restrict__ weights,
                        int32_t* __restrict__ recv_slot, int32_t set) {
   if (Aborted(team)) return;
   __shared__ Source s_src[kMaxRanks];  // where every source's arrays and rows are (team.cuh)
@@ -374,10 +387,9 @@ __global__ void __launch_bounds__(kRowThreads)
   const int64_t nwarps = gridDim.x * wpb;
   const int64_t slots_per_rank = static_cast<int64_t>(tokens) * topk;
   for (int64_t p = blockIdx.x * wpb + threadIdx.x / kWarpSize; p < capacity; p += nwarps) {
-    Unit* dst = x_rows + p * units_per_row;
     if (EmptyRow(m, p, expert_rows)) {
       if (set == kOtherNodeSources) continue;  // zeroed by the first pass
-      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+      for (int64_t u = lane; u < units_per_row; u += kWarpSize) out.At(p, u) = Unit{};
       if (lane == 0) {
         weights[p] = 0.0f;
         recv_slot[p] = -1;
@@ -401,7 +413,7 @@ __global__ void __launch_bounds__(kRowThreads)
     if (from.pos != nullptr && !AwaitRemoteRow(team, s, i, seq, kOpDispatch)) return;
     const Unit* src = reinterpret_cast<const Unit*>(from.rows) + i * units_per_row;
 #pragma unroll 4
-    for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) out.At(p, u) = src[u];
     if (lane == 0) {
       weights[p] = reinterpret_cast<const float*>(src_base + team.lay.sorted_w)[idx];
       recv_slot[p] = static_cast<int32_t>(s * slots_per_rank + slot);
@@ -422,7 +434,7 @@ template <typename Unit>
 __global__ void __launch_bounds__(kRowThreads)
     DispatchPullTokenKernel(Team team, int32_t tokens, int32_t topk, int32_t experts,
                             int32_t capacity, int32_t expert_rows, int64_t units_per_row,
-                            const void* meta_scratch, Unit* __restrict__ x_rows,
+                            const void* meta_scratch, RowsOut<Unit> out,
                             float* __restrict__ weights, int32_t* __restrict__ recv_slot,
                             int32_t set) {
   if (Aborted(team)) return;
@@ -482,11 +494,11 @@ __global__ void __launch_bounds__(kRowThreads)
         if (u < units_per_row) v[i] = src[u];
       }
       for (int j = 0; j < n; ++j) {
-        Unit* dst = x_rows + static_cast<int64_t>(s_dst[wib][j]) * units_per_row;
+        const int64_t p = s_dst[wib][j];
 #pragma unroll
         for (int i = 0; i < kTokenBatch; ++i) {
           const int64_t u = u0 + i * kWarpSize;
-          if (u < units_per_row) dst[u] = v[i];
+          if (u < units_per_row) out.At(p, u) = v[i];
         }
       }
     }
@@ -496,8 +508,7 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int64_t p = (expert_rows > 0 ? 0 : *m.kept) + gw; p < capacity && set != kOtherNodeSources;
        p += nwarps) {
     if (!EmptyRow(m, p, expert_rows)) continue;  // uniform per warp
-    Unit* dst = x_rows + p * units_per_row;
-    for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) out.At(p, u) = Unit{};
     if (lane == 0) {
       weights[p] = 0.0f;
       recv_slot[p] = -1;
@@ -552,24 +563,37 @@ cudaError_t LaunchDispatchMeta(const Team& team, const DispatchMetaArgs& a, cuda
 cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                                int32_t capacity, int32_t expert_rows, int64_t row_bytes,
                                const void* meta_scratch,
-                               void* x_rows, float* weights, int32_t* recv_slot,
+                               void* x_rows, int64_t split_bytes, void* x_tail, float* weights,
+                               int32_t* recv_slot,
                                DispatchKernel kernel, int32_t set, int64_t max_blocks,
                                cudaStream_t stream) {
   if (capacity <= 0) return cudaSuccess;
   const bool by_token = kernel == DispatchKernel::kToken && topk <= kMaxTokenTopk;
   const unsigned grid = static_cast<unsigned>(
       RowBlocks(by_token ? static_cast<int64_t>(tokens) * team.size : capacity, max_blocks));
-  WithRowUnit(reinterpret_cast<uintptr_t>(x_rows), row_bytes, [&](auto unit) {
+  // Split rows (x_tail != nullptr): the unit must divide the split point and both bases too.
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(x_rows) |
+                         (x_tail != nullptr ? reinterpret_cast<uintptr_t>(x_tail) |
+                                                  static_cast<uintptr_t>(split_bytes)
+                                            : 0);
+  WithRowUnit(bits, row_bytes, [&](auto unit) {
     using U = decltype(unit);
-    const int64_t units = row_bytes / static_cast<int64_t>(sizeof(U));
+    RowsOut<U> out;
+    out.a = static_cast<U*>(x_rows);
+    out.units = row_bytes / static_cast<int64_t>(sizeof(U));
+    out.first = out.units;
+    if (x_tail != nullptr) {
+      out.b = static_cast<U*>(x_tail);
+      out.first = split_bytes / static_cast<int64_t>(sizeof(U));
+    }
     if (by_token) {
       DispatchPullTokenKernel<U><<<grid, kRowThreads, 0, stream>>>(
-          team, tokens, topk, experts, capacity, expert_rows, units, meta_scratch,
-          static_cast<U*>(x_rows), weights, recv_slot, set);
+          team, tokens, topk, experts, capacity, expert_rows, out.units, meta_scratch, out,
+          weights, recv_slot, set);
     } else {
       DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
-          team, tokens, topk, experts, capacity, expert_rows, units, meta_scratch,
-          static_cast<U*>(x_rows), weights, recv_slot, set);
+          team, tokens, topk, experts, capacity, expert_rows, out.units, meta_scratch, out,
+          weights, recv_slot, set);
     }
   });
   return cudaGetLastError();

@@ -107,13 +107,16 @@ constexpr const char* kDispatchKernelNames[] = {"token", "row"};  // by enum val
 
 // Dispatch pull (destination side): rows [0, kept) from the sources' stages in layout order,
 // zero rows after (low-latency, expert_rows M > 0: each expert's kept rows, zero rows after
-// them up to its M); weights and recv_slot alike. Uses the scratch written by LaunchDispatchMeta.
+// them up to its M); weights and recv_slot alike. `x_tail` != nullptr splits every row: its
+// first `split_bytes` bytes go to x_rows ([C, split_bytes]), the rest to x_tail ([C, row_bytes -
+// split_bytes]; fp8_dispatch: the codes and the scales of the packed rows). Uses the scratch written by LaunchDispatchMeta.
 // `set` (SourceSet, sync.h): only the rows of those sources; the zero rows with kAllSources and
 // kOwnNodeSources.
 cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                                int32_t capacity, int32_t expert_rows, int64_t row_bytes,
                                const void* meta_scratch,
-                               void* x_rows, float* weights, int32_t* recv_slot,
+                               void* x_rows, int64_t split_bytes, void* x_tail, float* weights,
+                               int32_t* recv_slot,
                                DispatchKernel kernel, int32_t set, int64_t max_blocks,
                                cudaStream_t stream);
 
