@@ -206,6 +206,7 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
     // ready exchange made complete (internode: the metadata arrived before it).
     if (set != mr::kOtherNodeSources) {
       if (ffi::Error e = meta_kernel(); e.failure()) return e;
+      ex.Mark("meta");
     }
     return ex.Check("pull", mr::LaunchDispatchPull(
                                 ex.team(), static_cast<int32_t>(s.tokens),

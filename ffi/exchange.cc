@@ -40,6 +40,7 @@ ffi::Error Exchange::Begin(std::string_view target, mr::OpCode op, int64_t ep_si
   out->team_ = team;
   out->seq_ = rt::NextSeq();
   out->stream_ = stream;
+  out->rec_.Start(mr::kOpNames[op], stream);
   return ffi::Error::Success();
 }
 

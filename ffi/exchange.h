@@ -17,6 +17,7 @@
 #include "common.h"
 #include "cuda/internode.h"
 #include "cuda/sync.h"
+#include "phase_times.h"
 
 namespace jaxep {
 
@@ -65,18 +66,22 @@ class Exchange {
                  const InterNode& inter = {}) {
     using namespace cuda::mr;  // NOLINT: flag and phase names
     const bool internode = Nodes(*team_) > 1;
+    Mark("local");  // the op's work between Begin and Run (dispatch: its local layout)
     if (ffi::Error e = Sync("wait free", kFlagNone, 0, kFlagFree, seq_ - 1, kPhaseFree);
         e.failure()) {
       return e;
     }
+    Mark("wait free");
     if (internode) {
       if (ffi::Error e = Check("grant", LaunchGrant(*team_, seq_, op_, stream_)); e.failure()) {
         return e;
       }
+      Mark("grant");
     }
     const uint64_t src_off = zero_copy ? PoolOffset(src, src_bytes) : kStagedSrc;
     if (ffi::Error e = stage(src_off == kStagedSrc); e.failure()) return e;
     if (ffi::Error e = PublishSrcOff(src_off); e.failure()) return e;
+    Mark("stage");
     if (internode) {
       SendArgs a;
       a.tokens = inter.tokens;
@@ -91,34 +96,46 @@ class Exchange {
           e.failure()) {
         return e;
       }
+      Mark("send");
       if (ffi::Error e = Check("arrive", LaunchArrive(*team_, inter.tokens, inter.topk,
                                                       inter.experts, seq_, op_, stream_));
           e.failure()) {
         return e;
       }
+      Mark("arrive");
     }
     if (ffi::Error e = Sync("ready", kFlagReady, seq_, kFlagReady, seq_, kPhaseReady);
         e.failure()) {
       return e;
     }
+    Mark("ready");
     if (!internode || !inter.rows) {
       if (ffi::Error e = pull(kAllSources); e.failure()) return e;
+      Mark("pull");
     } else {
       // OVERLAP (internode.h): my node's sources while the other nodes' rows are in flight, then
       // theirs, each row as soon as it landed on its forwarder (the pull waits per row; no
       // exchange between the two passes).
       if (ffi::Error e = pull(kOwnNodeSources); e.failure()) return e;
+      Mark("pull own node");
       if (ffi::Error e = pull(kOtherNodeSources); e.failure()) return e;
+      Mark("pull other nodes");
     }
     if (ffi::Error e = Sync("signal free", kFlagFree, seq_, kFlagNone, 0, kPhaseNone);
         e.failure()) {
       return e;
     }
+    Mark("signal free");
     // Zero-copy: XLA may reuse src once this call's stream work ends, so the call ends only after
     // every peer finished reading it (free[p] >= seq). Bounded like every wait.
     if (src_off == kStagedSrc) return ffi::Error::Success();
-    return Sync("wait zero-copy readers", kFlagNone, 0, kFlagFree, seq_, kPhaseZeroCopy);
+    ffi::Error e = Sync("wait zero-copy readers", kFlagNone, 0, kFlagFree, seq_, kPhaseZeroCopy);
+    Mark("wait zero-copy readers");
+    return e;
   }
+
+  // JAXEP_PHASE_TIMES=1 (phase_times.h): the work launched since the last mark is `step`.
+  void Mark(const char* step) const { rec_.Mark(step); }
 
   // Step 5 of internode.h (combine, gather_back pulls): put what this node computed for the other
   // nodes' peers (`bytes` per token) back to them, and wait for what they return.
@@ -146,6 +163,7 @@ class Exchange {
   const cuda::mr::Team* team_ = nullptr;
   uint64_t seq_ = 0;
   cudaStream_t stream_ = nullptr;
+  mutable phase::Recorder rec_;  // does nothing unless JAXEP_PHASE_TIMES=1
 };
 
 }  // namespace jaxep

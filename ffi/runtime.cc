@@ -6,6 +6,7 @@
 
 #include "cuda/sync.h"
 #include "cuda/runtime.h"
+#include "phase_times.h"
 
 namespace nb = nanobind;
 namespace rt = jaxep::cuda::rt;
@@ -120,6 +121,12 @@ void RegisterRuntime(nb::module_& m) {
     d["pool_base"] = t->pool_base;
     d["pool_size"] = t->pool_size;
     d["zero_copy_calls"] = rt::ZeroCopyCalls();
+    // JAXEP_PHASE_TIMES=1 (ffi/phase_times.h): {"op/step": (calls, total GPU ms)}, else empty.
+    nb::dict phases;
+    for (const auto& [key, v] : jaxep::phase::Totals()) {
+      phases[nb::str(key.c_str())] = nb::make_tuple(v.first, v.second);
+    }
+    d["phase_ms"] = phases;
     return d;
   }, "The initialized runtime's rank, size, limits and call count, or None.");
   m.def("runtime_diag", []() -> nb::object {

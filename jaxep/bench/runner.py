@@ -426,7 +426,38 @@ def run(bc: BenchConfig, emit=print, progress=None) -> dict:
     stages = _Stages(progress)
     with _runtime(bc):
         out = _run(bc, emit, stages)
+        phases = phase_times()
+        if phases:
+            out["phase_ms"] = phases
+            for line in phase_lines(phases):
+                emit(line)
     stages.finish()
+    return out
+
+
+def phase_times() -> dict:
+    """JAXEP_PHASE_TIMES=1 (ffi/phase_times.h): {"op/step": {"calls", "total_ms", "mean_ms"}} of
+    this process's cross-rank calls so far, the GPU time of each step of each call (waits for
+    peers included); {} when off or without the multi-rank runtime."""
+    from jaxep import _ffi  # pylint: disable=g-import-not-at-top
+    info = _ffi.runtime_info() if _ffi.is_available() else None
+    raw = (info or {}).get("phase_ms") or {}
+    return {k: dict(calls=int(n), total_ms=float(ms), mean_ms=float(ms) / max(1, int(n)))
+            for k, (n, ms) in raw.items()}
+
+
+def phase_lines(phases: dict) -> list:
+    """The phase table, one line per op and step, in the steps' order within each op."""
+    out = [f"phase times (JAXEP_PHASE_TIMES=1, process {jax.process_index()}, GPU time per call "
+           "of each step, waits for peers included):"]
+    order = ("local", "wait free", "grant", "stage", "send", "arrive", "ready", "meta",
+             "pull own node", "pull other nodes", "reduce", "return", "pull", "signal free",
+             "wait zero-copy readers")
+    rank = lambda k: (k.split("/")[0], order.index(k.split("/", 1)[1])  # noqa: E731
+                      if k.split("/", 1)[1] in order else len(order))
+    for key in sorted(phases, key=rank):
+        v = phases[key]
+        out.append(f"  {key:<36} {v['mean_ms'] * 1e3:>9.1f} us  ({v['calls']} calls)")
     return out
 
 
