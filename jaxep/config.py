@@ -278,12 +278,7 @@ class Config:
         expert twice). Raises when the experts do not divide evenly, when the global slot ids of
         this EP size do not fit int32 (as `capacity`), or when L * M rows do not."""
         L = self.local_experts(ep_size)
-        worst = self.no_drop_capacity(ep_size)
-        if worst > INT32_MAX:
-            raise ValueError(
-                f"jaxep: ep_size * max_tokens_per_rank * topk must be <= {INT32_MAX} (int32 slot "
-                f"ids), got {ep_size} * {self.max_tokens_per_rank} * {self.topk} = {worst}: this "
-                f"config supports EP sizes up to {self.max_ep_size()}; lower max_tokens_per_rank")
+        worst = self._slot_ids_fit(ep_size)
         M = (self.rows_per_expert if self.rows_per_expert is not None
              else ep_size * self.max_tokens_per_rank)
         if L * M > INT32_MAX:
@@ -317,6 +312,17 @@ class Config:
         int32; `capacity` raises beyond it."""
         return INT32_MAX // (self.max_tokens_per_rank * self.topk)
 
+    def _slot_ids_fit(self, ep_size: int) -> int:
+        """no_drop_capacity(ep_size), after checking that this EP size's global slot ids
+        (ep_size * max_tokens_per_rank * topk) fit int32."""
+        worst = self.no_drop_capacity(ep_size)
+        if worst > INT32_MAX:
+            raise ValueError(
+                f"jaxep: ep_size * max_tokens_per_rank * topk must be <= {INT32_MAX} (int32 slot "
+                f"ids), got {ep_size} * {self.max_tokens_per_rank} * {self.topk} = {worst}: this "
+                f"config supports EP sizes up to {self.max_ep_size()}; lower max_tokens_per_rank")
+        return worst
+
     def no_drop_capacity(self, ep_size: int) -> int:
         """The worst case: every token of every rank sends all K slots here."""
         return ep_size * self.max_tokens_per_rank * self.topk
@@ -331,12 +337,7 @@ class Config:
         global slot ids of this EP size do not fit int32 (ep_size > `max_ep_size()`).
         """
         self.local_experts(ep_size)
-        worst = self.no_drop_capacity(ep_size)
-        if worst > INT32_MAX:
-            raise ValueError(
-                f"jaxep: ep_size * max_tokens_per_rank * topk must be <= {INT32_MAX} (int32 slot "
-                f"ids), got {ep_size} * {self.max_tokens_per_rank} * {self.topk} = {worst}: this "
-                f"config supports EP sizes up to {self.max_ep_size()}; lower max_tokens_per_rank")
+        worst = self._slot_ids_fit(ep_size)
         if self.recv_capacity is not None:
             return min(self.recv_capacity, worst)
         if self.capacity_factor is None:

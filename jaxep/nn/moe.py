@@ -182,12 +182,17 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: _Routing, config: 
     rows = _experts(res.x, params["w_gate"], params["w_up"], params["w_down"], res.group_sizes,
                     routing.dtype)
     y = jaxep.combine(rows, res.handle, axis_name=axis_name, config=config)
+    return y, _layer_stats(idx, probs, routing, res)
+
+
+def _layer_stats(idx, probs, routing: _Routing, res) -> dict[str, Array]:
+    """The per-rank aux of both paths: routing counts, probability sums, the dispatch's stats and
+    which slots were kept."""
     counts, prob_sum = _routing_stats(idx, probs, routing.num_experts)
-    stats = dict(expert_counts=counts[None], prob_sum=prob_sum[None],
-                 dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
-                 invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
-                 kept=res.handle.send_row >= 0)
-    return y, stats
+    return dict(expert_counts=counts[None], prob_sum=prob_sum[None],
+                dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
+                invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
+                kept=res.handle.send_row >= 0)
 
 
 def _experts_batched(x: Array, w_gate: Array, w_up: Array, w_down: Array, dtype: Any) -> Array:
@@ -215,12 +220,7 @@ def moe_local_decode(params: dict[str, Array], x: Array, *, routing: _Routing, c
     rows = res.x if res.scales is None else jaxep.dequantize_fp8(res.x, res.scales, routing.dtype)
     out = _experts_batched(rows, params["w_gate"], params["w_up"], params["w_down"], routing.dtype)
     y = jaxep.combine(out, res.handle, axis_name=axis_name)
-    counts, prob_sum = _routing_stats(idx, probs, routing.num_experts)
-    stats = dict(expert_counts=counts[None], prob_sum=prob_sum[None],
-                 dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
-                 invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
-                 kept=res.handle.send_row >= 0)
-    return y, stats
+    return y, _layer_stats(idx, probs, routing, res)
 
 
 def load_balancing_loss(expert_counts: Array, prob_sum: Array, num_tokens: int, topk: int) -> Array:
