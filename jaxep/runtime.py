@@ -80,7 +80,8 @@ class TimeoutError(builtins.TimeoutError):  # pylint: disable=redefined-builtin
 
 @dataclasses.dataclass
 class _State:
-    config: Config | None = None
+    config: Config | None = None    # the first of `configs`
+    configs: tuple = ()             # every config later calls may use (initialize's argument)
     axis_name: str | None = None
     multi_rank: bool = False        # NVSHMEM runtime up in this process
     zero_copy: bool = False         # XLA's pool registered on every rank (config.zero_copy)
@@ -132,7 +133,45 @@ def _row_bytes(config: Config) -> int:
     return config.hidden * np.dtype(config.dtype).itemsize
 
 
-def _init_multi_rank(config: Config) -> None:
+def recv_rows(config: Config, ep_size: int) -> int:
+    """Receive rows per rank: C (normal), or L * M (low_latency: dispatch's [L, M, H] rows)."""
+    if config.mode == "normal":
+        return config.capacity(ep_size)
+    return config.local_experts(ep_size) * config.expert_rows(ep_size)
+
+
+# Config fields the runtime holds once for all of initialize's configs: they must agree.
+SHARED_FIELDS = ("ranks_per_node", "timeout_s", "zero_copy")
+
+
+def runtime_sizes(configs, ep_size: int) -> dict:
+    """What the symmetric buffers are sized for, so that a call of ANY of `configs` fits: the
+    largest tokens per rank, topk, experts, receive rows and row bytes among them."""
+    return dict(max_tokens=max(c.max_tokens_per_rank for c in configs),
+                topk=max(c.topk for c in configs),
+                experts=max(c.num_experts for c in configs),
+                capacity=max(recv_rows(c, ep_size) for c in configs),
+                row_bytes=max(_row_bytes(c) for c in configs),
+                return_row_bytes=max(c.hidden * 4 for c in configs))
+
+
+def _as_configs(config) -> tuple:
+    """initialize's argument as a non-empty tuple of Configs that agree on SHARED_FIELDS."""
+    configs = (config,) if isinstance(config, Config) else tuple(config) \
+        if isinstance(config, (list, tuple)) else None
+    if not configs or not all(isinstance(c, Config) for c in configs):
+        raise TypeError(f"jaxep.initialize: config must be a jaxep.Config or a non-empty list of "
+                        f"them (e.g. [train_config, decode_config]), got {config!r}")
+    for f in SHARED_FIELDS:
+        values = [getattr(c, f) for c in configs]
+        if len(set(values)) > 1:
+            raise ValueError(f"jaxep.initialize: the configs must agree on {f} (the runtime "
+                             f"holds one {f} for all of them): expected one value, got {values}")
+    return tuple(dict.fromkeys(configs))  # equal configs once, in order
+
+
+def _init_multi_rank(configs: tuple) -> None:
+    config = configs[0]  # the SHARED_FIELDS are every config's
     ext = _ffi._module  # pylint: disable=protected-access
     nproc, pe = jax.process_count(), jax.process_index()
     local = jax.local_devices()
@@ -159,10 +198,8 @@ def _init_multi_rank(config: Config) -> None:
     device = local[0]
     ordinal = getattr(device, "local_hardware_id", None)
     ordinal = device.id if ordinal is None else int(ordinal)
-    # Receive rows per rank: C (normal), or L * M (low_latency: dispatch's [L, M, H] rows).
-    cap = (config.capacity(nproc) if config.mode == "normal"
-           else config.local_experts(nproc) * config.expert_rows(nproc))
-    row_bytes = _row_bytes(config)
+    sizes = runtime_sizes(configs, nproc)
+    cap, row_bytes = sizes["capacity"], sizes["row_bytes"]
     client = _jax_private.distributed_client()
     if client is None:
         _fail("jax.distributed is not initialized (the unique id travels through its key-value "
@@ -171,7 +208,9 @@ def _init_multi_rank(config: Config) -> None:
     # The same config everywhere first (a rank-dependent ranks_per_node would otherwise fail the
     # layout on some ranks only), then the node layout (processes per host, or the override).
     try:
-        agree_config(client, config, pe, nproc, _state.generation, wait_ms)
+        for i, c in enumerate(configs):  # the same list of configs on every rank
+            agree_config(client, c, pe, nproc, f"{_state.generation}/{i}", wait_ms,
+                         extra={"number of configs": len(configs)})
     except RuntimeError:
         _state.generation += 1  # every rank raised: a retry publishes under fresh keys
         raise
@@ -181,16 +220,16 @@ def _init_multi_rank(config: Config) -> None:
     except RuntimeError:
         _state.generation += 1  # every rank raised: a retry publishes under fresh keys
         raise
-    sym = ext.symmetric_bytes(config.max_tokens_per_rank, config.topk, config.num_experts, cap,
-                              row_bytes, nproc, node, config.hidden * 4)
+    sym = ext.symmetric_bytes(sizes["max_tokens"], sizes["topk"], sizes["experts"], cap,
+                              row_bytes, nproc, node, sizes["return_row_bytes"])
     heap_env = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
     heap = _parse_size(heap_env) if heap_env else _NVSHMEM_DEFAULT_HEAP
     rec = recommended_env(sym, ranks_on_gpu=nproc if _shares_gpu() else 1,
                           hosts=len(set(hosts)))
     if sym + _HEAP_RESERVE > heap:
-        _fail(f"the symmetric block needs {sym} bytes (T={config.max_tokens_per_rank}, "
-              f"K={config.topk}, E={config.num_experts}, C={cap}, H={config.hidden} x "
-              f"{np.dtype(config.dtype).itemsize} B) but the NVSHMEM heap is {heap} bytes "
+        _fail(f"the symmetric block needs {sym} bytes (T={sizes['max_tokens']}, "
+              f"K={sizes['topk']}, E={sizes['experts']}, C={cap}, row {row_bytes} B, over "
+              f"{len(configs)} config(s)) but the NVSHMEM heap is {heap} bytes "
               f"(NVSHMEM_SYMMETRIC_SIZE={heap_env or 'unset: 1 GiB'}); set "
               f"NVSHMEM_SYMMETRIC_SIZE={rec['NVSHMEM_SYMMETRIC_SIZE']} in every process's "
               "environment, or lower capacity_factor / max_tokens_per_rank")
@@ -211,8 +250,8 @@ def _init_multi_rank(config: Config) -> None:
         client.key_value_set_bytes(key, uid)
     else:
         uid = client.blocking_key_value_get_bytes(key, wait_ms)
-    ext.runtime_init(ordinal, pe, nproc, node, bytes(uid), config.max_tokens_per_rank,
-                     config.topk, config.num_experts, cap, row_bytes, config.hidden * 4,
+    ext.runtime_init(ordinal, pe, nproc, node, bytes(uid), sizes["max_tokens"], sizes["topk"],
+                     sizes["experts"], cap, row_bytes, sizes["return_row_bytes"],
                      float(config.timeout_s))
     _state.machine_ranks_per_node = node
     # Zero-copy (docs/zero_copy.md, B1; Config.zero_copy=False turns it off): every rank takes
@@ -250,13 +289,17 @@ def _init_multi_rank(config: Config) -> None:
              f"; unset here: {', '.join(missing)}" if missing else "")
 
 
-def agree_config(client, config: Config, pe: int, nproc: int, generation: int,
-                 wait_ms: int) -> None:
-    """Every rank publishes `config.canonical()` under jaxep/config/<generation>/<pe> and reads
-    every rank's; unless all equal rank 0's, every rank raises the same RuntimeError naming the
-    differing fields and the ranks (so no rank goes on into NVSHMEM's collective init alone)."""
+def agree_config(client, config: Config, pe: int, nproc: int, generation, wait_ms: int,
+                 extra: dict | None = None) -> None:
+    """Every rank publishes `config.canonical()` (plus the `extra` fields) under
+    jaxep/config/<generation>/<pe> and reads every rank's; unless all equal rank 0's, every rank
+    raises the same RuntimeError naming the differing fields and the ranks (so no rank goes on
+    into NVSHMEM's collective init alone)."""
+    import json  # pylint: disable=g-import-not-at-top
     key = f"jaxep/config/{generation}"
     mine = config.canonical()
+    if extra:
+        mine = json.dumps({**json.loads(mine), **extra}, sort_keys=True)
     client.key_value_set(f"{key}/{pe}", mine)
     texts = []
     for r in range(nproc):
@@ -265,7 +308,6 @@ def agree_config(client, config: Config, pe: int, nproc: int, generation: int,
         except Exception as e:  # pylint: disable=broad-except
             _fail(f"rank {r} did not publish its config within {wait_ms / 1000:g} s (it failed "
                   f"earlier in jaxep.initialize, or never called it): {type(e).__name__}: {e}")
-    import json  # pylint: disable=g-import-not-at-top
     base = json.loads(texts[0])
     diffs = []
     for r, text in enumerate(texts[1:], start=1):
@@ -331,23 +373,28 @@ def check() -> None:
         raise TimeoutError(text)
 
 
-def initialize(config: Config, axis_name: str = "ep") -> None:
-    """Declares the config every later call must use and, in a multi-process GPU run, sets up the
-    NVSHMEM runtime (see the module docstring). Collective: every process must call it.
+def initialize(config, axis_name: str = "ep") -> None:
+    """Declares the config(s) every later call must use and, in a multi-process GPU run, sets up
+    the NVSHMEM runtime (see the module docstring). Collective: every process must call it.
 
-    Calls with another config, or over another axis than `axis_name`, raise at trace time. In a multi-process GPU run the config must be
-    identical on every process (its knobs are FFI attributes): a RuntimeError on every process,
-    naming the differing fields and ranks, otherwise. Set JAXEP_LOG_LEVEL=INFO (or configure the
-    "jaxep" logger) to see the topology and the effective settings.
+    `config`: a `jaxep.Config`, or a list of them when one process runs several, e.g. a model's
+    training config and its `mode="low_latency"` decode config: the symmetric buffers are then
+    sized for the largest of each size, and the configs must agree on the fields the runtime
+    holds once (`SHARED_FIELDS`: ranks_per_node, timeout_s, zero_copy). Calls with any other
+    config, or over another axis than `axis_name`, raise at trace time. In a multi-process GPU run
+    the configs must be identical on every process (their knobs are FFI attributes): a
+    RuntimeError on every process, naming the differing fields and ranks, otherwise. Set
+    JAXEP_LOG_LEVEL=INFO (or configure the "jaxep" logger) to see the topology and the effective
+    settings.
     """
-    if not isinstance(config, Config):
-        raise TypeError(f"jaxep.initialize: config must be a jaxep.Config, got {type(config).__name__}")
+    configs = _as_configs(config)
     if not isinstance(axis_name, str) or not axis_name:
         raise TypeError(f"jaxep.initialize: axis_name must be a non-empty str, got "
                         f"{type(axis_name).__name__} {axis_name!r}")
-    if _state.config is not None and _state.config != config:
+    if _state.configs and _state.configs != configs:
         raise ValueError("jaxep.initialize: already initialized with another config; call "
-                         f"jaxep.finalize() first. initialized: {_state.config}, got: {config}")
+                         f"jaxep.finalize() first. initialized: {list(_state.configs)}, got: "
+                         f"{list(configs)}")
     if _state.config is not None and _state.axis_name != axis_name:
         raise ValueError(f"jaxep.initialize: already initialized with axis_name="
                          f"{_state.axis_name!r}; call jaxep.finalize() first, got axis_name="
@@ -355,10 +402,11 @@ def initialize(config: Config, axis_name: str = "ep") -> None:
     _configure_logging()
     if _state.config is None and jax.process_count() > 1 and _ffi.is_available() \
             and jax.default_backend() == "gpu":
-        _init_multi_rank(config)
-    _state.config, _state.axis_name = config, axis_name
+        _init_multi_rank(configs)
+    _state.configs, _state.config, _state.axis_name = configs, configs[0], axis_name
     log.info("jaxep initialized: axis=%r config=%s; CUDA extension: %s; jax backend: %s; "
-             "processes: %d; multi-rank CUDA runtime: %s", axis_name, config,
+             "processes: %d; multi-rank CUDA runtime: %s", axis_name,
+             configs[0] if len(configs) == 1 else list(configs),
              "available" if _ffi.is_available() else _ffi.unavailable_reason(),
              jax.default_backend(), jax.process_count(), _state.multi_rank)
 
@@ -373,11 +421,18 @@ def finalize() -> None:
         _ffi._module.runtime_finalize(collective)  # pylint: disable=protected-access
         _state.multi_rank = _state.zero_copy = False
     _state.config = _state.axis_name = None
+    _state.configs = ()
     _state.machine_ranks_per_node = None
 
 
 def initialized_config() -> Config | None:
+    """The (first) config given to `jaxep.initialize`, or None."""
     return _state.config
+
+
+def initialized_configs() -> tuple:
+    """Every config given to `jaxep.initialize` (empty before it)."""
+    return _state.configs
 
 
 def zero_copy_enabled() -> bool:
@@ -407,9 +462,13 @@ def check_config(op: str, config, name: str = "config") -> None:
     """`config` (the argument `name` of `op`) must be a Config, and the initialized one if any."""
     if not isinstance(config, Config):
         raise TypeError(f"jaxep.{op}: {name} must be a jaxep.Config, got {type(config).__name__}")
-    if _state.config is not None and config != _state.config:
-        raise ValueError(f"jaxep.{op}: {name} differs from the one passed to jaxep.initialize: "
-                         f"{field_diff(_state.config, config)} (initialized: {_state.config})")
+    if _state.configs and config not in _state.configs:
+        if len(_state.configs) == 1:
+            raise ValueError(f"jaxep.{op}: {name} differs from the one passed to jaxep.initialize: "
+                             f"{field_diff(_state.config, config)} (initialized: {_state.config})")
+        raise ValueError(f"jaxep.{op}: {name} is none of the {len(_state.configs)} configs passed "
+                         f"to jaxep.initialize: vs the first, {field_diff(_state.config, config)} "
+                         f"(initialized: {list(_state.configs)})")
 
 
 def check_axis_name(op: str, axis_name) -> None:

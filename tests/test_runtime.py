@@ -108,3 +108,42 @@ def test_no_environment_variable_selects_what_jaxep_computes():
     for var in debug:
         assert f"| `{var}=" in readme, f"{var} is not in the README's table of variables"
     assert os.path.isdir(root / "ffi")
+
+
+def test_initialize_with_several_configs():
+    """A process that trains and decodes initializes with both configs: calls with either pass
+    the trace-time check, any other config is refused naming the difference; the runtime's
+    buffers are sized for the largest of each size; the configs must agree on the fields the
+    runtime holds once."""
+    import dataclasses
+    from jaxep import runtime
+    train = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=32)
+    decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
+                          mode="low_latency", rows_per_expert=16, fp8_dispatch=False)
+    other = dataclasses.replace(train, max_tokens_per_rank=16)
+    jaxep.initialize([train, decode])
+    try:
+        assert runtime.initialized_configs() == (train, decode)
+        assert runtime.initialized_config() == train
+        runtime.check_config("dispatch", train)
+        runtime.check_config("dispatch", decode)
+        with pytest.raises(ValueError, match="none of the 2 configs.*max_tokens_per_rank"):
+            runtime.check_config("dispatch", other)
+        jaxep.initialize([train, decode])  # the same list again: a no-op
+        with pytest.raises(ValueError, match="already initialized with another config"):
+            jaxep.initialize(train)
+    finally:
+        jaxep.finalize()
+    assert runtime.initialized_configs() == ()
+    sizes = runtime.runtime_sizes((train, decode), 4)
+    # Rows: normal C = ceil(1.25 * 32 * 2) -> 80; low latency L * M = 2 * 16 = 32.
+    assert sizes == dict(max_tokens=32, topk=2, experts=8, capacity=80, row_bytes=128,
+                         return_row_bytes=256), sizes
+    big = dataclasses.replace(decode, rows_per_expert=64)  # L * M = 128 > 80
+    assert runtime.runtime_sizes((train, big), 4)["capacity"] == 128
+    for field, value in (("timeout_s", 5.0), ("zero_copy", False), ("ranks_per_node", 2)):
+        with pytest.raises(ValueError, match=f"must agree on {field}"):
+            jaxep.initialize([train, dataclasses.replace(decode, **{field: value})])
+    for bad in ([], [train, 3], "train"):
+        with pytest.raises(TypeError, match="a jaxep.Config or a non-empty list"):
+            jaxep.initialize(bad)
