@@ -170,7 +170,8 @@ def _as_configs(config) -> tuple:
     return tuple(dict.fromkeys(configs))  # equal configs once, in order
 
 
-def _init_multi_rank(configs: tuple) -> None:
+def _init_multi_rank(configs) -> None:
+    configs = _as_configs(configs)  # a Config or initialize's list
     config = configs[0]  # the SHARED_FIELDS are every config's
     ext = _ffi._module  # pylint: disable=protected-access
     nproc, pe = jax.process_count(), jax.process_index()
@@ -208,9 +209,13 @@ def _init_multi_rank(configs: tuple) -> None:
     # The same config everywhere first (a rank-dependent ranks_per_node would otherwise fail the
     # layout on some ranks only), then the node layout (processes per host, or the override).
     try:
-        for i, c in enumerate(configs):  # the same list of configs on every rank
-            agree_config(client, c, pe, nproc, f"{_state.generation}/{i}", wait_ms,
-                         extra={"number of configs": len(configs)})
+        # The same list of configs on every rank: the first under the generation's key, the
+        # others under sub-keys, each with their number when several (so a rank with another
+        # number differs at the first).
+        for i, c in enumerate(configs):
+            agree_config(client, c, pe, nproc, _state.generation if i == 0 else
+                         f"{_state.generation}/{i}", wait_ms,
+                         extra={"number of configs": len(configs)} if len(configs) > 1 else None)
     except RuntimeError:
         _state.generation += 1  # every rank raised: a retry publishes under fresh keys
         raise

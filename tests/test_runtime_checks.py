@@ -249,3 +249,30 @@ def test_finalize_then_initialize_again_uses_a_fresh_unique_id(fake, monkeypatch
         assert fake.ext.finalized == [True, False]
     finally:
         runtime._state.config = runtime._state.axis_name = None  # pylint: disable=protected-access
+
+
+def test_several_configs_size_the_runtime_for_the_largest(fake, monkeypatch):
+    """initialize([train, decode]): both agreed (each with their number), and the runtime is
+    started with the largest tokens, rows and row bytes of the two."""
+    client = _client(monkeypatch)
+    decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
+                          mode="low_latency", rows_per_expert=64)
+    runtime._init_multi_rank([CFG, decode])  # pylint: disable=protected-access
+    (args,) = fake.ext.inits
+    gen = runtime._state.generation - 1  # pylint: disable=protected-access
+    assert '"number of configs": 2' in client.kv[f"jaxep/config/{gen}/0"]
+    assert decode.canonical()[:-1] in client.kv[f"jaxep/config/{gen}/1/0"].replace(
+        ', "number of configs": 2', "")
+    # After the uid: max tokens 16, topk 2, experts 8, rows max(C=40, L*M=4*64=256), row bytes.
+    assert args[5:10] == (16, 2, 8, 256, 64 * 4), args
+
+
+def test_a_rank_with_another_number_of_configs_is_refused(fake, monkeypatch):
+    client = _client(monkeypatch, agree=False)
+    gen = runtime._state.generation  # pylint: disable=protected-access
+    client.kv[f"jaxep/config/{gen}/1"] = CFG.canonical()  # rank 1: one config
+    decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
+                          mode="low_latency")
+    with pytest.raises(RuntimeError, match="number of configs=None vs 2"):
+        runtime._init_multi_rank([CFG, decode])  # pylint: disable=protected-access
+    assert fake.ext.inits == []
