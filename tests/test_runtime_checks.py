@@ -264,7 +264,7 @@ def test_several_configs_size_the_runtime_for_the_largest(fake, monkeypatch):
     assert decode.canonical()[:-1] in client.kv[f"jaxep/config/{gen}/1/0"].replace(
         ', "number of configs": 2', "")
     # After the uid: max tokens 16, topk 2, experts 8, rows max(C=40, L*M=4*64=256), row bytes.
-    assert args[5:10] == (16, 2, 8, 256, 64 * 4), args
+    assert args[5:10] == (16, 2, 8, 256, 64 * 2), args  # bf16 rows
 
 
 def test_a_rank_with_another_number_of_configs_is_refused(fake, monkeypatch):
