@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxep import _ffi, runtime
+from jaxep import reference as _reference  # EP size 1 of the low-latency mode (below)
 # Custom-call results carry no varying axes inside shard_map: marked like the reference's outputs.
 from jaxep.reference import varying as _varying
 
@@ -88,16 +89,23 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 # divisions, which XLA's own GPU division is not, so the reference's jnp code would not give the
 # same bits here) and moves each token's codes and scales as one packed row of H + 4*H/128 bytes,
 # which the pull splits into the two outputs (the `row_split` attribute: no copy after it).
+# EP size 1: nothing is exchanged, so the low-latency ops are XLA ops on the one GPU (the
+# reference's local layout, gathers and fixed-order sum, which are bitwise the spec's on every
+# platform) with jaxep_fp8_quantize for fp8, like gather_back's local gather at EP size 1.
 # Not yet: quantizing inside the dispatch kernel, a send/recv split on the device,
-# CUDA-graph compatible handlers (device-side sequence numbers), EP size 1.
+# CUDA-graph compatible handlers (device-side sequence numbers).
 
 
 def _ll_check(op, config, ep):
-    if ep == 1:
-        raise NotImplementedError(
-            f"jaxep.{op}: mode='low_latency' on the CUDA backend needs an EP size > 1 (one rank "
-            "is not built yet), got 1; use backend='reference'")
-    check_limits(config)
+    del op
+    if ep > 1:  # the layout kernels' limit; EP size 1 runs XLA ops
+        check_limits(config)
+
+
+def _fp8_quantize(x):
+    """jaxep_fp8_quantize as (q float8_e4m3fn, scales): reference.ll_dispatch_send's quantize."""
+    codes, scales = _ffi.fp8_quantize(x)
+    return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn), scales
 
 
 def _pack_fp8(codes, scales):
@@ -113,15 +121,20 @@ def _pack_fp8(codes, scales):
 def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config):
     ep = _ep_size(axis_name)
     _ll_check("dispatch_send", config, ep)
+    if ep == 1:
+        return _reference.ll_dispatch_send(x, topk_idx, topk_weights, axis_name=axis_name,
+                                           config=config, quantize=_fp8_quantize)
     if config.fp8_dispatch:  # jaxep_fp8_quantize: IEEE divisions, the reference's bits
         x = _pack_fp8(*_ffi.fp8_quantize(x))
     return (x, topk_idx, topk_weights)
 
 
 def ll_dispatch_recv(sent, *, axis_name, config):
-    payload, topk_idx, topk_weights = sent
     ep = _ep_size(axis_name)
     _ll_check("dispatch_recv", config, ep)
+    if ep == 1:
+        return _reference.ll_dispatch_recv(sent, axis_name=axis_name, config=config)
+    payload, topk_idx, topk_weights = sent
     L, M, H = config.num_experts // ep, config.expert_rows(ep), config.hidden
     # fp8: the packed rows split in the pull, codes (H bytes) to rows, scales to the tail.
     out = _ffi.dispatch(payload, topk_idx, topk_weights, config=config, capacity=L * M,
@@ -141,6 +154,9 @@ def ll_dispatch_recv(sent, *, axis_name, config):
 def combine_send(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config):
     ep = _ep_size(axis_name)
     _ll_check("combine_send", config, ep)
+    if ep == 1:
+        return _reference.combine_send(y, weights, send_row, recv_slot, topk_idx,
+                                       axis_name=axis_name, config=config)
     if jnp.dtype(y.dtype) != jnp.dtype(config.dtype):
         raise NotImplementedError(
             f"jaxep.combine_send: on the CUDA backend y must have the config's dtype "
@@ -149,6 +165,8 @@ def combine_send(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config
 
 
 def combine_recv(sent, *, axis_name, config, dtype):
+    if _ep_size(axis_name) == 1:
+        return _reference.combine_recv(sent, axis_name=axis_name, config=config, dtype=dtype)
     y, weights, send_row, recv_slot, topk_idx = sent
     out = combine(y, weights, send_row, recv_slot, topk_idx, axis_name=axis_name, config=config)
     return out.astype(dtype)

@@ -265,14 +265,16 @@ def _ll_layout(idx_all, num_experts: int, rows: int, me):
     return send_row.reshape(R, T, K), recv_slot, counts.astype(jnp.int32), dropped
 
 
-def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config):
+def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config, quantize=None):
     """The send half: sanitize the ids, quantize (fp8_dispatch), and every collective (all_gather
-    of ids, weights, token rows and scales). Returns the in-flight arrays for ll_dispatch_recv."""
+    of ids, weights, token rows and scales). Returns the in-flight arrays for ll_dispatch_recv.
+    `quantize`: x -> (q float8_e4m3fn, scales), the same bits as fp8_quantize (default; the CUDA
+    backend passes its kernel: XLA's GPU division is not IEEE)."""
     E = config.num_experts
     invalid = (topk_idx < -1) | (topk_idx >= E)
     idx = jnp.where(invalid | (topk_idx < 0), -1, topk_idx).astype(jnp.int32)
     if config.fp8_dispatch:
-        q, scales = fp8_quantize(x)
+        q, scales = (quantize or fp8_quantize)(x)
         payload = (jax.lax.bitcast_convert_type(q, jnp.uint8), scales)  # fp8 moved as bytes
     else:
         payload = (x,)

@@ -535,11 +535,26 @@ def test_trace_time_errors_name_the_argument():
         jaxep.dispatch_recv("x")
 
 
-def test_cuda_backend_refuses_what_it_has_not_built(monkeypatch):
-    """Never normal mode in place of low_latency: where the CUDA backend has no low-latency path
-    (one rank, today) it raises at trace time."""
-    monkeypatch.setattr(runtime, "select_backend", lambda op, requested, ep_size: "cuda")
+def test_cuda_backend_ep1_runs_the_local_math(monkeypatch):
+    """The CUDA backend at EP size 1 exchanges nothing: its low-latency ops are XLA ops (the
+    reference's local layout and fixed-order sum; fp8 through the jaxep_fp8_quantize kernel,
+    tests/gpu/test_cuda_ep1.py), so here, without the extension, it gives the reference's bits
+    and never raises or runs normal mode."""
     cfg = _cfg()
-    with pytest.raises(NotImplementedError, match=r"mode='low_latency'.*CUDA backend.*"
-                                                  r"backend='reference'"):
-        _trace(lambda x, i, w: jaxep.dispatch(x, i, w, axis_name="ep", config=cfg).x, R=1)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((8, 24)).astype(np.float32)).astype(jnp.bfloat16)
+    idx = jnp.asarray(np.stack([rng.choice(16, 4, replace=False) for _ in range(8)]).astype(np.int32))
+    w = jnp.asarray(rng.uniform(0.1, 1, (8, 4)).astype(np.float32))
+
+    def run(backend):
+        def body(x, i, w):
+            res = jaxep.dispatch(x, i, w, axis_name="ep", config=cfg, backend=backend)
+            return res.x.reshape(-1, 24), jaxep.combine(_expert(res.x), res.handle, axis_name="ep")
+        f = jax.jit(jax.shard_map(body, mesh=harness.mesh(1), in_specs=(P("ep"),) * 3,
+                                  out_specs=(P("ep"), P("ep"))))
+        return [np.asarray(a) for a in f(x, idx, w)]
+
+    monkeypatch.setattr(runtime, "select_backend", lambda op, requested, ep_size: requested)
+    ref, cuda = run("reference"), run("cuda")
+    for a, b in zip(ref, cuda):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()

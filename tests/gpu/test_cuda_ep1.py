@@ -367,3 +367,43 @@ def test_zero_tokens_public_api_cuda_equals_reference():
     assert np.asarray(got[5]).tolist() == [-1] * c and np.asarray(got[3]).tolist() == [0] * e
     for n, g, wnt in zip(("dx", "dw", "da"), grad_c(x, w, a), grad_r(x, w, a)):
       assert_bitwise(f"t0/{dtype_name}/grad {n}", g, wnt)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_latency_ep1_bitwise_vs_oracle(fp8):
+  """mode="low_latency" at EP size 1 on the GPU (XLA ops and, with fp8, jaxep_fp8_quantize):
+  x [L, M, H] (or its e4m3 codes and scales), counts, and combine of the rows, bitwise against
+  tests/oracle.py (written from SPEC section 3); M small enough to drop rows."""
+  import sys  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  import oracle  # pylint: disable=g-import-not-at-top
+  T, K, E, H, M = 24, 4, 16, 256, 5
+  cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T, mode="low_latency",
+                     rows_per_expert=M, fp8_dispatch=fp8)
+  rng = np.random.default_rng(9)
+  x = rng.standard_normal((T, H)).astype(np.float32).astype(jnp.bfloat16)
+  idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+  idx[3, 1] = -1
+  idx[5, 2] = E + 7  # invalid: masked and counted
+  w = rng.uniform(0.1, 1, (T, K)).astype(np.float32)
+  y = rng.standard_normal((E, M, H)).astype(np.float32).astype(jnp.bfloat16)  # L = E at EP 1
+
+  def body(x, i, w, y):
+    res = jaxep.dispatch(x, i, w, axis_name="ep", config=cfg, backend="cuda")
+    rows = jax.lax.bitcast_convert_type(res.x, jnp.uint8) if fp8 else res.x
+    scales = res.scales if fp8 else jnp.zeros((E, M, 1), jnp.float32)
+    return rows, scales, res.counts, jaxep.combine(y, res.handle, axis_name="ep")
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=(P("ep"),) * 4))
+  rows, scales, counts, out = (np.asarray(a) for a in f(x, idx, w, y))
+  o = oracle.ll_dispatch([x], [idx], [w], num_experts=E, rows=M, fp8=fp8)
+  assert_bitwise("ll/x", rows, o["x"][0])
+  if fp8:
+    assert_bitwise("ll/scales", scales, o["scales"][0])
+  assert_bitwise("ll/counts", counts, o["counts"][0])
+  want = oracle.combine([y.reshape(E * M, H)], [o["weights"][0].reshape(-1)], o["send_row"],
+                        [idx], num_experts=E)[0]
+  assert_bitwise("ll/combine", out, want)
