@@ -273,9 +273,7 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
     decode_config = jaxep.Config(_E.value, _K.value, _D.value, gen_batch // ep,
                                  mode="low_latency", dtype=dtype.name)
     moe_kw = dict(ffn=_F.value, num_experts=_E.value, topk=_K.value, mesh=mesh, backend=backend,
-                  capacity_factor=_CF.value or None, decode_config=decode_config,
-                  # the CUDA backend's low_latency mode needs EP > 1: EP 1 decodes on the reference
-                  decode_backend="reference" if ep == 1 else None)
+                  capacity_factor=_CF.value or None, decode_config=decode_config)
     model = MoELM(_VOCAB.value, _SEQ.value, _D.value, _HEADS.value, _LAYERS.value, moe_kw,
                   rngs=nnx.Rngs(_SEED.value), dtype=dtype)
     schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, max(1, steps // 10), steps,

@@ -358,8 +358,7 @@ class MoE(nnx.Module):
         max_tokens_per_rank: tokens per rank of one decode step; rows_per_expert, fp8_dispatch).
         Its num_experts, topk, hidden and dtype must match the layer's. Default: a low-latency
         config sized for each call's tokens per rank (M = R * T, never drops), fp8 off.
-      decode_backend: the jaxep backend of `decode=True` calls; default: `backend`. (The CUDA
-        backend's low-latency mode needs EP size > 1: on one GPU pass "reference".)
+      decode_backend: the jaxep backend of `decode=True` calls; default: `backend`.
       dtype: compute and payload dtype. param_dtype: parameter dtype.
       kernel_init / router_init: initializers for the expert weights and the router kernel.
     """
