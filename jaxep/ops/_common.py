@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxep import cuda_backend, reference, runtime
-from jaxep.config import PAYLOAD_DTYPES
+from jaxep.config import PAYLOAD_DTYPES, Config, field_diff
+from jaxep.types import Handle
 
 BACKENDS = {"reference": reference, "cuda": cuda_backend}
 PAYLOAD = tuple(jnp.dtype(d) for d in PAYLOAD_DTYPES)  # x / y dtypes, from jaxep.config
@@ -68,3 +69,68 @@ def check_tokens(op: str, name: str, T: int, most: int, axis_name: str, R: int) 
         f"max_tokens_per_rank. Check the mesh: jax.devices() has {len(jax.devices())} "
         f"({jax.default_backend()}); on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count="
         f"{need} (or more) before JAX starts")
+
+
+def require_low_latency(op: str, config, name: str = "config") -> None:
+    """The split ops (and a low-latency handle's combine) need mode="low_latency"."""
+    if isinstance(config, Config) and config.mode != "low_latency":
+        raise ValueError(f"jaxep.{op}: the split ops need mode='low_latency': expected "
+                         f"{name}.mode='low_latency', got {config.mode!r} (mode='normal' has "
+                         f"the one-call jaxep.dispatch / jaxep.combine only)")
+
+
+def check_handle(op: str, handle, axis_name, config, *, low_latency: bool = False):
+    """combine's checks of its handle, at trace time: a `Handle` of a dispatch with the config
+    given to `op` (when given) and to `jaxep.initialize`, over this axis, whose arrays have the
+    shapes that dispatch makes on this EP size (a handle built by hand, or with its config
+    replaced, would otherwise combine wrongly: the backward's dispatch_rows finds tokens as
+    slot // config.topk). Rows: the capacity C, or L * M for a low-latency handle (which must
+    then have mode="low_latency"). Returns (handle.config, EP size)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"jaxep.{op}: handle must be the jaxep.Handle that dispatch returned, got "
+                        f"{type(handle).__name__}")
+    if config is not None:
+        if not isinstance(config, Config):
+            raise TypeError(f"jaxep.{op}: config must be a jaxep.Config or None, got "
+                            f"{type(config).__name__}")
+        runtime.check_config(op, config)
+        if handle.config != config:
+            raise ValueError(f"jaxep.{op}: handle.config must be the config given to {op}: "
+                             f"{field_diff(config, handle.config)} (the handle comes from a "
+                             "dispatch with another config: another layer's?)")
+    runtime.check_config(op, handle.config, "handle.config")
+    if low_latency:
+        require_low_latency(op, handle.config, "handle.config")
+    runtime.check_axis_name(op, axis_name)
+    if axis_name != handle.axis_name:
+        raise ValueError(f"jaxep.{op}: axis_name must be the one dispatch used, expected "
+                         f"{handle.axis_name!r}, got {axis_name!r}")
+    R = ep_size(op, axis_name)
+    cfg = handle.config
+    check_node_layout(op, cfg, R)
+    if handle.backend not in BACKENDS:
+        raise ValueError(f"jaxep.{op}: handle.backend must be one of {tuple(BACKENDS)}, "
+                         f"got {handle.backend!r}")
+    if low_latency:
+        rows, where = cfg.local_experts(R) * cfg.expert_rows(R), "[L * M]"
+    else:
+        rows, where = cfg.capacity(R), f"[handle.config.capacity({R})]"
+    K, i32, f32 = cfg.topk, (jnp.int32,), (jnp.float32,)
+
+    def field(name, shape, meaning, dtypes):
+        try:
+            check_array(op, f"handle.{name}", getattr(handle, name), shape, dtypes)
+        except ValueError as e:  # add what the expected shape means
+            text = str(e)
+            at = text.index(", got ")
+            raise ValueError(f"{text[:at]} ({meaning}){text[at:]}") from None
+
+    field("send_row", (None, K), "[T, handle.config.topk]", i32)
+    T = handle.send_row.shape[0]
+    if T > cfg.max_tokens_per_rank:
+        raise ValueError(f"jaxep.{op}: handle.send_row must have at most "
+                         f"handle.config.max_tokens_per_rank={cfg.max_tokens_per_rank} rows, got {T}")
+    field("topk_idx", (T, K), "[T, handle.config.topk]", i32)
+    field("recv_slot", (rows,), where, i32)
+    field("weights", (rows,), where, f32)
+    return cfg, R

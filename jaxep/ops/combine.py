@@ -11,9 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxep import runtime
 from jaxep._numerics import exact_f32
-from jaxep.config import Config, field_diff
 from jaxep.ops import _common, combine_ll
 from jaxep.types import Handle
 
@@ -38,32 +36,9 @@ def combine(y, handle: Handle, *, axis_name: str = "ep", weights=None, config=No
     (bfloat16 or the payload dtype), weights [L, M] when given, and the result [T, H] is in the
     config's dtype: exactly `combine_recv(combine_send(...))` (`jaxep.ops.combine_ll`).
     """
-    if not isinstance(handle, Handle):
-        raise TypeError(f"jaxep.combine: handle must be the jaxep.Handle that dispatch returned, "
-                        f"got {type(handle).__name__}")
-    if getattr(handle.config, "mode", None) == "low_latency":
+    if isinstance(handle, Handle) and getattr(handle.config, "mode", None) == "low_latency":
         return combine_ll.combine(y, handle, axis_name=axis_name, weights=weights, config=config)
-    if config is not None:
-        if not isinstance(config, Config):
-            raise TypeError(f"jaxep.combine: config must be a jaxep.Config or None, got "
-                            f"{type(config).__name__}")
-        runtime.check_config("combine", config)
-        if handle.config != config:
-            raise ValueError("jaxep.combine: handle.config must be the config given to combine: "
-                             f"{field_diff(config, handle.config)} (the handle comes from a "
-                             "dispatch with another config: another layer's?)")
-    runtime.check_config("combine", handle.config, "handle.config")
-    runtime.check_axis_name("combine", axis_name)
-    if axis_name != handle.axis_name:
-        raise ValueError(f"jaxep.combine: axis_name must be the one dispatch used, expected "
-                         f"{handle.axis_name!r}, got {axis_name!r}")
-    R = _common.ep_size("combine", axis_name)
-    cfg = handle.config
-    _common.check_node_layout("combine", cfg, R)
-    if handle.backend not in _common.BACKENDS:
-        raise ValueError(f"jaxep.combine: handle.backend must be one of {tuple(_common.BACKENDS)}, "
-                         f"got {handle.backend!r}")
-    _check_handle(handle, R)
+    cfg, _ = _common.check_handle("combine", handle, axis_name, config)
     C = handle.recv_slot.shape[0]
     _common.check_array("combine", "y", y, (C, cfg.hidden), _common.PAYLOAD)
     if weights is None:
@@ -73,33 +48,6 @@ def combine(y, handle: Handle, *, axis_name: str = "ep", weights=None, config=No
     # dispatch_rows of the transpose as FFI attributes.
     static = (axis_name, cfg, handle.backend)
     return _combine(y, weights, (handle.send_row, handle.recv_slot, handle.topk_idx), static)
-
-
-def _check_handle(handle: Handle, R: int) -> None:
-    """The handle's arrays have the shapes and dtypes a dispatch with handle.config makes on R
-    ranks (a handle built by hand, or with its config replaced, would otherwise combine wrongly:
-    the backward's dispatch_rows finds tokens as slot // config.topk)."""
-    cfg = handle.config
-    K, C = cfg.topk, cfg.capacity(R)
-    i32, f32 = (jnp.int32,), (jnp.float32,)
-    _check_field("send_row", handle.send_row, (None, K), "[T, handle.config.topk]", i32)
-    T = handle.send_row.shape[0]
-    if T > cfg.max_tokens_per_rank:
-        raise ValueError(f"jaxep.combine: handle.send_row must have at most "
-                         f"handle.config.max_tokens_per_rank={cfg.max_tokens_per_rank} rows, got {T}")
-    _check_field("topk_idx", handle.topk_idx, (T, K), "[T, handle.config.topk]", i32)
-    where = f"[handle.config.capacity({R})]"
-    _check_field("recv_slot", handle.recv_slot, (C,), where, i32)
-    _check_field("weights", handle.weights, (C,), where, f32)
-
-
-def _check_field(name, a, shape, meaning, dtypes) -> None:
-    try:
-        _common.check_array("combine", f"handle.{name}", a, shape, dtypes)
-    except ValueError as e:  # add what the expected shape means
-        text = str(e)
-        at = text.index(", got ")
-        raise ValueError(f"{text[:at]} ({meaning}){text[at:]}") from None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -16,11 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxep import runtime
 from jaxep._numerics import exact_f32
-from jaxep.config import Config, field_diff
+from jaxep.config import Config
 from jaxep.ops import _common
-from jaxep.ops.dispatch_ll import _require_low_latency, detach_empty
+from jaxep.ops.dispatch_ll import detach_empty
 from jaxep.types import CombinePending, Handle
 
 
@@ -44,7 +43,7 @@ def combine_send(y, handle: Handle, *, axis_name: str = "ep", weights=None, conf
 
 def _send(op, y, handle, axis_name, weights, config):
     """combine_send, its checks naming `op` (the one-call jaxep.combine names itself)."""
-    cfg, R = _check_handle(op, handle, axis_name, config)
+    cfg, R = _common.check_handle(op, handle, axis_name, config, low_latency=True)
     L, M, H = cfg.local_experts(R), cfg.expert_rows(R), cfg.hidden
     dtypes = tuple(dict.fromkeys((jnp.dtype(jnp.bfloat16), jnp.dtype(cfg.dtype))))
     _common.check_array(op, "y", y, (L, M, H), dtypes)
@@ -67,7 +66,7 @@ def combine_recv(pending: CombinePending):
         raise TypeError(f"jaxep.combine_recv: pending must be the jaxep.CombinePending that "
                         f"combine_send returned, got {type(pending).__name__}")
     h = pending.handle
-    _check_handle("combine_recv", h, h.axis_name, None)
+    _common.check_handle("combine_recv", h, h.axis_name, None, low_latency=True)
     static = _Static(h.axis_name, h.config, h.backend)
     return _recv(*detach_empty((pending.y, pending.weights, pending.arrays,
                                 (h.send_row, h.recv_slot, h.topk_idx))), static)
@@ -76,51 +75,6 @@ def combine_recv(pending: CombinePending):
 def combine(y, handle, *, axis_name, weights=None, config=None):
     """`jaxep.combine` with a mode="low_latency" handle: combine_send then combine_recv."""
     return combine_recv(_send("combine", y, handle, axis_name, weights, config))
-
-
-def _check_handle(op: str, handle, axis_name, config):
-    """The handle is a low-latency dispatch's, for this axis, config and EP size; returns
-    (handle.config, EP size)."""
-    if not isinstance(handle, Handle):
-        raise TypeError(f"jaxep.{op}: handle must be the jaxep.Handle that dispatch returned, got "
-                        f"{type(handle).__name__}")
-    if config is not None:
-        if not isinstance(config, Config):
-            raise TypeError(f"jaxep.{op}: config must be a jaxep.Config or None, got "
-                            f"{type(config).__name__}")
-        runtime.check_config(op, config)
-        if handle.config != config:
-            raise ValueError(f"jaxep.{op}: handle.config must be the config given to {op}: "
-                             f"{field_diff(config, handle.config)} (the handle comes from a "
-                             "dispatch with another config: another layer's?)")
-    runtime.check_config(op, handle.config, "handle.config")
-    _require_low_latency(op, handle.config, "handle.config")
-    runtime.check_axis_name(op, axis_name)
-    if axis_name != handle.axis_name:
-        raise ValueError(f"jaxep.{op}: axis_name must be the one dispatch used, expected "
-                         f"{handle.axis_name!r}, got {axis_name!r}")
-    R = _common.ep_size(op, axis_name)
-    cfg = handle.config
-    _common.check_node_layout(op, cfg, R)
-    if handle.backend not in _common.BACKENDS:
-        raise ValueError(f"jaxep.{op}: handle.backend must be one of {tuple(_common.BACKENDS)}, "
-                         f"got {handle.backend!r}")
-    K, LM = cfg.topk, cfg.local_experts(R) * cfg.expert_rows(R)
-    T = handle.send_row.shape[0] if hasattr(handle.send_row, "shape") else None
-    fields = (("send_row", (None, K), "[T, handle.config.topk]", jnp.int32),
-              ("topk_idx", (T, K), "[T, handle.config.topk]", jnp.int32),
-              ("recv_slot", (LM,), "[L * M]", jnp.int32), ("weights", (LM,), "[L * M]", jnp.float32))
-    for name, shape, meaning, dtype in fields:
-        try:
-            _common.check_array(op, f"handle.{name}", getattr(handle, name), shape, (dtype,))
-        except ValueError as e:  # add what the expected shape means
-            text = str(e)
-            at = text.index(", got ")
-            raise ValueError(f"{text[:at]} ({meaning}){text[at:]}") from None
-    if T > cfg.max_tokens_per_rank:
-        raise ValueError(f"jaxep.{op}: handle.send_row must have at most "
-                         f"handle.config.max_tokens_per_rank={cfg.max_tokens_per_rank} rows, got {T}")
-    return cfg, R
 
 
 class _Static(NamedTuple):

@@ -66,7 +66,7 @@ def dispatch_recv(pending: DispatchPending) -> LowLatencyDispatchResult:
         raise TypeError(f"jaxep.dispatch_recv: pending must be the jaxep.DispatchPending that "
                         f"dispatch_send returned, got {type(pending).__name__}")
     cfg, axis_name = pending.config, pending.axis_name
-    _require_low_latency("dispatch_recv", cfg, "pending.config")
+    _common.require_low_latency("dispatch_recv", cfg, "pending.config")
     runtime.check_config("dispatch_recv", cfg, "pending.config")
     if pending.backend not in _common.BACKENDS:
         raise ValueError(f"jaxep.dispatch_recv: pending.backend must be one of "
@@ -97,17 +97,10 @@ def detach_empty(tree):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if a.size == 0 else a, tree)
 
 
-def _require_low_latency(op: str, config, name: str = "config") -> None:
-    if isinstance(config, Config) and config.mode != "low_latency":
-        raise ValueError(f"jaxep.{op}: the split ops need mode='low_latency': expected "
-                         f"{name}.mode='low_latency', got {config.mode!r} (mode='normal' has "
-                         f"the one-call jaxep.dispatch / jaxep.combine only)")
-
-
 def check_dispatch(op, x, topk_idx, topk_weights, axis_name, config, backend):
     """The trace-time checks of low-latency dispatch; returns (EP size, backend name)."""
     runtime.check_config(op, config)
-    _require_low_latency(op, config)
+    _common.require_low_latency(op, config)
     runtime.check_axis_name(op, axis_name)
     R = _common.ep_size(op, axis_name)
     _common.check_node_layout(op, config, R)
