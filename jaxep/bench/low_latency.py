@@ -114,13 +114,10 @@ def oracle_combine(idx_all, w_all, kept, x_r, E: int, r: int, out_dtype, G: int,
 
 
 def _global(mesh, R, per_rank, dtype):
-    shape = (R * per_rank[0].shape[0],) + per_rank[0].shape[1:]
-
-    def cb(index):
-        start = index[0].start or 0
-        return per_rank[start // per_rank[0].shape[0]].astype(dtype)
-
-    return jax.make_array_from_callback(shape, jax.sharding.NamedSharding(mesh, P(AXIS)), cb)
+    """runner._global of the per-rank arrays `per_rank` (one per rank, cast to `dtype`)."""
+    from jaxep.bench import runner  # pylint: disable=g-import-not-at-top (runner imports this)
+    return runner._global(mesh, R, per_rank[0].shape, dtype,  # pylint: disable=protected-access
+                          lambda r: per_rank[r].astype(dtype))
 
 
 def _programs(cfg, backend, mesh):
@@ -176,15 +173,6 @@ def _sync_floor(bc, cfg, mesh, R, G, backend):
     return timing.over_processes(timing.time_loop(loop, (v, neg, neg), warmup=bc.warmup,
                                                   iters=bc.iters, inner=bc.inner,
                                                   calls_per_op=1))
-
-
-def _time_copy(bc, mesh, R, bytes_per_rank):
-    n = max(1, int(bytes_per_rank) // 8)
-    a = _global(mesh, R, [np.random.default_rng([bc.seed, 5, r]).integers(0, 2**32, n, dtype=np.uint32)
-                          for r in range(R)], np.uint32)
-    loop = timing.device_loop(lambda c: c ^ np.uint32(1), mesh, AXIS)
-    return timing.over_processes(timing.time_loop(loop, (a,), warmup=bc.warmup, iters=bc.iters,
-                                                  inner=bc.inner))
 
 
 def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
@@ -263,7 +251,9 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
     pay = {"dispatch": kept_rows * row_d, "combine": kept_rows * row_c}
     pay["both"] = pay["dispatch"] + pay["combine"]
     stage("timing the payload copies")
-    copies = {op: _time_copy(bc, mesh, R, 2 * pay[op] // R) for op in ("dispatch", "combine")}
+    from jaxep.bench import runner  # pylint: disable=g-import-not-at-top (runner imports this)
+    copies = {op: runner._time_copy(bc, mesh, R, 2 * pay[op] // R)  # pylint: disable=protected-access
+              for op in ("dispatch", "combine")}
     copies["both"] = dict(copies["dispatch"], median=copies["dispatch"]["median"] +
                           copies["combine"]["median"])
     ops = {}
