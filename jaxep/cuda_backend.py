@@ -81,7 +81,7 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 
 
 # ---- mode="low_latency" (docs/design.md "Low-latency mode") ----------------------------------
-# First version, multi-rank only: the exchange is the normal mode's (stage, ready, pull) with the
+# First version. EP size > 1: the exchange is the normal mode's (stage, ready, pull) with the
 # low-latency layout (the `expert_rows` attribute: rows of local expert l at [l*M, l*M + M) of
 # C = L*M rows), so both halves of the split ops run in the receive half here (the send half only
 # packs); combine is the normal combine kernel on the flat rows l*M + m (the same fixed order).
@@ -96,8 +96,7 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 # CUDA-graph compatible handlers (device-side sequence numbers).
 
 
-def _ll_check(op, config, ep):
-    del op
+def _ll_check(config, ep):
     if ep > 1:  # the layout kernels' limit; EP size 1 runs XLA ops
         check_limits(config)
 
@@ -120,7 +119,7 @@ def _pack_fp8(codes, scales):
 
 def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config):
     ep = _ep_size(axis_name)
-    _ll_check("dispatch_send", config, ep)
+    _ll_check(config, ep)
     if ep == 1:
         return _reference.ll_dispatch_send(x, topk_idx, topk_weights, axis_name=axis_name,
                                            config=config, quantize=_fp8_quantize)
@@ -131,7 +130,7 @@ def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config):
 
 def ll_dispatch_recv(sent, *, axis_name, config):
     ep = _ep_size(axis_name)
-    _ll_check("dispatch_recv", config, ep)
+    _ll_check(config, ep)
     if ep == 1:
         return _reference.ll_dispatch_recv(sent, axis_name=axis_name, config=config)
     payload, topk_idx, topk_weights = sent
@@ -153,7 +152,7 @@ def ll_dispatch_recv(sent, *, axis_name, config):
 
 def combine_send(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config):
     ep = _ep_size(axis_name)
-    _ll_check("combine_send", config, ep)
+    _ll_check(config, ep)
     if ep == 1:
         return _reference.combine_send(y, weights, send_row, recv_slot, topk_idx,
                                        axis_name=axis_name, config=config)
