@@ -66,13 +66,8 @@ def _layout(idx_all, num_experts: int, capacity: int, me):
     R, T, K = idx_all.shape
     n = R * T * K
     L = num_experts // R
-    flat = idx_all.reshape(n)
-    key = jnp.where(flat >= 0, flat, num_experts)  # masked slots sort last
-    # Stable sort by expert id: within an expert, slots stay in (source rank, t, k) order, which is
-    # exactly the layout order, since expert id = dest * L + local expert.
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)[:num_experts]
-    expert_start = jnp.cumsum(counts) - counts  # first sorted index of each expert
+    key, order, per_expert, start = _expert_order(idx_all, num_experts)
+    counts, expert_start = per_expert[:num_experts], start[:num_experts]
     rank_start = expert_start[::L]  # [R] first sorted index of each destination rank
     dest_sorted = jnp.minimum(key[order] // L, R - 1)
     pos_sorted = jnp.arange(n, dtype=jnp.int32) - rank_start[dest_sorted]
@@ -83,6 +78,20 @@ def _layout(idx_all, num_experts: int, capacity: int, me):
     mine = jax.lax.dynamic_slice(padded, (rank_start[me],), (capacity,))
     recv_slot = jnp.where(jnp.arange(capacity) < jnp.minimum(my_count, capacity), mine, -1)
     return send_row_flat.reshape(R, T, K), recv_slot, counts
+
+
+def _expert_order(idx_all, num_experts: int):
+    """Every rank's slots sorted by expert id: (key [n], order [n], per_expert [E+1], start
+    [E+1]) over the n = R*T*K slots of `idx_all` [R,T,K] (sanitized): key = the expert id, E for
+    a masked slot (sorted last); order = the stable sort (within an expert, slots stay in
+    (source rank, t, k) order: the layout order of both modes, since expert id = dest * L + local
+    expert); per_expert = slots per key, start = the first sorted index of each key."""
+    flat = idx_all.reshape(-1)
+    key = jnp.where(flat >= 0, flat, num_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    per_expert = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)
+    start = jnp.cumsum(per_expert) - per_expert
+    return key, order, per_expert, start
 
 
 def _take(table, index, valid):
@@ -243,12 +252,8 @@ def _ll_layout(idx_all, num_experts: int, rows: int, me):
     R, T, K = idx_all.shape
     n, M = R * T * K, rows
     L = num_experts // R
-    key = jnp.where(idx_all.reshape(n) >= 0, idx_all.reshape(n), num_experts)  # masked: last
-    # Stable sort by expert id: within an expert, slots stay in (source rank, t, k) order.
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    key, order, per_expert, start = _expert_order(idx_all, num_experts)
     key_sorted = key[order]
-    per_expert = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)  # [E+1], E: masked
-    start = jnp.cumsum(per_expert) - per_expert  # first sorted index of each expert
     pos_sorted = jnp.arange(n, dtype=jnp.int32) - start[key_sorted]  # position within its expert
     keep_sorted = (key_sorted < num_experts) & (pos_sorted < M)
     row_sorted = (key_sorted % L) * M + jnp.minimum(pos_sorted, M - 1)
