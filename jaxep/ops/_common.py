@@ -111,10 +111,8 @@ def check_handle(op: str, handle, axis_name, config, *, low_latency: bool = Fals
     if handle.backend not in BACKENDS:
         raise ValueError(f"jaxep.{op}: handle.backend must be one of {tuple(BACKENDS)}, "
                          f"got {handle.backend!r}")
-    if low_latency:
-        rows, where = cfg.local_experts(R) * cfg.expert_rows(R), "[L * M]"
-    else:
-        rows, where = cfg.capacity(R), f"[handle.config.capacity({R})]"
+    rows = runtime.recv_rows(cfg, R)  # C, or L * M of a low-latency handle
+    where = "[L * M]" if low_latency else f"[handle.config.capacity({R})]"
     K, i32, f32 = cfg.topk, (jnp.int32,), (jnp.float32,)
 
     def field(name, shape, meaning, dtypes):
