@@ -27,6 +27,11 @@ constexpr std::string_view kDispatchRowsTarget = "jaxep_dispatch_rows";
 constexpr std::string_view kCombineTarget = "jaxep_combine";
 constexpr std::string_view kGatherBackTarget = "jaxep_gather_back";
 constexpr std::string_view kFp8QuantizeTarget = "jaxep_fp8_quantize";
+// mode="low_latency", ep_size > 1, one node (ffi/low_latency.cc).
+constexpr std::string_view kLLDispatchSendTarget = "jaxep_ll_dispatch_send";
+constexpr std::string_view kLLDispatchRecvTarget = "jaxep_ll_dispatch_recv";
+constexpr std::string_view kLLCombineSendTarget = "jaxep_ll_combine_send";
+constexpr std::string_view kLLCombineRecvTarget = "jaxep_ll_combine_recv";
 
 // Typed buffer aliases (also keep template commas out of the XLA_FFI_DEFINE_HANDLER_SYMBOL macro).
 using F32Vec = ffi::Buffer<ffi::F32, 1>;

@@ -28,6 +28,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepDispatchRows);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepCombine);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepGatherBack);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepFp8Quantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepLLDispatchSend);  // low_latency.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepLLDispatchRecv);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepLLCombineSend);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepLLCombineRecv);
 
 void RegisterRuntime(nb::module_& m);  // ffi/runtime.cc
 
@@ -74,6 +78,10 @@ NB_MODULE(_jaxep_cuda, m) {
         d[Str(jaxep::kCombineTarget)] = Capsule(JaxepCombine);
         d[Str(jaxep::kGatherBackTarget)] = Capsule(JaxepGatherBack);
         d[Str(jaxep::kFp8QuantizeTarget)] = Capsule(JaxepFp8Quantize);
+        d[Str(jaxep::kLLDispatchSendTarget)] = Capsule(JaxepLLDispatchSend);
+        d[Str(jaxep::kLLDispatchRecvTarget)] = Capsule(JaxepLLDispatchRecv);
+        d[Str(jaxep::kLLCombineSendTarget)] = Capsule(JaxepLLCombineSend);
+        d[Str(jaxep::kLLCombineRecvTarget)] = Capsule(JaxepLLCombineRecv);
         return d;
       },
       "Target name -> PyCapsule of its XLA FFI handler (register with platform='CUDA').");
@@ -96,7 +104,11 @@ NB_MODULE(_jaxep_cuda, m) {
         d["ops"] = ops;        // Diag::op code -> op name
         d["targets"] = nb::make_tuple(Str(jaxep::kDispatchTarget), Str(jaxep::kDispatchRowsTarget),
                                       Str(jaxep::kCombineTarget), Str(jaxep::kGatherBackTarget),
-                                      Str(jaxep::kFp8QuantizeTarget));
+                                      Str(jaxep::kFp8QuantizeTarget),
+                                      Str(jaxep::kLLDispatchSendTarget),
+                                      Str(jaxep::kLLDispatchRecvTarget),
+                                      Str(jaxep::kLLCombineSendTarget),
+                                      Str(jaxep::kLLCombineRecvTarget));
         d["dispatch_kernels"] = Names(mr::kDispatchKernelNames);  // dispatch_kernel attribute
         d["combine_kernels"] = Names(mr::kCombineKernelNames);    // combine_kernel attribute
         return d;

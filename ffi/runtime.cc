@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 
 #include "cuda/sync.h"
+#include "cuda/low_latency.h"
 #include "cuda/runtime.h"
 #include "phase_times.h"
 
@@ -16,8 +17,11 @@ namespace {
 
 rt::InitParams Params(int device, int rank, int size, int node_size, const nb::bytes& uid,
                       int64_t max_tokens, int64_t topk, int64_t experts, int64_t capacity,
-                      int64_t row_bytes, int64_t return_row_bytes, double timeout_s) {
+                      int64_t row_bytes, int64_t return_row_bytes, double timeout_s,
+                      int64_t ll_experts, int64_t ll_cap) {
   rt::InitParams p;
+  p.ll_experts = ll_experts;
+  p.ll_cap = ll_cap;
   p.device = device;
   p.rank = rank;
   p.size = size;
@@ -54,25 +58,29 @@ void RegisterRuntime(nb::module_& m) {
   }, nb::arg("device"), "cudaSetDevice + cudaFree(0) on this thread; (free, total) bytes.");
   m.def("symmetric_bytes", [](int64_t max_tokens, int64_t topk, int64_t experts, int64_t capacity,
                               int64_t row_bytes, int size, int node_size,
-                              int64_t return_row_bytes) {
+                              int64_t return_row_bytes, int64_t ll_experts, int64_t ll_cap) {
     rt::InitParams p;
+    p.ll_experts = ll_experts; p.ll_cap = ll_cap;
     p.max_tokens = max_tokens; p.topk = topk; p.experts = experts; p.capacity = capacity;
     p.row_bytes = row_bytes; p.size = size; p.node_size = node_size;
     p.return_row_bytes = return_row_bytes;
     return rt::SymmetricBytes(p);
   }, nb::arg("max_tokens"), nb::arg("topk"), nb::arg("experts"), nb::arg("capacity"),
      nb::arg("row_bytes"), nb::arg("size") = 1, nb::arg("node_size") = 1,
-     nb::arg("return_row_bytes") = 0,
+     nb::arg("return_row_bytes") = 0, nb::arg("ll_experts") = 0, nb::arg("ll_cap") = 0,
      "Bytes of the symmetric block one PE allocates for these limits and node layout.");
   m.def("runtime_init", [](int device, int rank, int size, int node_size, nb::bytes uid,
                            int64_t max_tokens, int64_t topk, int64_t experts, int64_t capacity,
-                           int64_t row_bytes, int64_t return_row_bytes, double timeout_s) {
+                           int64_t row_bytes, int64_t return_row_bytes, double timeout_s,
+                           int64_t ll_experts, int64_t ll_cap) {
     std::string err = rt::Init(Params(device, rank, size, node_size, uid, max_tokens, topk,
-                                      experts, capacity, row_bytes, return_row_bytes, timeout_s));
+                                      experts, capacity, row_bytes, return_row_bytes, timeout_s,
+                                      ll_experts, ll_cap));
     if (!err.empty()) throw std::runtime_error(err);
   }, nb::arg("device"), nb::arg("rank"), nb::arg("size"), nb::arg("node_size"),
      nb::arg("unique_id"), nb::arg("max_tokens"), nb::arg("topk"), nb::arg("experts"),
      nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("return_row_bytes"), nb::arg("timeout_s"),
+     nb::arg("ll_experts") = 0, nb::arg("ll_cap") = 0,
      "Collective: NVSHMEM init with the unique id, symmetric block, peer table, diagnostics.");
   m.def("runtime_finalize", [](bool collective) {
     std::string err = rt::Finalize(collective);
@@ -121,6 +129,11 @@ void RegisterRuntime(nb::module_& m) {
     d["pool_base"] = t->pool_base;
     d["pool_size"] = t->pool_size;
     d["zero_copy_calls"] = rt::ZeroCopyCalls();
+    // The low-latency area (0: none) and the host runs of its handlers (ffi/low_latency.cc).
+    d["ll_experts"] = t->lay.ll_experts;
+    d["ll_cap"] = t->lay.ll_cap;
+    d["ll_row_bytes"] = t->lay.ll_row_stride;
+    d["ll_host_calls"] = rt::LLHostCalls();
     // JAXEP_PHASE_TIMES=1 (ffi/phase_times.h): {"op/step": (calls, total GPU ms)}, else empty.
     nb::dict phases;
     for (const auto& [key, v] : jaxep::phase::Totals()) {
@@ -129,6 +142,16 @@ void RegisterRuntime(nb::module_& m) {
     d["phase_ms"] = phases;
     return d;
   }, "The initialized runtime's rank, size, limits and call count, or None.");
+  m.def("ll_device_seq", []() -> nb::object {
+    const mr::Team* t = rt::ActiveTeam();
+    if (t == nullptr) return nb::none();
+    uint64_t seq[2];
+    if (cudaError_t e = mr::ReadLLSeq(*t, seq); e != cudaSuccess) {
+      throw std::runtime_error(std::string("ll_device_seq: ") + cudaGetErrorString(e));
+    }
+    return nb::make_tuple(seq[0], seq[1]);
+  }, "(dispatch, combine): the low-latency ops' device sequence numbers (a blocking copy; call "
+     "it after the work is done), or None.");
   m.def("runtime_diag", []() -> nb::object {
     mr::Diag d{};
     if (!rt::ReadDiag(&d) || d.status == 0) return nb::none();

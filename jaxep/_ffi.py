@@ -43,7 +43,8 @@ from jaxep import config as _config
 
 # The custom-call targets this module emits; the extension's constants()["targets"] must match.
 TARGETS = ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine", "jaxep_gather_back",
-           "jaxep_fp8_quantize")
+           "jaxep_fp8_quantize", "jaxep_ll_dispatch_send", "jaxep_ll_dispatch_recv",
+           "jaxep_ll_combine_send", "jaxep_ll_combine_recv")
 
 _module: Any = None
 _constants: dict | None = None  # the extension's constants(), normalized; None until loaded
@@ -414,3 +415,127 @@ def fp8_quantize(x):
                jax.ShapeDtypeStruct((t, h // _config.FP8_BLOCK), np.float32))
   call = jax.ffi.ffi_call("jaxep_fp8_quantize", out_types, vmap_method="sequential")
   return tuple(call(x))
+
+
+# ---- mode="low_latency", ep_size > 1, one node (ffi/low_latency.cc, ffi/cuda/low_latency.h) ----
+# Command-buffer compatible handlers: the sequence number lives on the device.
+
+LL_MAX_TOPK = 64  # combine_recv orders a token's slots in shared memory (kLLMaxTopk)
+
+
+def ll_area_ready(ep_size: int, ranks_per_node: int) -> bool:
+  """True when the runtime has the low-latency area (jaxep.initialize got a mode="low_latency"
+  config and the team is one node): the low-latency ops then run these kernels."""
+  if ep_size < 2 or ranks_per_node != ep_size or not multi_rank_built():
+    return False
+  info = _module.runtime_info()
+  return info is not None and info.get("ll_experts", 0) > 0
+
+
+def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, slots: int,
+                   cap: int, row_bytes: int, topk: int) -> None:
+  info = runtime_limits(op, ep_size)
+  if ranks_per_node != info["node_size"] or ranks_per_node != ep_size:
+    _fail(op, "ranks_per_node", f"the one-node layout jaxep.initialize set up ({ep_size} ranks)",
+          ranks_per_node)
+  if topk > LL_MAX_TOPK:
+    _fail(op, "config.topk", f"<= {LL_MAX_TOPK} in low-latency mode on the CUDA backend", topk)
+  limits = (("local experts", experts // ep_size, info["ll_experts"]),
+            ("rows per (expert, source) min(M, T*K)", cap, info["ll_cap"]),
+            ("T*K (slots)", slots, info["max_tokens"] * info["topk"]),
+            ("num_experts", experts, info["experts"]),
+            ("row bytes", row_bytes, info["ll_row_bytes"]))
+  for what, got, most in limits:
+    if got > most:
+      _fail(op, what, f"<= {most} (the low-latency area jaxep.initialize sized from its "
+            "configs)", got)
+
+
+def _ll_attrs(config, ep_size, ranks_per_node) -> dict:
+  return dict(num_experts=_i64(config.num_experts), ep_size=_i64(ep_size),
+              ranks_per_node=_i64(ranks_per_node))
+
+
+def ll_dispatch_send(x, topk_idx, topk_weights, *, config, ep_size: int, ranks_per_node: int):
+  """``jaxep_ll_dispatch_send``: x[T,H], topk_idx[T,K] i32 (raw ids), topk_weights[T,K] f32 ->
+  ``(pos[T,K] i32, invalid[1] i32)``: each row is written into its expert rank's receive area
+  (fp8_dispatch: quantized on the way, codes + scales per 128 channels); pos is the slot's
+  ordinal among this rank's slots of its expert (-1 masked), for ll_dispatch_recv."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  op = "ll_dispatch_send"
+  _require(op)
+  t, h = x.shape
+  k = topk_idx.shape[1]
+  m = config.expert_rows(ep_size)
+  row = h + h // _config.FP8_BLOCK * 4 if config.fp8_dispatch else h * np.dtype(x.dtype).itemsize
+  _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=t * k,
+                 cap=min(m, t * k), row_bytes=row, topk=k)
+  out_types = (jax.ShapeDtypeStruct((t, k), np.int32), jax.ShapeDtypeStruct((1,), np.int32))
+  call = jax.ffi.ffi_call("jaxep_ll_dispatch_send", out_types, vmap_method="sequential")
+  return tuple(call(x, topk_idx, topk_weights, rows_per_expert=_i64(m),
+                    fp8=bool(config.fp8_dispatch), **_ll_attrs(config, ep_size, ranks_per_node)))
+
+
+def ll_dispatch_recv(topk_idx, pos, invalid, *, config, dtype, ep_size: int,
+                     ranks_per_node: int):
+  """``jaxep_ll_dispatch_recv``: topk_idx[T,K] (raw), pos[T,K], invalid[1] from
+  ll_dispatch_send -> ``(x[L*M, H] (dtype; fp8: uint8 codes), tail[L*M, 4H/128] uint8 (fp8
+  scales' bytes; else [L*M, 0]), weights[L*M] f32, counts[L], send_row[T,K], recv_slot[L*M],
+  topk_idx_out[T,K], stats[2])`` in the low-latency layout (rows of expert l at [l*M, l*M+M))."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  op = "ll_dispatch_recv"
+  _require(op)
+  t, k = topk_idx.shape
+  l, m, h = config.num_experts // ep_size, config.expert_rows(ep_size), config.hidden
+  fp8 = config.fp8_dispatch
+  tail = h // _config.FP8_BLOCK * 4 if fp8 else 0
+  row = h + tail if fp8 else h * np.dtype(dtype).itemsize
+  _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=t * k,
+                 cap=min(m, t * k), row_bytes=row, topk=k)
+  i32 = np.int32
+  out_types = (jax.ShapeDtypeStruct((l * m, h), np.uint8 if fp8 else dtype),
+               jax.ShapeDtypeStruct((l * m, tail), np.uint8),
+               jax.ShapeDtypeStruct((l * m,), np.float32),
+               jax.ShapeDtypeStruct((l,), i32),
+               jax.ShapeDtypeStruct((t, k), i32),
+               jax.ShapeDtypeStruct((l * m,), i32),
+               jax.ShapeDtypeStruct((t, k), i32),
+               jax.ShapeDtypeStruct((2,), i32))
+  call = jax.ffi.ffi_call("jaxep_ll_dispatch_recv", out_types, vmap_method="sequential")
+  return tuple(call(topk_idx, pos, invalid, rows_per_expert=_i64(m),
+                    **_ll_attrs(config, ep_size, ranks_per_node)))
+
+
+def ll_combine_send(y, weights, recv_slot, *, tokens: int, config, ep_size: int,
+                    ranks_per_node: int):
+  """``jaxep_ll_combine_send``: y[L*M, H], weights[L*M] f32, recv_slot[L*M] (the handle's) ->
+  ``(marker[1] i32,)``: each kept row goes back to its source's slot (with its weight)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  op = "ll_combine_send"
+  _require(op)
+  k = config.topk
+  _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=tokens * k,
+                 cap=0, row_bytes=y.shape[1] * np.dtype(y.dtype).itemsize, topk=k)
+  call = jax.ffi.ffi_call("jaxep_ll_combine_send", (jax.ShapeDtypeStruct((1,), np.int32),),
+                          vmap_method="sequential")
+  return tuple(call(y, weights, recv_slot, tokens=_i64(tokens), topk=_i64(k),
+                    **_ll_attrs(config, ep_size, ranks_per_node)))
+
+
+def ll_combine_recv(marker, send_row, topk_idx, *, hidden: int, dtype, config, ep_size: int,
+                    ranks_per_node: int):
+  """``jaxep_ll_combine_recv``: marker from ll_combine_send, send_row[T,K] and topk_idx[T,K]
+  (the handle's) -> ``(out[T,H] dtype,)``: the fixed-order f32 sum of the returned rows."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  op = "ll_combine_recv"
+  _require(op)
+  t, k = send_row.shape
+  _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=t * k, cap=0,
+                 row_bytes=hidden * np.dtype(dtype).itemsize, topk=k)
+  call = jax.ffi.ffi_call("jaxep_ll_combine_recv", (jax.ShapeDtypeStruct((t, hidden), dtype),),
+                          vmap_method="sequential")
+  return tuple(call(marker, send_row, topk_idx, **_ll_attrs(config, ep_size, ranks_per_node)))

@@ -81,7 +81,11 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 
 
 # ---- mode="low_latency" (docs/design.md "Low-latency mode") ----------------------------------
-# First version. EP size > 1: the exchange is the normal mode's (stage, ready, pull) with the
+# EP size > 1 on one node (`_ll_kernels`): the low-latency kernels of ffi/cuda/low_latency.h, one
+# FFI call per half (jaxep_ll_dispatch_send / _recv, jaxep_ll_combine_send / _recv), the sender
+# writing each row straight into the expert rank's area; the sequence number lives on the device,
+# so the handlers are CUDA-graph (command buffer) compatible; fp8 quantizes inside the send kernel.
+# EP size > 1 on several nodes: the exchange is the normal mode's (stage, ready, pull) with the
 # low-latency layout (the `expert_rows` attribute: rows of local expert l at [l*M, l*M + M) of
 # C = L*M rows), so both halves of the split ops run in the receive half here (the send half only
 # packs); combine is the normal combine kernel on the flat rows l*M + m (the same fixed order).
@@ -92,8 +96,14 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 # EP size 1: nothing is exchanged, so the low-latency ops are XLA ops on the one GPU (the
 # reference's local layout, gathers and fixed-order sum, which are bitwise the spec's on every
 # platform) with jaxep_fp8_quantize for fp8, like gather_back's local gather at EP size 1.
-# Not yet: quantizing inside the dispatch kernel, a send/recv split on the device,
-# CUDA-graph compatible handlers (device-side sequence numbers).
+# Not yet on several nodes: the low-latency kernels' NVSHMEM puts (so no graph compatibility and
+# no send/recv split on the device there).
+
+
+def _ll_kernels(config, ep):
+    """True when the low-latency kernels run this call: EP > 1, one node, and the runtime has the
+    low-latency area (jaxep.initialize got a mode="low_latency" config)."""
+    return ep > 1 and _ffi.ll_area_ready(ep, _node_size(config, ep))
 
 
 def _ll_check(config, ep):
@@ -123,6 +133,10 @@ def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config):
     if ep == 1:
         return _reference.ll_dispatch_send(x, topk_idx, topk_weights, axis_name=axis_name,
                                            config=config, quantize=_fp8_quantize)
+    if _ll_kernels(config, ep):
+        pos, invalid = _ffi.ll_dispatch_send(x, topk_idx, topk_weights, config=config,
+                                             ep_size=ep, ranks_per_node=_node_size(config, ep))
+        return (topk_idx, pos, invalid)
     if config.fp8_dispatch:  # jaxep_fp8_quantize: IEEE divisions, the reference's bits
         x = _pack_fp8(*_ffi.fp8_quantize(x))
     return (x, topk_idx, topk_weights)
@@ -133,8 +147,19 @@ def ll_dispatch_recv(sent, *, axis_name, config):
     _ll_check(config, ep)
     if ep == 1:
         return _reference.ll_dispatch_recv(sent, axis_name=axis_name, config=config)
-    payload, topk_idx, topk_weights = sent
     L, M, H = config.num_experts // ep, config.expert_rows(ep), config.hidden
+    if _ll_kernels(config, ep):
+        topk_idx, pos, invalid = sent
+        rows, tail, weights, counts, send_row, recv_slot, idx, stats = _ffi.ll_dispatch_recv(
+            topk_idx, pos, invalid, config=config, dtype=config.dtype, ep_size=ep,
+            ranks_per_node=_node_size(config, ep))
+        scales = None
+        if config.fp8_dispatch:  # bitcasts only: u8 codes -> e4m3; [L*M, H/32] u8 -> f32
+            rows = jax.lax.bitcast_convert_type(rows, jnp.float8_e4m3fn)
+            scales = jax.lax.bitcast_convert_type(tail.reshape(L, M, -1, 4), jnp.float32)
+        return _varying((rows.reshape(L, M, H), scales, counts, weights.reshape(L, M), send_row,
+                         recv_slot, idx, stats), axis_name)
+    payload, topk_idx, topk_weights = sent
     # fp8: the packed rows split in the pull, codes (H bytes) to rows, scales to the tail.
     out = _ffi.dispatch(payload, topk_idx, topk_weights, config=config, capacity=L * M,
                         ep_size=ep, ranks_per_node=_node_size(config, ep), expert_rows=M,
@@ -160,12 +185,24 @@ def combine_send(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config
         raise NotImplementedError(
             f"jaxep.combine_send: on the CUDA backend y must have the config's dtype "
             f"{config.dtype} (the kernel casts once, to y's dtype), got {y.dtype}")
+    if _ll_kernels(config, ep):
+        (marker,) = _ffi.ll_combine_send(y, weights, recv_slot, tokens=send_row.shape[0],
+                                         config=config, ep_size=ep,
+                                         ranks_per_node=_node_size(config, ep))
+        return (marker, send_row, topk_idx)
     return (y, weights, send_row, recv_slot, topk_idx)
 
 
 def combine_recv(sent, *, axis_name, config, dtype):
-    if _ep_size(axis_name) == 1:
+    ep = _ep_size(axis_name)
+    if ep == 1:
         return _reference.combine_recv(sent, axis_name=axis_name, config=config, dtype=dtype)
+    if _ll_kernels(config, ep):
+        marker, send_row, topk_idx = sent
+        (out,) = _ffi.ll_combine_recv(marker, send_row, topk_idx, hidden=config.hidden,
+                                      dtype=config.dtype, config=config, ep_size=ep,
+                                      ranks_per_node=_node_size(config, ep))
+        return _varying(out, axis_name).astype(dtype)
     y, weights, send_row, recv_slot, topk_idx = sent
     out = combine(y, weights, send_row, recv_slot, topk_idx, axis_name=axis_name, config=config)
     return out.astype(dtype)

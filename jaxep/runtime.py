@@ -63,6 +63,15 @@ _PHASE_TEXT = {
                    "index: flag = the row's last call seq)",
     "return": "internode return (waiting for the peer's node's partials / values for this rank's "
               "tokens: flag = results arrived)",
+    # Low-latency kernels (ffi/cuda/low_latency.h): flag and want are the op's device seq.
+    "ll_counts": "low-latency dispatch counts (waiting for the source's counts message of this "
+                 "call)",
+    "ll_row": "low-latency dispatch row (waiting for one row the source writes into this rank's "
+              "receive area)",
+    "ll_combine_row": "low-latency combine row (waiting for one of this rank's slots to come back "
+                      "from the expert's rank)",
+    "ll_combine_start": "low-latency combine start (waiting for the peer to begin this call's "
+                        "combine_send, i.e. to finish reading its last combine)",
 }
 _NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE default
 _HEAP_RESERVE = 128 << 20        # NVSHMEM's own allocations from the symmetric heap
@@ -155,6 +164,19 @@ def runtime_sizes(configs, ep_size: int) -> dict:
                 return_row_bytes=max(c.hidden * 4 for c in configs))
 
 
+def ll_area_sizes(configs, ep_size: int, node: int) -> dict:
+    """The low-latency area (ffi/cuda/low_latency.h) for the mode="low_latency" configs among
+    `configs` when the team is one node (`node` == ep_size ranks per node; several nodes run the
+    normal exchange with the low-latency layout): L local experts and the rows per (expert,
+    source), min(M, T_max * K); zeros when none."""
+    ll = [c for c in configs if c.mode == "low_latency"]
+    if not ll or node != ep_size:
+        return dict(ll_experts=0, ll_cap=0)
+    return dict(ll_experts=max(c.local_experts(ep_size) for c in ll),
+                ll_cap=max(min(c.expert_rows(ep_size), c.max_tokens_per_rank * c.topk)
+                           for c in ll))
+
+
 def _as_configs(config) -> tuple:
     """initialize's argument as a non-empty tuple of Configs that agree on SHARED_FIELDS."""
     configs = (config,) if isinstance(config, Config) else tuple(config) \
@@ -225,8 +247,9 @@ def _init_multi_rank(configs) -> None:
     except RuntimeError:
         _state.generation += 1  # every rank raised: a retry publishes under fresh keys
         raise
+    ll_sizes = ll_area_sizes(configs, nproc, node)
     sym = ext.symmetric_bytes(sizes["max_tokens"], sizes["topk"], sizes["experts"], cap,
-                              row_bytes, nproc, node, sizes["return_row_bytes"])
+                              row_bytes, nproc, node, sizes["return_row_bytes"], **ll_sizes)
     heap_env = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
     heap = _parse_size(heap_env) if heap_env else _NVSHMEM_DEFAULT_HEAP
     rec = recommended_env(sym, ranks_on_gpu=nproc if _shares_gpu() else 1,
@@ -257,7 +280,7 @@ def _init_multi_rank(configs) -> None:
         uid = client.blocking_key_value_get_bytes(key, wait_ms)
     ext.runtime_init(ordinal, pe, nproc, node, bytes(uid), sizes["max_tokens"], sizes["topk"],
                      sizes["experts"], cap, row_bytes, sizes["return_row_bytes"],
-                     float(config.timeout_s))
+                     float(config.timeout_s), ll_sizes["ll_experts"], ll_sizes["ll_cap"])
     _state.machine_ranks_per_node = node
     # Zero-copy (docs/zero_copy.md, B1; Config.zero_copy=False turns it off): every rank takes
     # part in the decision, which is the same everywhere.

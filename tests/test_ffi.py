@@ -36,7 +36,8 @@ def test_targets_equal_the_extensions():
 def test_codes_are_the_documented_ones():
     c = _real_constants()
     assert c["max_experts"] >= 1 and 2 <= c["max_ranks"]
-    assert set(c["ops"].values()) == {"dispatch", "dispatch_rows", "combine", "gather_back"}
+    assert set(c["ops"].values()) == {"dispatch", "dispatch_rows", "combine", "gather_back",
+                                      "ll_dispatch", "ll_combine"}
     assert set(c["phases"].values()) == set(runtime._PHASE_TEXT)  # each phase has its text
 
 

@@ -19,8 +19,10 @@ GIB = 1 << 30
 # What the extension's constants() returns (the lead's ffi/module.cc), for the fakes.
 CONSTANTS = dict(max_experts=8192, max_ranks=128,
                  phases=dict(enumerate(["none", "free", "ready", "zero_copy", "credit",
-                                        "remote_meta", "remote_rows", "return"])),
-                 ops={1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back"},
+                                        "remote_meta", "remote_rows", "return", "ll_counts",
+                                        "ll_row", "ll_combine_row", "ll_combine_start"])),
+                 ops={1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back",
+                      5: "ll_dispatch", 6: "ll_combine"},
                  targets=_ffi.TARGETS, dispatch_kernels=("token", "row"),
                  combine_kernels=("warp", "thread"))
 
@@ -37,7 +39,7 @@ class FakeExt:
     def nvshmem_init_status(self):
         return self.status
 
-    def symmetric_bytes(self, *args):
+    def symmetric_bytes(self, *args, **kwargs):
         return self.sym
 
     def device_mem_info(self, ordinal):

@@ -9,7 +9,8 @@
 #   mr         pytest tests/gpu/test_multirank.py: N = 2/4/8 bitwise, alternative kernels, killed
 #              peer, the internode layouts (gputier runs it again: leave one of the two out)
 #   mrn        only the internode cases of test_multirank.py (node override layouts, killed peer)
-#   ll         only the low-latency cases of test_multirank.py (4, 8 ranks; 2 x 4), ~100 s
+#   ll         only the low-latency cases of test_multirank.py (4, 8 ranks; 2 x 4; the CUDA-graph
+#              replay on 4 and 8 ranks and the peer killed during a replay), ~250 s
 #   benchll1 benchll1f ... benchll128 benchll128f   jaxep-bench --mode=low_latency, 8 ranks, E=256,
 #              T = 1/8/32/128, bf16 / FP8 dispatch (...f), ~20 s each
 #   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
@@ -89,7 +90,7 @@ step mr 420 120 "$LOGS/mr.log" python3 -m pytest -v -rs -p no:cacheprovider test
 step mrn 300 120 "$LOGS/mrn.log" python3 -m pytest -v -rs -p no:cacheprovider \
   tests/gpu/test_multirank.py -k "x4 or x2 or x1 or x8 or killed"
 # mode="low_latency" on the CUDA backend (4 and 8 ranks, one node and 2 x 4; mr runs it too).
-step ll 240 90 "$LOGS/ll.log" python3 -m pytest -v -rs -p no:cacheprovider \
+step ll 400 90 "$LOGS/ll.log" python3 -m pytest -v -rs -p no:cacheprovider \
   tests/gpu/test_multirank.py -k low_latency
 bench bench8_64 8 64 150
 # Internode under the node override (8 ranks as 2 emulated nodes x 4; same inputs as bench8_64):

@@ -1,26 +1,14 @@
-// The FP8 quantization kernel (fp8.h). A warp per (token, 128-channel block): each lane holds 4
-// channels, the block's amax is a warp max (max is exact, so the order does not matter), the
-// scale and every code are IEEE f32 divisions (__fdiv_rn: XLA's own division on the GPU is not
-// correctly rounded, which is why this is a kernel) and the code is cvt.rn.satfinite to e4m3
-// (round to nearest even, saturating to +-448; the sign survives, so -0.0 gives 0x80).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-
+// The FP8 quantization kernel (fp8.h): a warp per (token, 128-channel block), the bits of
+// fp8.cuh's QuantizeFp8Block.
 #include <algorithm>
 
-#include "fp8.h"
+#include "fp8.cuh"
 
 namespace jaxep::cuda {
 namespace {
 
 constexpr int kFp8Threads = 256;
 constexpr int kLanes = 32;
-constexpr int kPerLane = kFp8Block / kLanes;  // 4
-
-__device__ __forceinline__ float ToF32(float v) { return v; }
-__device__ __forceinline__ float ToF32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float ToF32(__half v) { return __half2float(v); }
 
 template <typename T>
 __global__ void __launch_bounds__(kFp8Threads)
@@ -32,25 +20,7 @@ __global__ void __launch_bounds__(kFp8Threads)
        b < blocks; b += nwarps) {
     // Block b is token b / blocks_per_row, channels [128 * (b % blocks_per_row), +128): the same
     // 128 contiguous elements of the row-major [T, H] array, at b * 128.
-    const T* src = x + b * kFp8Block + lane * kPerLane;
-    float v[kPerLane];
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      v[i] = ToF32(src[i]);
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
-#pragma unroll
-    for (int off = kLanes / 2; off > 0; off /= 2) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    }
-    const float scale = amax == 0.0f ? 1.0f : __fdiv_rn(amax, 448.0f);
-    uint8_t* dst = codes + b * kFp8Block + lane * kPerLane;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      dst[i] = static_cast<uint8_t>(
-          __nv_cvt_float_to_fp8(__fdiv_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3));
-    }
+    const float scale = QuantizeFp8Block(x + b * kFp8Block, codes + b * kFp8Block, lane);
     if (lane == 0) scales[b] = scale;
   }
 }

@@ -41,6 +41,7 @@ struct State {
   char* pool_peer[mr::kMaxRanks] = {};
   std::atomic<uint64_t> seq{0};
   std::atomic<uint64_t> zero_copy_calls{0};
+  std::atomic<uint64_t> ll_host_calls{0};
 };
 
 State& S() {
@@ -59,7 +60,8 @@ std::string CudaErr(const char* what, cudaError_t e) {
 static mr::SymLayout LayoutFor(const InitParams& p) {
   const int nodes = p.node_size > 0 ? p.size / p.node_size : 1;
   return mr::MakeSymLayout(p.max_tokens, p.topk, p.experts, p.capacity, p.row_bytes,
-                           nodes > 1 ? nodes : 1, p.return_row_bytes);
+                           nodes > 1 ? nodes : 1, p.return_row_bytes, p.size, p.ll_experts,
+                           p.ll_cap);
 }
 
 size_t SymmetricBytes(const InitParams& p) { return LayoutFor(p).total; }
@@ -79,6 +81,8 @@ uint64_t NextSeq() { return S().seq.fetch_add(1) + 1; }
 uint64_t CurrentSeq() { return S().seq.load(); }
 void NoteZeroCopyCall() { S().zero_copy_calls.fetch_add(1); }
 uint64_t ZeroCopyCalls() { return S().zero_copy_calls.load(); }
+void NoteLLHostCall() { S().ll_host_calls.fetch_add(1); }
+uint64_t LLHostCalls() { return S().ll_host_calls.load(); }
 
 bool ReadDiag(mr::Diag* out) {
   if (!S().up || S().diag_host == nullptr) return false;
@@ -217,6 +221,7 @@ std::string Init(const InitParams& p) {
   s.diag_host = diag;
   s.seq.store(0);
   s.zero_copy_calls.store(0);
+  s.ll_host_calls.store(0);
   s.up = true;
   return "";
 }

@@ -25,6 +25,8 @@ struct InitParams {
   int64_t capacity = 0;
   int64_t row_bytes = 0;     // hidden * payload itemsize (largest row a call may stage)
   int64_t return_row_bytes = 0;  // largest per-token result a node returns (hidden * 4)
+  int64_t ll_experts = 0;    // low-latency area (sync.h ll_*): local experts L, 0: none
+  int64_t ll_cap = 0;        // rows per (local expert, source): min(M, max_tokens * topk)
   double timeout_s = 100.0;
 };
 
@@ -64,6 +66,10 @@ std::string RegisterPool(uintptr_t base, size_t size, bool* fatal, double* ms);
 std::string EnablePool();
 // Calls of this process that left their source rows in place (runtime_info()["zero_copy_calls"]).
 void NoteZeroCopyCall();
+// Host runs of the low-latency handlers (runtime_info()["ll_host_calls"]): fewer than the device
+// sequence numbers (ReadLLSeq) once XLA replays them from a CUDA graph.
+void NoteLLHostCall();
+uint64_t LLHostCalls();
 uint64_t ZeroCopyCalls();
 
 // nullptr when not initialized. The Team stays valid until Finalize.

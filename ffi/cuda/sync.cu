@@ -75,7 +75,8 @@ __global__ void __launch_bounds__(kStageThreads) StageKernel(Team team, StageCop
 }  // namespace
 
 SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, int64_t capacity,
-                        int64_t stage_row_bytes, int32_t nodes, int64_t return_row_bytes) {
+                        int64_t stage_row_bytes, int32_t nodes, int64_t return_row_bytes,
+                        int32_t ranks, int64_t ll_experts, int64_t ll_cap) {
   SymLayout s;
   s.max_slots = max_tokens * topk;
   s.max_tokens = max_tokens;
@@ -117,6 +118,25 @@ SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, i
     s.region_out = s.region_rows + tmax * s.region_row_bytes;
     s.region_stride = s.region_out + tmax * s.region_row_bytes;
     s.region = o;     o += (n - 1) * s.region_stride;  // one per other node (RegionOffset)
+  }
+  if (ll_experts > 0 && ll_cap > 0 && ranks > 0) {
+    const size_t L = static_cast<size_t>(ll_experts), R = static_cast<size_t>(ranks);
+    const size_t cap = static_cast<size_t>(ll_cap), N = static_cast<size_t>(s.max_slots);
+    s.ll_experts = ll_experts;
+    s.ll_cap = ll_cap;
+    s.ll_ranks = ranks;
+    s.ll_row_stride = (static_cast<size_t>(stage_row_bytes) + 15) / 16 * 16;
+    s.ll_msg_meta = AlignUp(static_cast<size_t>(num_experts) * sizeof(uint32_t));
+    s.ll_msg_stride = AlignUp(s.ll_msg_meta + N * 2 * sizeof(int32_t));
+    s.ll_ctr = o;       o += AlignUp(2 * sizeof(uint64_t));
+    s.ll_done = o;      o += flags;
+    s.ll_msg_flag = o;  o += 2 * flags;
+    s.ll_msg = o;       o += 2 * R * s.ll_msg_stride;
+    s.ll_row_flag = o;  o += AlignUp(2 * L * R * cap * sizeof(uint64_t));
+    s.ll_rows = o;      o += AlignUp(2 * L * R * cap * s.ll_row_stride);
+    s.ll_cflag = o;     o += AlignUp(2 * N * sizeof(uint64_t));
+    s.ll_cw = o;        o += AlignUp(2 * N * sizeof(float));
+    s.ll_crows = o;     o += AlignUp(2 * N * s.ll_row_stride);
   }
   s.total = o;
   return s;

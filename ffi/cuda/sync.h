@@ -53,13 +53,23 @@ enum Phase : int32_t {
   kPhaseRemoteRows = 6,  // row ops' pull: waiting for one row put by the peer (a source of
                          // another node) into its forwarder on my node (awaited = seq)
   kPhaseReturn = 7,      // waiting for the peer's returned partials / values (awaited = count)
+  // Low-latency mode (low_latency.h; awaited = the op's device sequence number):
+  kPhaseLLCounts = 8,    // dispatch_recv: waiting for a source's counts message of this call
+  kPhaseLLRow = 9,       // dispatch_recv: waiting for one row the source writes into my area
+  kPhaseLLCombine = 10,  // combine_recv: waiting for one slot's row from the expert's rank
+  kPhaseLLDone = 11,     // combine_recv: waiting for a peer to start this call's combine_send
 };
 constexpr const char* kPhaseNames[] = {"none",   "free",        "ready",       "zero_copy", "credit",
-                                       "remote_meta", "remote_rows", "return"};
+                                       "remote_meta", "remote_rows", "return", "ll_counts",
+                                       "ll_row", "ll_combine_row", "ll_combine_start"};
 
 // The op of a call, recorded in Diag::op; kOpNames[op] is its name (index 0 unused).
-enum OpCode : int32_t { kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3, kOpGatherBack = 4 };
-constexpr const char* kOpNames[] = {"", "dispatch", "dispatch_rows", "combine", "gather_back"};
+enum OpCode : int32_t {
+  kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3, kOpGatherBack = 4,
+  kOpLLDispatch = 5, kOpLLCombine = 6,  // low-latency mode (low_latency.h)
+};
+constexpr const char* kOpNames[] = {"",           "dispatch",    "dispatch_rows", "combine",
+                                    "gather_back", "ll_dispatch", "ll_combine"};
 
 // Host-mapped diagnostic record (cudaHostAllocMapped). `status` goes 0 -> 1 once (atomicCAS);
 // the fields are written before `status` is published with a system fence.
@@ -118,7 +128,27 @@ struct Diag {
 //                         tokens' positions
 //     + region_out        Tmax x region_row_bytes: what my node returns for peer n's tokens, put
 //                         from here into peer n's region for my node
+//
+// Low-latency mode only (ll_experts > 0: a mode="low_latency" config was initialized; one node;
+// low_latency.h says who writes what and why two halves p = seq & 1 are enough):
+//   ll_ctr[2]            u64  local: the device sequence numbers of ll dispatch (0), combine (1)
+//   ll_done[kMaxRanks]   u64  ll_done[d] = last seq whose combine_send rank d started
+//   ll_msg_flag[2][kMaxRanks] u64  [p][s] = last seq whose counts message source s wrote here
+//   ll_msg[2][ranks]     of ll_msg_stride bytes: source s's message, u32 counts[E] (its slots
+//                        per expert, every expert) then {i32 slot, f32 weight} x the rows it
+//                        sends to this rank, in (expert, t, k) order, at + ll_msg_meta
+//   ll_row_flag[2][L][ranks][cap] u64  last seq whose row i of (local expert l, source s) is here
+//   ll_rows[2][L][ranks][cap] of ll_row_stride bytes: those rows (payload or fp8 codes + scales)
+//   ll_cflag[2][N]       u64  combine: last seq whose row of my slot j = t*K + k came back
+//   ll_cw[2][N]          f32  combine: that row's weight (the expert side's)
+//   ll_crows[2][N] of ll_row_stride bytes: the row (y's dtype)
 struct SymLayout {
+  size_t ll_ctr = 0, ll_done = 0, ll_msg_flag = 0, ll_msg = 0, ll_msg_stride = 0,
+         ll_msg_meta = 0, ll_row_flag = 0, ll_rows = 0, ll_row_stride = 0, ll_cflag = 0,
+         ll_cw = 0, ll_crows = 0;
+  int64_t ll_experts = 0;  // L (0: no low-latency area)
+  int64_t ll_cap = 0;      // rows per (local expert, source) area: min(M, Tmax * K)
+  int32_t ll_ranks = 0;    // R
   size_t ready = 0, free = 0, abort = 0, src_off = 0, counts = 0, sorted_slot = 0, sorted_w = 0,
          slot_order = 0, slot_expert = 0, stage_w = 0, stage = 0, stage_bytes = 0;
   size_t credit = 0, rin_meta = 0, rin_rows = 0, rin_seq = 0, out_pos = 0, out_count = 0,
@@ -133,8 +163,11 @@ struct SymLayout {
 };
 
 // `return_row_bytes`: the largest row a node returns (hidden x 4 for f32 combine partials).
+// `ll_experts` / `ll_cap` (0: none): the low-latency area for L local experts, cap rows per
+// (expert, source) and `ranks` sources, rows of stage_row_bytes.
 SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, int64_t capacity,
-                        int64_t stage_row_bytes, int32_t nodes, int64_t return_row_bytes);
+                        int64_t stage_row_bytes, int32_t nodes, int64_t return_row_bytes,
+                        int32_t ranks = 0, int64_t ll_experts = 0, int64_t ll_cap = 0);
 
 // src_off value meaning "this call's source rows are in my stage" (docs/zero_copy.md, option B1).
 constexpr uint64_t kStagedSrc = ~uint64_t{0};

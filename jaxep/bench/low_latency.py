@@ -6,6 +6,9 @@ One run times, at T = --tokens per rank (decode sizes: 1 ... 256):
   * the sync floor: one cross-rank exchange that moves 4 bytes (jaxep_gather_back of one masked
     slot: wait free, stage, the ready round, the free round), the least a call of jaxep's
     protocol costs; for tiny T an op can be no faster than this (the "signal round trip");
+  * the signal round trip (one node, the low-latency kernels): a low-latency combine of no rows
+    (every rank signals every rank that it started, then waits for all of them: two kernels
+    per half, no payload), the same mechanism's floor;
   * the payload copy: every rank copies its share of the op's payload bytes at once (the rows
     that land in x: kept (token, expert) rows x row bytes; combine: the same rows back in y's
     dtype), the floor for large T.
@@ -175,6 +178,29 @@ def _sync_floor(bc, cfg, mesh, R, G, backend):
                                                   calls_per_op=1))
 
 
+def _signal_floor(bc, cfg, mesh, R, G, backend):
+    """The low-latency kernels' signal round trip: jaxep_ll_combine_send / _recv of one token with
+    no kept slot (only the start signals to every rank and the wait for all of them)."""
+    if backend != "cuda" or R == 1 or not _ffi.ll_area_ready(R, G):
+        return None
+    kw = dict(config=cfg, ep_size=R, ranks_per_node=G)
+
+    def ping(y, w, slot, send_row, idx):
+        (marker,) = _ffi.ll_combine_send(y, w, slot, tokens=1, **kw)
+        return _ffi.ll_combine_recv(marker, send_row, idx, hidden=cfg.hidden,
+                                    dtype=jnp.dtype(cfg.dtype), **kw)[0]
+
+    dt = np.dtype(jnp.dtype(cfg.dtype))
+    y = _global(mesh, R, [np.zeros((1, cfg.hidden), dt)] * R, dt)
+    w = _global(mesh, R, [np.zeros((1,), np.float32)] * R, np.float32)
+    slot = _global(mesh, R, [np.full((1,), -1, np.int32)] * R, np.int32)
+    neg = _global(mesh, R, [np.full((1, cfg.topk), -1, np.int32)] * R, np.int32)
+    loop = timing.device_loop(ping, mesh, AXIS)
+    return timing.over_processes(timing.time_loop(loop, (y, w, slot, neg, neg), warmup=bc.warmup,
+                                                  iters=bc.iters, inner=bc.inner,
+                                                  calls_per_op=2))
+
+
 def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
     """The low-latency bench on `mesh` (R ranks); returns the JSON document."""
     cfg = config(bc, R)
@@ -230,7 +256,10 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
     res = disp_once(x, idx, w)
     y = jax.jit(jax.shard_map(expert_input, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(res)
     args = {"dispatch": (x, idx, w), "combine": (y, res.handle), "both": (x, idx, w, y)}
-    calls = {"dispatch": 1, "combine": 1, "both": 2} if backend == "cuda" and R > 1 else {}
+    # Host handler runs per op: the low-latency kernels take two calls per op (send, recv).
+    per = 2 if backend == "cuda" and _ffi.ll_area_ready(R, G) else 1
+    calls = ({"dispatch": per, "combine": per, "both": 2 * per}
+             if backend == "cuda" and R > 1 else {})
     times = {}
     for op in OPS:
         stage(f"timing {op}")
@@ -240,6 +269,8 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
         jaxep.check()
     stage("timing the sync floor")
     floor = _sync_floor(bc, cfg, mesh, R, G, backend)
+    stage("timing the signal round trip")
+    signal = _signal_floor(bc, cfg, mesh, R, G, backend)
 
     # Payload: the rows that land in x (kept slots) and come back from y.
     kept_rows = 0
@@ -268,7 +299,10 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
             baselines=dict(copy=dict(time_s=c, ratio=t["median"] / c),
                            sync_floor=(dict(time_s=floor["median"],
                                             ratio=t["median"] / floor["median"])
-                                       if floor else None)))
+                                       if floor else None),
+                           signal_round_trip=(dict(time_s=signal["median"],
+                                                   ratio=t["median"] / signal["median"])
+                                              if signal else None)))
     dropped = int(sum(max(0, int((idx_all == e).sum()) - M) for e in range(E)))
     return dict(
         schema_version=1, tool="jaxep-bench", mode="low_latency", jaxep_version=jaxep.__version__,
@@ -286,6 +320,9 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
                          row_bytes_dispatch=row_d, row_bytes_combine=row_c,
                          x_bytes_per_rank=L * M * row_d,
                          sync_floor_s=floor,
+                         signal_round_trip_s=signal,
+                         kernels="low_latency" if _ffi.ll_area_ready(R, G) and backend == "cuda"
+                         else "normal exchange",
                          sync_floor_note="one cross-rank exchange of 4 bytes (jaxep_gather_back "
                                          "of one masked slot): free wait, ready round, free round"),
         ops=ops, notes=["low-latency mode; link classes emulated when ranks share a GPU"])
@@ -295,20 +332,26 @@ def report(r: dict) -> str:
     """The table of one run (plain text)."""
     ll = r["low_latency"]
     f = ll["sync_floor_s"]
+    sr = ll.get("signal_round_trip_s")
     lines = [f"jaxep-bench low_latency: T={ll['tokens']} per rank, EP {r['topology']['ep_size']}, "
              f"M={ll['rows_per_expert']} rows x {ll['local_experts']} local experts, "
              f"fp8={ll['fp8_dispatch']}, kept rows {ll['kept_rows']} (dropped {ll['dropped_rows']})",
              f"sync floor (one 4-byte exchange): "
              f"{f['median'] * 1e6:.1f} us" if f else "sync floor: not measured (one rank or not CUDA)",
+             f"signal round trip (low-latency kernels, no rows): {sr['median'] * 1e6:.1f} us; "
+             f"kernels: {ll.get('kernels')}" if sr else
+             f"signal round trip: not measured; kernels: {ll.get('kernels')}",
              f"{'op':<9} {'median us':>10} {'payload KB':>11} {'copy us':>9} {'copy/op':>8} "
-             f"{'op/floor':>9}"]
+             f"{'op/floor':>9} {'op/signal':>10}"]
     for op in OPS:
         o = r["ops"][op]
         fl = o["baselines"]["sync_floor"]
+        sg = o["baselines"].get("signal_round_trip")
         lines.append(f"{op:<9} {o['time_s']['median'] * 1e6:>10.1f} "
                      f"{o['payload']['bytes_total'] / 1e3:>11.1f} "
                      f"{o['payload']['copy_time_s'] * 1e6:>9.1f} {o['payload']['copy_over_op']:>8.2f} "
-                     f"{(fl['ratio'] if fl else float('nan')):>9.2f}")
+                     f"{(fl['ratio'] if fl else float('nan')):>9.2f} "
+                     f"{(sg['ratio'] if sg else float('nan')):>10.2f}")
     lines.append("copy/op: same-run copy of the payload bytes / op (> 1: faster than that copy); "
-                 "op/floor: op / the sync floor")
+                 "op/floor: op / the sync floor; op/signal: op / the signal round trip")
     return "\n".join(lines)

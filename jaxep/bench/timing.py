@@ -96,7 +96,8 @@ def _handler_seq() -> int | None:
     """Runs of the multi-rank host handlers so far in this process (None without the runtime)."""
     from jaxep import _ffi
     info = _ffi.runtime_info() if _ffi.is_available() else None
-    return None if info is None else int(info.get("seq", 0))
+    # seq: the normal mode's handlers; ll_host_calls: the low-latency kernels' (ffi/low_latency.cc)
+    return None if info is None else int(info.get("seq", 0)) + int(info.get("ll_host_calls", 0))
 
 
 def _client():

@@ -10,6 +10,12 @@ l*M + m), as tests/gpu/multirank_worker.py does for normal mode (whose helpers i
   * cuda_backend directly with other sizes: M small enough to drop rows, bad ids, fp8_dispatch
     (codes and scales), f16;
   * a jitted lax.scan decode loop of dispatch + combine, every step against the oracle.
+`--case graph` (run with XLA command buffers on for custom calls): one jitted decode step called
+again and again with fresh inputs, every step bitwise vs the oracle, and the proof that XLA replayed
+a CUDA graph: the device sequence numbers advanced once per step while the host handlers ran
+fewer times than 4 per step (one node: the low-latency kernels' handlers are graph compatible).
+`--case graph_killed`: the same loop; the last rank exits after 2 steps, the others must get
+jaxep.TimeoutError (prints `KILLED ...`) within the timeout, never hang.
 Prints `RESULT <rank> <case> ok|FAIL <detail>` and `SUMMARY <rank> <passed>/<total>`.
 """
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 import traceback
 
 import jax
@@ -164,12 +171,92 @@ def case_decode_loop(cfg, steps=4, seed=21):
         mw.report("decode_loop", True, f"{steps} steps bitwise")
 
 
+def _graph_step(cfg):
+    """One jitted decode step (dispatch, a local 'expert', combine) and its oracle."""
+    E, K, H, T = cfg.num_experts, cfg.topk, cfg.hidden, cfg.max_tokens_per_rank
+    L, M = E // mw.R, cfg.expert_rows(mw.R)
+
+    def body(x, idx, w):
+        res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg)
+        y = res.x * jnp.asarray(2, res.x.dtype)  # exact: a power of two
+        return (jaxep.combine(y, res.handle, axis_name="ep"), res.x.reshape(L * M, H),
+                res.counts)
+
+    f = mw.smap(body, 3, 3)
+
+    def run(i):
+        xs, idxs, ws = mw.make_inputs(40 + i, T, H, K, E, np.dtype(cfg.dtype), "skewed", 0.05)
+        out = f(*(mw.glob(a) for a in (xs, idxs, ws)))
+        return xs, idxs, ws, out
+    return run
+
+
+def _ll_counters():
+    info = jaxep._ffi.runtime_info()  # pylint: disable=protected-access
+    return info["ll_host_calls"], jaxep._ffi._module.ll_device_seq()  # pylint: disable=protected-access
+
+
+def case_graph(cfg, steps=6):
+    E = cfg.num_experts
+    M = cfg.expert_rows(mw.R)
+    run = _graph_step(cfg)
+    host0, seq0 = _ll_counters()
+    ok = True
+    for i in range(steps):
+        xs, idxs, ws, out = run(i)
+        got = [mw.mine(v) for v in out]
+        jaxep.check()
+        o = oracle.ll_dispatch(xs, idxs, ws, num_experts=E, rows=M)
+        ys = [(x.astype(np.float32) * 2).astype(cfg.dtype) for x in o["x"]]
+        want = _oracle_combine(ys, o, idxs, E, cfg.combine_wire_dtype)
+        L = E // mw.R
+        ok = mw.compare("graph", f"step {i} combine", got[0], want) and ok
+        ok = mw.compare("graph", f"step {i} x", got[1], o["x"][mw.ME].reshape(L * M, -1)) and ok
+        ok = mw.compare("graph", f"step {i} counts", got[2], o["counts"][mw.ME]) and ok
+    host1, seq1 = _ll_counters()
+    host, seq = host1 - host0, (seq1[0] - seq0[0], seq1[1] - seq0[1])
+    detail = (f"{steps} steps bitwise, device seq +{seq} (want +({steps}, {steps})), host "
+              f"handler runs {host} (4 per step without a graph: {4 * steps})")
+    if seq != (steps, steps):
+        mw.report("graph", False, "stale or skipped sequence numbers: " + detail)
+    elif host >= 4 * steps:
+        mw.report("graph", False, "no graph replay (every handler ran on the host): " + detail)
+    elif ok:
+        mw.report("graph", True, detail)
+
+
+def run_graph_killed(cfg, timeout_s) -> int:
+    run = _graph_step(cfg)
+    victim = mw.R - 1
+    for i in range(2):
+        jax.block_until_ready(run(i)[3])
+    jaxep.check()
+    if mw.ME == victim:
+        print(f"KILLED victim {mw.ME} exits after 2 replayed steps", flush=True)
+        os._exit(0)  # no finalize, no jax.distributed shutdown: like a crash
+    t0 = time.time()
+    try:
+        for i in range(2, 6):
+            jax.block_until_ready(run(i)[3])
+            jaxep.check()
+        print(f"KILLED {mw.ME} FAIL no error after {time.time() - t0:.1f}s", flush=True)
+        rc = 1
+    except jaxep.TimeoutError as e:
+        print(f"KILLED {mw.ME} ok TimeoutError after {time.time() - t0:.1f}s (timeout "
+              f"{timeout_s}s): {e}", flush=True)
+        rc = 0
+    time.sleep(1.0)  # let the watchdog log it
+    sys.stdout.flush()
+    os._exit(rc)  # the dead peer leaves nothing to finalize collectively
+
+
 def main() -> int:
     global G
     p = argparse.ArgumentParser()
     p.add_argument("--timeout_s", type=float, default=60.0)
     p.add_argument("--ranks_per_node", type=int, default=0)
     p.add_argument("--wire", default="float32", choices=("float32", "payload"))
+    p.add_argument("--case", default="all", choices=("all", "graph", "graph_killed"))
     args = p.parse_args()
     mw.WIRE = args.wire
     K, H, T = 4, 256, 32
@@ -183,6 +270,15 @@ def main() -> int:
     mw.G = G
     if mw.ME == 0:
         print(f"LL LAYOUT {mw.R // G}x{G} wire={args.wire} M={cfg.expert_rows(mw.R)}", flush=True)
+    if args.case == "graph_killed":
+        return run_graph_killed(cfg, args.timeout_s)
+    if args.case == "graph":
+        try:
+            case_graph(cfg)
+        except Exception as e:  # pylint: disable=broad-except
+            mw.report("graph", False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
+            traceback.print_exc()
+        return _finish()
     cases = [
         ("ll_bf16_nodrop", dict(T=T, H=H, K=K, E=E, M=mw.R * T, dtype=jnp.bfloat16, routing="uniform")),
         ("ll_bf16_drop_bad_ids", dict(T=T, H=H, K=K, E=E, M=3, dtype=jnp.bfloat16, routing="skewed",
@@ -205,6 +301,10 @@ def main() -> int:
         except Exception as e:  # pylint: disable=broad-except
             mw.report(fn.__name__[5:], False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
             traceback.print_exc()
+    return _finish()
+
+
+def _finish() -> int:
     passed = sum(ok for _, ok, _ in mw.RESULTS)
     print(f"SUMMARY {mw.ME} {passed}/{len(mw.RESULTS)}", flush=True)
     jaxep.finalize()

@@ -110,6 +110,32 @@ def test_low_latency_bitwise(nproc, layout):
     _assert_all_passed(nproc, rc, out, secs)
 
 
+# XLA command buffers (CUDA graphs) on for custom calls: the one-node low-latency handlers are
+# graph compatible, so a jitted decode step is replayed without its host handlers.
+CMDBUF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+                       "--xla_gpu_graph_min_graph_size=1"}
+
+
+@pytest.mark.parametrize("nproc", [4, 8])
+def test_low_latency_graph_replay(nproc):
+    rc, out, secs = _launch(nproc, "--case", "graph", timeout=300, worker=LL_WORKER,
+                            env_extra=CMDBUF)
+    _assert_all_passed(nproc, rc, out, secs)
+    assert re.search(r"RESULT 0 graph ok .*host handler runs", out), out[-3000:]
+
+
+def test_low_latency_killed_peer_during_replay():
+    """The last rank dies after 2 replayed steps: the others' bounded waits end in TimeoutError."""
+    nproc, timeout_s = 4, 5.0
+    rc, out, secs = _launch(nproc, "--case", "graph_killed", "--timeout_s", str(timeout_s),
+                            timeout=180, worker=LL_WORKER, env_extra=CMDBUF)
+    oks = re.findall(r"^(?:\[rank \d+\] )?KILLED (\d+) ok TimeoutError after ([\d.]+)s", out, re.M)
+    assert len(oks) == nproc - 1, f"rc={rc} after {secs:.0f}s\n--- output tail ---\n{out[-6000:]}"
+    for _, waited in oks:
+        assert float(waited) < timeout_s + 30, out[-3000:]
+    assert re.search(r"timed out in ll_(dispatch|combine)", out), out[-3000:]
+
+
 @pytest.mark.parametrize("nproc,layout", [(4, ()), (8, ("--ranks_per_node", "4"))])
 def test_killed_peer_times_out(nproc, layout):
     """The last rank dies after initialize; with 2 x 4 it is on the other node than rank 0."""
