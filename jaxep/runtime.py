@@ -255,12 +255,15 @@ def _init_multi_rank(configs) -> None:
     rec = recommended_env(sym, ranks_on_gpu=nproc if _shares_gpu() else 1,
                           hosts=len(set(hosts)))
     if sym + _HEAP_RESERVE > heap:
+        ll = (f", low-latency area for L={ll_sizes['ll_experts']} experts x {nproc} sources x "
+              f"{ll_sizes['ll_cap']} rows x 2 halves" if ll_sizes["ll_experts"] else "")
         _fail(f"the symmetric block needs {sym} bytes (T={sizes['max_tokens']}, "
-              f"K={sizes['topk']}, E={sizes['experts']}, C={cap}, row {row_bytes} B, over "
+              f"K={sizes['topk']}, E={sizes['experts']}, C={cap}, row {row_bytes} B{ll}, over "
               f"{len(configs)} config(s)) but the NVSHMEM heap is {heap} bytes "
               f"(NVSHMEM_SYMMETRIC_SIZE={heap_env or 'unset: 1 GiB'}); set "
               f"NVSHMEM_SYMMETRIC_SIZE={rec['NVSHMEM_SYMMETRIC_SIZE']} in every process's "
-              "environment, or lower capacity_factor / max_tokens_per_rank")
+              "environment, or lower capacity_factor / max_tokens_per_rank"
+              + (" / rows_per_expert" if ll else ""))
     free, total = ext.device_mem_info(ordinal)  # also cudaSetDevice + cudaFree(0) on this thread
     need = heap + _MEM_MARGIN
     if free < need:

@@ -104,10 +104,14 @@ step bench16seed 240 120 "$LOGS/bench16seed.log" \
 # mode="low_latency" (jaxep-bench --mode=low_latency): 8 ranks, E=256, H=7168, K=8, bf16 and
 # FP8 dispatch, at T = 1, 8, 32, 128 per rank (one launch each; ops vs the same-run sync floor and
 # payload copy).
+# The low-latency area (2 x L x R x min(M, T*K) rows: ~0.94 GB at T=128) needs more than NVSHMEM's
+# 1 GiB default heap (jaxep.initialize says so and prints the value).
+export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-2147483648}
 for t in 1 8 32 128; do
   bench "benchll$t" 8 256 90 token warp "--tokens $t -- --mode=low_latency"
   bench "benchll${t}f" 8 256 90 token warp "--tokens $t -- --mode=low_latency --fp8_dispatch"
 done
+unset NVSHMEM_SYMMETRIC_SIZE
 bench bench8_64a 8 64 120 row thread   # the alternative pull kernels: same inputs, same call
 bench bench8_64s 8 64 120 token warp --staged   # zero-copy off (Config zero_copy=False): same-run A/B
 step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider tests/gpu/test_nn_multirank.py

@@ -10,11 +10,13 @@ l*M + m), as tests/gpu/multirank_worker.py does for normal mode (whose helpers i
   * cuda_backend directly with other sizes: M small enough to drop rows, bad ids, fp8_dispatch
     (codes and scales), f16;
   * a jitted lax.scan decode loop of dispatch + combine, every step against the oracle.
-`--case graph` (run with XLA command buffers on for custom calls): one jitted decode step called
-again and again with fresh inputs, every step bitwise vs the oracle, and the proof that XLA replayed
+`--case graph` (run with XLA command buffers on for custom calls): a jitted lax.scan decode loop
+run twice on the same inputs, every step bitwise vs the oracle, and the proof that XLA replayed
 a CUDA graph: the device sequence numbers advanced once per step while the host handlers ran
 fewer times than 4 per step (one node: the low-latency kernels' handlers are graph compatible).
-`--case graph_killed`: the same loop; the last rank exits after 2 steps, the others must get
+(Called with fresh input buffers every time, XLA re-records a command buffer instead, running the
+handlers again: also correct, since nothing per call is kept on the host.)
+`--case graph_killed`: the same loop; the last rank exits after one run, the others must get
 jaxep.TimeoutError (prints `KILLED ...`) within the timeout, never hang.
 Prints `RESULT <rank> <case> ok|FAIL <detail>` and `SUMMARY <rank> <passed>/<total>`.
 """
@@ -171,73 +173,78 @@ def case_decode_loop(cfg, steps=4, seed=21):
         mw.report("decode_loop", True, f"{steps} steps bitwise")
 
 
-def _graph_step(cfg):
-    """One jitted decode step (dispatch, a local 'expert', combine) and its oracle."""
+def _scan_loop(cfg, steps, seed):
+    """A jitted lax.scan over `steps` decode steps (dispatch, a local 'expert' y = 2x, combine) and
+    (inputs, per-step oracle outputs); XLA runs the scan as a while loop whose body it can record
+    into a command buffer once and replay."""
     E, K, H, T = cfg.num_experts, cfg.topk, cfg.hidden, cfg.max_tokens_per_rank
-    L, M = E // mw.R, cfg.expert_rows(mw.R)
+    M = cfg.expert_rows(mw.R)
+    per = [mw.make_inputs(seed + i, T, H, K, E, np.dtype(cfg.dtype), "skewed", 0.05)
+           for i in range(steps)]
+    stack = lambda j: [np.stack([per[i][j][r] for i in range(steps)], 1) for r in range(mw.R)]  # noqa: E731
 
     def body(x, idx, w):
-        res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg)
-        y = res.x * jnp.asarray(2, res.x.dtype)  # exact: a power of two
-        return (jaxep.combine(y, res.handle, axis_name="ep"), res.x.reshape(L * M, H),
-                res.counts)
+        def step(carry, inp):
+            xi, ii, wi = inp
+            res = jaxep.dispatch(xi, ii, wi, axis_name="ep", config=cfg)
+            y = res.x * jnp.asarray(2, res.x.dtype)  # exact: a power of two
+            return carry, jaxep.combine(y, res.handle, axis_name="ep")
+        _, outs = jax.lax.scan(step, 0, (x.swapaxes(0, 1), idx.swapaxes(0, 1), w.swapaxes(0, 1)))
+        return (outs.swapaxes(0, 1),)
 
-    f = mw.smap(body, 3, 3)
-
-    def run(i):
-        xs, idxs, ws = mw.make_inputs(40 + i, T, H, K, E, np.dtype(cfg.dtype), "skewed", 0.05)
-        out = f(*(mw.glob(a) for a in (xs, idxs, ws)))
-        return xs, idxs, ws, out
-    return run
+    wants = []
+    for xi, ii, wi in per:
+        o = oracle.ll_dispatch(xi, ii, wi, num_experts=E, rows=M)
+        ys = [(x.astype(np.float32) * 2).astype(cfg.dtype) for x in o["x"]]
+        wants.append(_oracle_combine(ys, o, ii, E, cfg.combine_wire_dtype))
+    args = [mw.glob(a) for a in (stack(0), stack(1), stack(2))]
+    return mw.smap(body, 3, 1), args, wants
 
 
 def _ll_counters():
+    if mw.EMULATE:  # no runtime: the counters cannot be read (a CPU run checks the bits only)
+        return 0, (0, 0)
     info = jaxep._ffi.runtime_info()  # pylint: disable=protected-access
     return info["ll_host_calls"], jaxep._ffi._module.ll_device_seq()  # pylint: disable=protected-access
 
 
-def case_graph(cfg, steps=6):
-    E = cfg.num_experts
-    M = cfg.expert_rows(mw.R)
-    run = _graph_step(cfg)
+def case_graph(cfg, steps=8, runs=2, seed=40):
+    """The scan decode loop run `runs` times on the same inputs with command buffers on: every
+    step of every run bitwise vs the oracle, the device sequence numbers advanced once per step
+    (no stale or skipped one), and fewer host handler runs than 4 per step (XLA replayed them)."""
+    f, args, wants = _scan_loop(cfg, steps, seed)
     host0, seq0 = _ll_counters()
     ok = True
-    for i in range(steps):
-        xs, idxs, ws, out = run(i)
-        got = [mw.mine(v) for v in out]
+    for run in range(runs):
+        got = mw.mine(f(*args)[0])
         jaxep.check()
-        o = oracle.ll_dispatch(xs, idxs, ws, num_experts=E, rows=M)
-        ys = [(x.astype(np.float32) * 2).astype(cfg.dtype) for x in o["x"]]
-        want = _oracle_combine(ys, o, idxs, E, cfg.combine_wire_dtype)
-        L = E // mw.R
-        ok = mw.compare("graph", f"step {i} combine", got[0], want) and ok
-        ok = mw.compare("graph", f"step {i} x", got[1], o["x"][mw.ME].reshape(L * M, -1)) and ok
-        ok = mw.compare("graph", f"step {i} counts", got[2], o["counts"][mw.ME]) and ok
+        for i in range(steps):
+            ok = mw.compare("graph", f"run {run} step {i}", got[:, i], wants[i]) and ok
     host1, seq1 = _ll_counters()
+    n = steps * runs
     host, seq = host1 - host0, (seq1[0] - seq0[0], seq1[1] - seq0[1])
-    detail = (f"{steps} steps bitwise, device seq +{seq} (want +({steps}, {steps})), host "
-              f"handler runs {host} (4 per step without a graph: {4 * steps})")
-    if seq != (steps, steps):
+    detail = (f"{runs} runs x {steps} steps bitwise, device seq +{seq} (want +({n}, {n})), host "
+              f"handler runs {host} (4 per step without a graph replay: {4 * n})")
+    if seq != (n, n):
         mw.report("graph", False, "stale or skipped sequence numbers: " + detail)
-    elif host >= 4 * steps:
+    elif host >= 4 * n:
         mw.report("graph", False, "no graph replay (every handler ran on the host): " + detail)
     elif ok:
         mw.report("graph", True, detail)
 
 
 def run_graph_killed(cfg, timeout_s) -> int:
-    run = _graph_step(cfg)
+    f, args, _ = _scan_loop(cfg, 4, 60)
     victim = mw.R - 1
-    for i in range(2):
-        jax.block_until_ready(run(i)[3])
+    jax.block_until_ready(f(*args))
     jaxep.check()
     if mw.ME == victim:
-        print(f"KILLED victim {mw.ME} exits after 2 replayed steps", flush=True)
+        print(f"KILLED victim {mw.ME} exits after one scan of replayed steps", flush=True)
         os._exit(0)  # no finalize, no jax.distributed shutdown: like a crash
     t0 = time.time()
     try:
-        for i in range(2, 6):
-            jax.block_until_ready(run(i)[3])
+        for _ in range(3):
+            jax.block_until_ready(f(*args))
             jaxep.check()
         print(f"KILLED {mw.ME} FAIL no error after {time.time() - t0:.1f}s", flush=True)
         rc = 1
