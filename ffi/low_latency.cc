@@ -1,7 +1,6 @@
-// XLA FFI handlers of mode="low_latency" with ep_size > 1 on one node (CUDA platform):
+// XLA FFI handlers of mode="low_latency" with ep_size > 1 (CUDA platform, any node layout):
 // jaxep_ll_dispatch_send / jaxep_ll_dispatch_recv / jaxep_ll_combine_send / jaxep_ll_combine_recv,
-// the kernels of ffi/cuda/low_latency.h. jaxep/cuda_backend.py calls them (several nodes still run
-// the normal exchange with the low-latency layout, jaxep_dispatch's `expert_rows`).
+// the kernels of ffi/cuda/low_latency.h, called by jaxep/cuda_backend.py.
 //
 // CUDA-graph (XLA command buffer) compatible, unlike the normal mode's handlers (exchange.h):
 // a handler only launches kernels with arguments that are the same every execution (the team,
@@ -27,7 +26,7 @@ namespace {
 namespace mr = cuda::mr;
 namespace rt = cuda::rt;
 
-// The active one-node team with a low-latency area that fits the call, or an error naming it.
+// The active team with a low-latency area that fits the call, or an error naming it.
 ffi::Error LLTeam(std::string_view target, int64_t ep_size, int64_t ranks_per_node,
                   int64_t experts, int64_t slots, int64_t cap, int64_t row_bytes,
                   const mr::Team** out) {
@@ -39,10 +38,9 @@ ffi::Error LLTeam(std::string_view target, int64_t ep_size, int64_t ranks_per_no
                              "multi-process run first (NVSHMEM runtime not initialized)"));
   }
   const mr::SymLayout& lay = team->lay;
-  if (ep_size != team->size || ranks_per_node != team->node_size ||
-      team->node_size != team->size) {
+  if (ep_size != team->size || ranks_per_node != team->node_size) {
     return ffi::Error::InvalidArgument(StrCat(
-        target, ": ep_size and ranks_per_node must be the one-node team jaxep.initialize set up (",
+        target, ": ep_size and ranks_per_node must be the team jaxep.initialize set up (",
         team->size, " ranks, ", team->node_size, " per node), got ", ep_size, " and ",
         ranks_per_node));
   }
@@ -169,7 +167,8 @@ ffi::Error LLCombineSendImpl(cudaStream_t stream, ffi::AnyBuffer y, F32Vec weigh
 
 ffi::Error LLCombineRecvImpl(cudaStream_t stream, S32Vec marker, S32Mat send_row,
                              S32Mat topk_idx, int64_t num_experts, int64_t ep_size,
-                             int64_t ranks_per_node, ffi::Result<ffi::AnyBuffer> out) {
+                             int64_t ranks_per_node, std::string_view combine_wire_dtype,
+                             ffi::Result<ffi::AnyBuffer> out) {
   (void)marker;  // only orders this call after combine_send
   const int64_t tokens = send_row.dimensions()[0], topk = send_row.dimensions()[1];
   const int64_t hidden = out->dimensions()[1];
@@ -185,13 +184,15 @@ ffi::Error LLCombineRecvImpl(cudaStream_t stream, S32Vec marker, S32Mat send_row
       e.failure()) {
     return e;
   }
+  // "float32" or the payload's dtype (checked at trace time; with one node it changes nothing).
+  const bool wire_f32 = combine_wire_dtype == "float32";
   return WithPayloadType(kLLCombineRecvTarget, "out", out->element_type(), [&](auto v) {
     using T = decltype(v);
     return FromCuda(kLLCombineRecvTarget, "receive kernel",
                     mr::LaunchLLCombineRecv<T>(
                         *team, send_row.typed_data(), topk_idx.typed_data(),
                         static_cast<int32_t>(tokens), static_cast<int32_t>(topk),
-                        static_cast<int32_t>(num_experts), hidden,
+                        static_cast<int32_t>(num_experts), hidden, wire_f32,
                         static_cast<T*>(out->untyped_data()), stream));
   });
 }
@@ -209,7 +210,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<jaxep::F32Mat>()                              // topk_weights [T, K]
         .Attr<int64_t>("num_experts")                      // E
         .Attr<int64_t>("ep_size")                          // R
-        .Attr<int64_t>("ranks_per_node")                   // G (== R: one node)
+        .Attr<int64_t>("ranks_per_node")                   // G
         .Attr<int64_t>("rows_per_expert")                  // M
         .Attr<bool>("fp8")                                 // Config.fp8_dispatch
         .Ret<jaxep::S32Mat>()                              // pos [T, K]
@@ -262,5 +263,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("num_experts")
         .Attr<int64_t>("ep_size")
         .Attr<int64_t>("ranks_per_node")
+        .Attr<std::string_view>("combine_wire_dtype")      // other nodes' parts: f32 or payload
         .Ret<xla::ffi::AnyBuffer>(),                       // out [T, H], y's dtype
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -417,7 +417,7 @@ def fp8_quantize(x):
   return tuple(call(x))
 
 
-# ---- mode="low_latency", ep_size > 1, one node (ffi/low_latency.cc, ffi/cuda/low_latency.h) ----
+# ---- mode="low_latency", ep_size > 1 (ffi/low_latency.cc, ffi/cuda/low_latency.h) ----
 # Command-buffer compatible handlers: the sequence number lives on the device.
 
 LL_MAX_TOPK = 64  # combine_recv orders a token's slots in shared memory (kLLMaxTopk)
@@ -425,8 +425,9 @@ LL_MAX_TOPK = 64  # combine_recv orders a token's slots in shared memory (kLLMax
 
 def ll_area_ready(ep_size: int, ranks_per_node: int) -> bool:
   """True when the runtime has the low-latency area (jaxep.initialize got a mode="low_latency"
-  config and the team is one node): the low-latency ops then run these kernels."""
-  if ep_size < 2 or ranks_per_node != ep_size or not multi_rank_built():
+  config): the low-latency ops then run these kernels."""
+  del ranks_per_node  # any node layout (checked against the runtime's by each call)
+  if ep_size < 2 or not multi_rank_built():
     return False
   info = _module.runtime_info()
   return info is not None and info.get("ll_experts", 0) > 0
@@ -435,9 +436,9 @@ def ll_area_ready(ep_size: int, ranks_per_node: int) -> bool:
 def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, slots: int,
                    cap: int, row_bytes: int, topk: int) -> None:
   info = runtime_limits(op, ep_size)
-  if ranks_per_node != info["node_size"] or ranks_per_node != ep_size:
-    _fail(op, "ranks_per_node", f"the one-node layout jaxep.initialize set up ({ep_size} ranks)",
-          ranks_per_node)
+  if ranks_per_node != info["node_size"]:
+    _fail(op, "ranks_per_node", f"the node layout jaxep.initialize set up ({info['node_size']} "
+          "ranks per node)", ranks_per_node)
   if topk > LL_MAX_TOPK:
     _fail(op, "config.topk", f"<= {LL_MAX_TOPK} in low-latency mode on the CUDA backend", topk)
   limits = (("local experts", experts // ep_size, info["ll_experts"]),
@@ -538,4 +539,5 @@ def ll_combine_recv(marker, send_row, topk_idx, *, hidden: int, dtype, config, e
                  row_bytes=hidden * np.dtype(dtype).itemsize, topk=k)
   call = jax.ffi.ffi_call("jaxep_ll_combine_recv", (jax.ShapeDtypeStruct((t, hidden), dtype),),
                           vmap_method="sequential")
-  return tuple(call(marker, send_row, topk_idx, **_ll_attrs(config, ep_size, ranks_per_node)))
+  return tuple(call(marker, send_row, topk_idx, combine_wire_dtype=str(config.combine_wire_dtype),
+                    **_ll_attrs(config, ep_size, ranks_per_node)))

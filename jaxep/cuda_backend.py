@@ -81,14 +81,17 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 
 
 # ---- mode="low_latency" (docs/design.md "Low-latency mode") ----------------------------------
-# EP size > 1 on one node (`_ll_kernels`): the low-latency kernels of ffi/cuda/low_latency.h, one
-# FFI call per half (jaxep_ll_dispatch_send / _recv, jaxep_ll_combine_send / _recv), the sender
-# writing each row straight into the expert rank's area; the sequence number lives on the device,
-# so the handlers are CUDA-graph (command buffer) compatible; fp8 quantizes inside the send kernel.
-# EP size > 1 on several nodes: the exchange is the normal mode's (stage, ready, pull) with the
-# low-latency layout (the `expert_rows` attribute: rows of local expert l at [l*M, l*M + M) of
-# C = L*M rows), so both halves of the split ops run in the receive half here (the send half only
-# packs); combine is the normal combine kernel on the flat rows l*M + m (the same fixed order).
+# EP size > 1 (`_ll_kernels`: the runtime was initialized with a low-latency config): the
+# low-latency kernels of ffi/cuda/low_latency.h, one FFI call per half (jaxep_ll_dispatch_send /
+# _recv, jaxep_ll_combine_send / _recv), the sender writing each row straight into the expert
+# rank's area (peer pointers on its node, NVSHMEM puts to other nodes); the sequence number lives
+# on the device, so the handlers are CUDA-graph (command buffer) compatible; fp8 quantizes inside
+# the send kernel.
+# Otherwise (only a direct backend call reaches it: jaxep.dispatch refuses a config that was not
+# initialized, and a low-latency config gives the runtime its area) the first version runs: the
+# normal mode's exchange (stage, ready, pull) with the low-latency layout (the `expert_rows`
+# attribute: rows of local expert l at [l*M, l*M + M) of C = L*M rows), so both halves of the
+# split ops run in the receive half here (the send half only packs); combine is the normal combine kernel on the flat rows l*M + m (the same fixed order).
 # fp8_dispatch quantizes in its own kernel before the dispatch (jaxep_fp8_quantize: IEEE
 # divisions, which XLA's own GPU division is not, so the reference's jnp code would not give the
 # same bits here) and moves each token's codes and scales as one packed row of H + 4*H/128 bytes,
@@ -96,12 +99,10 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 # EP size 1: nothing is exchanged, so the low-latency ops are XLA ops on the one GPU (the
 # reference's local layout, gathers and fixed-order sum, which are bitwise the spec's on every
 # platform) with jaxep_fp8_quantize for fp8, like gather_back's local gather at EP size 1.
-# Not yet on several nodes: the low-latency kernels' NVSHMEM puts (so no graph compatibility and
-# no send/recv split on the device there).
 
 
 def _ll_kernels(config, ep):
-    """True when the low-latency kernels run this call: EP > 1, one node, and the runtime has the
+    """True when the low-latency kernels run this call: EP > 1 and the runtime has the
     low-latency area (jaxep.initialize got a mode="low_latency" config)."""
     return ep > 1 and _ffi.ll_area_ready(ep, _node_size(config, ep))
 

@@ -166,11 +166,12 @@ def runtime_sizes(configs, ep_size: int) -> dict:
 
 def ll_area_sizes(configs, ep_size: int, node: int) -> dict:
     """The low-latency area (ffi/cuda/low_latency.h) for the mode="low_latency" configs among
-    `configs` when the team is one node (`node` == ep_size ranks per node; several nodes run the
-    normal exchange with the low-latency layout): L local experts and the rows per (expert,
-    source), min(M, T_max * K); zeros when none."""
+    `configs`: L local experts and the rows per (expert, source), min(M, T_max * K); zeros when
+    there is none. (`node`, the ranks per node, only changes the staging the area adds with
+    several nodes, which the C++ layout sizes itself.)"""
+    del node
     ll = [c for c in configs if c.mode == "low_latency"]
-    if not ll or node != ep_size:
+    if not ll:
         return dict(ll_experts=0, ll_cap=0)
     return dict(ll_experts=max(c.local_experts(ep_size) for c in ll),
                 ll_cap=max(min(c.expert_rows(ep_size), c.max_tokens_per_rank * c.topk)

@@ -12,7 +12,8 @@
 #   ll         only the low-latency cases of test_multirank.py (4, 8 ranks; 2 x 4; the CUDA-graph
 #              replay on 4 and 8 ranks and the peer killed during a replay), ~250 s
 #   benchll1 benchll1f ... benchll128 benchll128f   jaxep-bench --mode=low_latency, 8 ranks, E=256,
-#              T = 1/8/32/128, bf16 / FP8 dispatch (...f), ~20 s each
+#              T = 1/8/32/128, bf16 / FP8 dispatch (...f), ~10 s each
+#   benchll1g4 benchll128g4   the same as 2 emulated nodes x 4 (T = 1, 128)
 #   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
 #              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
@@ -90,7 +91,7 @@ step mr 420 120 "$LOGS/mr.log" python3 -m pytest -v -rs -p no:cacheprovider test
 step mrn 300 120 "$LOGS/mrn.log" python3 -m pytest -v -rs -p no:cacheprovider \
   tests/gpu/test_multirank.py -k "x4 or x2 or x1 or x8 or killed"
 # mode="low_latency" on the CUDA backend (4 and 8 ranks, one node and 2 x 4; mr runs it too).
-step ll 400 90 "$LOGS/ll.log" python3 -m pytest -v -rs -p no:cacheprovider \
+step ll 400 90 "$LOGS/ll.log" python3 -m pytest -v -rsP -p no:cacheprovider \
   tests/gpu/test_multirank.py -k low_latency
 bench bench8_64 8 64 150
 # Internode under the node override (8 ranks as 2 emulated nodes x 4; same inputs as bench8_64):
@@ -111,6 +112,10 @@ for t in 1 8 32 128; do
   bench "benchll$t" 8 256 90 token warp "--tokens $t -- --mode=low_latency"
   bench "benchll${t}f" 8 256 90 token warp "--tokens $t -- --mode=low_latency --fp8_dispatch"
 done
+# The same at T = 1 and 128 as 2 emulated nodes x 4 (the low-latency kernels' puts to the other
+# node: NVSHMEM over P2P on one GPU).
+bench benchll1g4 8 256 90 token warp "--ranks_per_node 4 --tokens 1 -- --mode=low_latency"
+bench benchll128g4 8 256 90 token warp "--ranks_per_node 4 --tokens 128 -- --mode=low_latency"
 unset NVSHMEM_SYMMETRIC_SIZE
 bench bench8_64a 8 64 120 row thread   # the alternative pull kernels: same inputs, same call
 bench bench8_64s 8 64 120 token warp --staged   # zero-copy off (Config zero_copy=False): same-run A/B

@@ -4,6 +4,11 @@
 // __threadfence_system() and st.release.sys of the flag on the peer; a reader's ld.acquire.sys of
 // its own copy of the flag (WaitAtLeast), then its loads. A flag written by one thread after a
 // __syncthreads / __syncwarp covers the writes of the block / warp before it.
+// A peer on another node (several nodes): the same bytes go by NVSHMEM put-with-signal (the data
+// before the signal, which SETs the same flag word to seq) from this rank's staging in the
+// symmetric heap (a registered source, as IBGDA needs); a kernel that puts ends with
+// nvshmem_quiet() in every thread, so the staging may be rewritten by the next call. No pointer of
+// another node is ever formed (their peer-table entries are poisoned, sync.h).
 #include <algorithm>
 
 #include "common.cuh"
@@ -12,6 +17,11 @@
 #include "fp8.cuh"
 #include "low_latency.h"
 #include "team.cuh"
+
+#ifdef JAXEP_HAVE_NVSHMEM
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
 
 namespace jaxep::cuda::mr {
 namespace {
@@ -62,6 +72,52 @@ __device__ __forceinline__ void WarpCopy(char* dst, const char* src, int64_t byt
   else if (bits % 8 == 0) CopyUnits<uint2>(dst, src, bytes / 8, lane);
   else if (bits % 4 == 0) CopyUnits<uint32_t>(dst, src, bytes / 4, lane);
   else CopyUnits<uint8_t>(dst, src, bytes, lane);
+}
+
+// The block copies `bytes` (every thread calls it; no barrier inside).
+__device__ __forceinline__ void BlockCopy(char* dst, const char* src, int64_t bytes) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         static_cast<uintptr_t>(bytes);
+  if (bits % 16 == 0) {
+    for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+    }
+  } else if (bits % 4 == 0) {
+    for (int64_t i = threadIdx.x; i < bytes / 4; i += blockDim.x) {
+      reinterpret_cast<uint32_t*>(dst)[i] = reinterpret_cast<const uint32_t*>(src)[i];
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+// NVSHMEM calls of the several-node case (without NVSHMEM the runtime never starts, so a team
+// never has several nodes and these are never reached).
+__device__ __forceinline__ void PutSignalWarp(char* dst, const char* src, size_t bytes,
+                                              uint64_t* sig, uint64_t seq, int pe) {
+#ifdef JAXEP_HAVE_NVSHMEM
+  nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, seq, NVSHMEM_SIGNAL_SET, pe);
+#endif
+}
+__device__ __forceinline__ void PutSignal(char* dst, const char* src, size_t bytes,
+                                          uint64_t* sig, uint64_t seq, int pe) {
+#ifdef JAXEP_HAVE_NVSHMEM
+  nvshmem_putmem_signal_nbi(dst, src, bytes, sig, seq, NVSHMEM_SIGNAL_SET, pe);
+#endif
+}
+__device__ __forceinline__ void SignalSet(uint64_t* sig, uint64_t seq, int pe) {
+#ifdef JAXEP_HAVE_NVSHMEM
+  nvshmemx_signal_op(sig, seq, NVSHMEM_SIGNAL_SET, pe);
+#endif
+}
+__device__ __forceinline__ void Quiet() {
+#ifdef JAXEP_HAVE_NVSHMEM
+  nvshmem_quiet();
+#endif
+}
+
+__device__ __forceinline__ bool SameNode(const Team& t, int r) {
+  return NodeOf(t, r) == NodeOf(t, t.rank);
 }
 
 __device__ __forceinline__ void WarpZero(char* dst, int64_t bytes, int lane) {
@@ -121,30 +177,42 @@ __global__ void __launch_bounds__(kLayoutThreads) LLDispatchLayoutKernel(Team te
     if (lane == 0) *a.invalid = invalid;
   }
   __syncthreads();
+  // Where the message to rank d is written: d's ll_msg[p][me] on this node, else this rank's
+  // staging ll_msg_out[d] (put below).
+  auto msg_of = [&](int d) -> char* {
+    return SameNode(team, d) ? team.peer[d] + MsgOffset(lay, p, me)
+                             : team.peer[me] + lay.ll_msg_out + d * lay.ll_msg_stride;
+  };
   // counts[E] to every rank (each needs the sources before it for its send_row).
   for (int q = tid; q < R * E; q += blockDim.x) {
     const int d = q / E, e = q % E;
-    reinterpret_cast<uint32_t*>(team.peer[d] + MsgOffset(lay, p, me))[e] =
-        static_cast<uint32_t>(run[e]);
+    reinterpret_cast<uint32_t*>(msg_of(d))[e] = static_cast<uint32_t>(run[e]);
   }
-  BlockScanArray(run, run, E);  // run[e] = slots of experts < e (ends with __syncthreads)
+  const int total = BlockScanArray(run, run, E);  // run[e] = slots of experts < e
   // {slot, weight} of each row, at its place in its destination's (expert, t, k) list.
   for (int j = tid; j < N; j += blockDim.x) {
     const int e = Sanitize(a.topk_idx[j], E);
     if (e < 0) continue;
     const int d = e / L;
     const int at = run[e] - run[d * L] + a.pos[j];
-    int32_t* meta =
-        reinterpret_cast<int32_t*>(team.peer[d] + MsgOffset(lay, p, me) + lay.ll_msg_meta) + 2 * at;
+    int32_t* meta = reinterpret_cast<int32_t*>(msg_of(d) + lay.ll_msg_meta) + 2 * at;
     meta[0] = j;
     meta[1] = __float_as_int(a.topk_w[j]);
   }
   __syncthreads();
+  const size_t flag = lay.ll_msg_flag + (static_cast<size_t>(p) * kMaxRanks + me) * sizeof(uint64_t);
   for (int d = tid; d < R; d += blockDim.x) {
     __threadfence_system();
-    StoreReleaseSys(reinterpret_cast<uint64_t*>(team.peer[d] + lay.ll_msg_flag) + p * kMaxRanks + me,
-                    seq);
+    if (SameNode(team, d)) {
+      StoreReleaseSys(reinterpret_cast<uint64_t*>(team.peer[d] + flag), seq);
+    } else {  // counts, then d's rows' {slot, weight}: run[] is the prefix over experts
+      const int rows = (d + 1 < R ? run[(d + 1) * L] : total) - run[d * L];
+      PutSignal(team.sym + MsgOffset(lay, p, me), team.sym + lay.ll_msg_out + d * lay.ll_msg_stride,
+                lay.ll_msg_meta + static_cast<size_t>(rows) * 2 * sizeof(int32_t),
+                reinterpret_cast<uint64_t*>(team.sym + flag), seq, d);
+    }
   }
+  if (Nodes(team) > 1) Quiet();
 }
 
 // Kernel B, a block per token: its rows into their experts' areas, a flag per row.
@@ -164,16 +232,26 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
   const T* xt = static_cast<const T*>(a.x) + t * H;
   const char* src = reinterpret_cast<const char*>(xt);
   int64_t row_bytes = H * static_cast<int64_t>(sizeof(T));
+  // Several nodes: the row is staged once in ll_tok[t] (the puts' registered source); one node:
+  // fp8 rows in shared memory, payload rows straight from x.
+  const bool internode = Nodes(team) > 1;
+  unsigned char* row = internode
+                           ? reinterpret_cast<unsigned char*>(team.peer[me] + lay.ll_tok +
+                                                              t * lay.ll_row_stride)
+                           : s_row;
   if (a.fp8) {  // once per token, then the same packed row to each of its experts
-    float* scales = reinterpret_cast<float*>(s_row + H);
+    float* scales = reinterpret_cast<float*>(row + H);
     for (int64_t b = warp; b < H / kFp8Block; b += kWarps) {
-      const float scale = QuantizeFp8Block(xt + b * kFp8Block, s_row + b * kFp8Block, lane);
+      const float scale = QuantizeFp8Block(xt + b * kFp8Block, row + b * kFp8Block, lane);
       if (lane == 0) scales[b] = scale;
     }
-    __syncthreads();
-    src = reinterpret_cast<const char*>(s_row);
     row_bytes = H + (H / kFp8Block) * static_cast<int64_t>(sizeof(float));
+    src = reinterpret_cast<const char*>(row);
+  } else if (internode) {
+    BlockCopy(reinterpret_cast<char*>(row), src, row_bytes);
+    src = reinterpret_cast<const char*>(row);
   }
+  if (a.fp8 || internode) __syncthreads();
   for (int k = warp; k < K; k += kWarps) {
     const int64_t j = t * K + k;
     const int e = Sanitize(a.topk_idx[j], E);
@@ -182,6 +260,12 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
     if (i >= lay.ll_cap) continue;  // i >= M: dropped by the receiver whatever the prefix
     const int d = e / L;
     const size_t ri = RowIndex(lay, p, e % L, me, i);
+    if (!SameNode(team, d)) {
+      __threadfence_system();  // the staged row before the put reads it
+      PutSignalWarp(team.sym + lay.ll_rows + ri * lay.ll_row_stride, src, row_bytes,
+                    reinterpret_cast<uint64_t*>(team.sym + lay.ll_row_flag) + ri, seq, d);
+      continue;
+    }
     WarpCopy(team.peer[d] + lay.ll_rows + ri * lay.ll_row_stride, src, row_bytes, lane);
     __syncwarp();
     if (lane == 0) {
@@ -189,6 +273,7 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
       StoreReleaseSys(reinterpret_cast<uint64_t*>(team.peer[d] + lay.ll_row_flag) + ri, seq);
     }
   }
+  if (internode) Quiet();
 }
 
 // ---- dispatch_recv ------------------------------------------------------------------------
@@ -316,10 +401,15 @@ __global__ void LLCombineStartKernel(Team team, int32_t* marker) {
   }
   __syncthreads();
   if (s_abort) return;
+  const size_t done = team.lay.ll_done + static_cast<size_t>(team.rank) * sizeof(uint64_t);
   for (int r = threadIdx.x; r < team.size; r += blockDim.x) {
-    StoreReleaseSys(reinterpret_cast<uint64_t*>(team.peer[r] + team.lay.ll_done) + team.rank,
-                    s_seq);
+    if (SameNode(team, r)) {
+      StoreReleaseSys(reinterpret_cast<uint64_t*>(team.peer[r] + done), s_seq);
+    } else {
+      SignalSet(reinterpret_cast<uint64_t*>(team.sym + done), s_seq, r);
+    }
   }
+  if (Nodes(team) > 1) Quiet();
 }
 
 // Kernel C1, a warp per expert-side row: kept rows back to their source's slot.
@@ -338,19 +428,32 @@ __global__ void __launch_bounds__(kThreads)
     if (slot < 0) continue;
     const int s = slot / slots_per_rank;
     const size_t ci = half + static_cast<size_t>(slot % slots_per_rank);
-    WarpCopy(team.peer[s] + lay.ll_crows + ci * lay.ll_row_stride, y + c * row_bytes, row_bytes,
-             lane);
+    // The row and its weight at + ll_row_stride: into s's slot, or staged and put.
+    const bool local = SameNode(team, s);
+    char* dst = local ? team.peer[s] + lay.ll_crows + ci * lay.ll_crow_stride
+                      : team.peer[team.rank] + lay.ll_cstage + c * lay.ll_crow_stride;
+    WarpCopy(dst, y + c * row_bytes, row_bytes, lane);
+    if (lane == 0) *reinterpret_cast<float*>(dst + lay.ll_row_stride) = w[c];
     __syncwarp();
-    if (lane == 0) {
-      reinterpret_cast<float*>(team.peer[s] + lay.ll_cw)[ci] = w[c];
+    if (!local) {
+      __threadfence_system();
+      PutSignalWarp(team.sym + lay.ll_crows + ci * lay.ll_crow_stride, dst,
+                    lay.ll_row_stride + sizeof(float),
+                    reinterpret_cast<uint64_t*>(team.sym + lay.ll_cflag) + ci, seq, s);
+    } else if (lane == 0) {
       __threadfence_system();
       StoreReleaseSys(reinterpret_cast<uint64_t*>(team.peer[s] + lay.ll_cflag) + ci, seq);
     }
   }
+  if (Nodes(team) > 1) Quiet();
 }
 
 // combine_recv, a block per token: wait its kept slots, then the fixed-order sum.
-template <typename T, int VEC>
+// Several nodes: each node's part P_n (its ranks ascending, k ascending) is rounded once to the
+// wire dtype W unless it is this rank's node, then the parts are added over nodes ascending from
+// +0.0: the order and the roundings of the hierarchical combine (combine.cu FinishNodes), so the
+// result is the normal mode's and the reference's bit for bit. One node: 0.0 + P = P exactly.
+template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kThreads)
     LLCombineRecvKernel(Team team, const int32_t* send_row, const int32_t* topk_idx,
                         int32_t tokens, int32_t K, int32_t experts, int64_t hidden, T* out) {
@@ -398,16 +501,32 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const char* rows = team.peer[me] + lay.ll_crows;
-  const float* cw = reinterpret_cast<const float*>(team.peer[me] + lay.ll_cw);
+  const int G = team.node_size, mine = NodeOf(team, me);
   for (int64_t v = tid; v < hidden / VEC; v += blockDim.x) {
-    FixedOrderSum<VEC> acc;
-    for (int q = 0; q < s_n; ++q) {
-      const size_t ci = half + t * K + s_k[q];
-      const Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(
-          rows + ci * lay.ll_row_stride + v * VEC * static_cast<int64_t>(sizeof(T)));
-      acc.Add(s_rank[q], cw[ci], pk);
+    float o[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = 0.0f;
+    for (int q = 0; q < s_n;) {
+      const int node = s_rank[q] / G;
+      FixedOrderSum<VEC> part;
+      for (; q < s_n && s_rank[q] / G == node; ++q) {
+        const char* crow = rows + (half + t * K + s_k[q]) * lay.ll_crow_stride;
+        part.Add(s_rank[q], *reinterpret_cast<const float*>(crow + lay.ll_row_stride),
+                 *reinterpret_cast<const Pack<T, VEC>*>(
+                     crow + v * VEC * static_cast<int64_t>(sizeof(T))));
+      }
+      float pn[VEC];
+      part.Total(pn);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        o[i] = __fadd_rn(o[i], node == mine ? pn[i]
+                                            : Convert<W>::ToF32(Convert<W>::FromF32(pn[i])));
+      }
     }
-    *reinterpret_cast<Pack<T, VEC>*>(out + t * hidden + v * VEC) = acc.template Finish<T>();
+    Pack<T, VEC> r;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) r.v[i] = Convert<T>::FromF32(o[i]);
+    *reinterpret_cast<Pack<T, VEC>*>(out + t * hidden + v * VEC) = r;
   }
 }
 
@@ -451,10 +570,29 @@ cudaError_t LaunchLLCombineSend(const Team& team, const void* y, int64_t row_byt
   return cudaGetLastError();
 }
 
+// combine_recv with the wire dtype W of the other nodes' parts (float, or the payload T).
+template <typename T, typename W>
+cudaError_t LaunchLLCombineRecvW(const Team& team, const int32_t* send_row,
+                                 const int32_t* topk_idx, int32_t tokens, int32_t topk,
+                                 int32_t experts, int64_t hidden, T* out, cudaStream_t stream);
+
 template <typename T>
 cudaError_t LaunchLLCombineRecv(const Team& team, const int32_t* send_row,
                                 const int32_t* topk_idx, int32_t tokens, int32_t topk,
-                                int32_t experts, int64_t hidden, T* out, cudaStream_t stream) {
+                                int32_t experts, int64_t hidden, bool wire_f32, T* out,
+                                cudaStream_t stream) {
+  if (!wire_f32) {
+    return LaunchLLCombineRecvW<T, T>(team, send_row, topk_idx, tokens, topk, experts, hidden, out,
+                                      stream);
+  }
+  return LaunchLLCombineRecvW<T, float>(team, send_row, topk_idx, tokens, topk, experts, hidden,
+                                        out, stream);
+}
+
+template <typename T, typename W>
+cudaError_t LaunchLLCombineRecvW(const Team& team, const int32_t* send_row,
+                                 const int32_t* topk_idx, int32_t tokens, int32_t topk,
+                                 int32_t experts, int64_t hidden, T* out, cudaStream_t stream) {
   if (topk > kLLMaxTopk) return cudaErrorInvalidValue;
   // At least one block, also for T = 0: block 0's wait for every rank's ll_done is what lets this
   // rank's next combine_send write into the peers' halves (low_latency.h).
@@ -462,10 +600,10 @@ cudaError_t LaunchLLCombineRecv(const Team& team, const int32_t* send_row,
   constexpr int kVec = 16 / sizeof(T);
   if ((hidden * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(out) % 16 == 0) {
-    LLCombineRecvKernel<T, kVec><<<grid, kThreads, 0, stream>>>(team, send_row, topk_idx, tokens,
+    LLCombineRecvKernel<T, W, kVec><<<grid, kThreads, 0, stream>>>(team, send_row, topk_idx, tokens,
                                                                   topk, experts, hidden, out);
   } else {
-    LLCombineRecvKernel<T, 1><<<grid, kThreads, 0, stream>>>(team, send_row, topk_idx, tokens,
+    LLCombineRecvKernel<T, W, 1><<<grid, kThreads, 0, stream>>>(team, send_row, topk_idx, tokens,
                                                                topk, experts, hidden, out);
   }
   return cudaGetLastError();
@@ -482,7 +620,7 @@ cudaError_t ReadLLSeq(const Team& team, uint64_t out[2]) {
   template cudaError_t LaunchLLDispatchSend<T>(const Team&, const LLDispatchSend&,            \
                                                cudaStream_t);                                 \
   template cudaError_t LaunchLLCombineRecv<T>(const Team&, const int32_t*, const int32_t*,    \
-                                              int32_t, int32_t, int32_t, int64_t, T*,         \
+                                              int32_t, int32_t, int32_t, int64_t, bool, T*,   \
                                               cudaStream_t);
 JAXEP_LL_INSTANTIATE(float)
 JAXEP_LL_INSTANTIATE(__nv_bfloat16)

@@ -1,6 +1,8 @@
-// The low-latency (decode) kernels of mode="low_latency" (SPEC section 3), one node: the sender
-// PUSHES each (token, expert) row straight into the expert rank's receive area through the peer
-// pointer, no layout pass, no host sequence number, no node-wide round. Launched by
+// The low-latency (decode) kernels of mode="low_latency" (SPEC section 3): the sender PUSHES each
+// (token, expert) row straight into the expert rank's receive area (through the peer pointer on
+// its node; by NVSHMEM put-with-signal from its staging to a rank of another node: LL sends go
+// straight to the expert's rank, no forwarding), no layout pass, no host sequence number, no
+// node-wide round. Launched by
 // ffi/low_latency.cc, whose handlers are CUDA-graph (XLA command buffer) compatible because every
 // per-call value lives in device memory (SymLayout ll_*, sync.h):
 //
@@ -18,7 +20,9 @@
 //   combine_send    kernel C0 (one block): seq = ++ll_ctr[1]; ll_done[me] = seq on every rank.
 //                   kernel C1: each kept row c -> its source's ll_crows[p][slot], weight, flag.
 //   combine_recv    a block per token: wait its kept slots' flags (and every rank's ll_done),
-//                   the fixed-order f32 sum of fixed_order_sum.cuh (ranks, k ascending).
+//                   the fixed-order f32 sum of fixed_order_sum.cuh (ranks, k ascending; with
+//                   several nodes each node's part rounded to the wire dtype, then nodes
+//                   ascending: the hierarchical combine's order, computed at the source).
 //
 // Why two halves are enough (no wait before writing): a rank writes half p in call n only after
 // its own receive of call n-1 saw every rank's message of call n-1 (dispatch: every source writes
@@ -77,11 +81,13 @@ cudaError_t LaunchLLCombineSend(const Team& team, const void* y, int64_t row_byt
                                 int32_t tokens, int32_t topk, int32_t* marker,
                                 cudaStream_t stream);
 // out [T, H] of T (y's dtype) on the source side; send_row [T, K] (kept: >= 0), topk_idx [T, K]
-// sanitized (the expert of a kept slot), experts E.
+// sanitized (the expert of a kept slot), experts E. wire_f32: the other nodes' parts are rounded
+// to f32 (Config.combine_wire_dtype "float32"), else to T.
 template <typename T>
 cudaError_t LaunchLLCombineRecv(const Team& team, const int32_t* send_row,
                                 const int32_t* topk_idx, int32_t tokens, int32_t topk,
-                                int32_t experts, int64_t hidden, T* out, cudaStream_t stream);
+                                int32_t experts, int64_t hidden, bool wire_f32, T* out,
+                                cudaStream_t stream);
 
 // This process's device sequence numbers (ll_ctr: dispatch, combine), read with a blocking copy.
 cudaError_t ReadLLSeq(const Team& team, uint64_t out[2]);

@@ -134,9 +134,14 @@ SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, i
     s.ll_msg = o;       o += 2 * R * s.ll_msg_stride;
     s.ll_row_flag = o;  o += AlignUp(2 * L * R * cap * sizeof(uint64_t));
     s.ll_rows = o;      o += AlignUp(2 * L * R * cap * s.ll_row_stride);
+    s.ll_crow_stride = s.ll_row_stride + 16;  // the row, then its f32 weight
     s.ll_cflag = o;     o += AlignUp(2 * N * sizeof(uint64_t));
-    s.ll_cw = o;        o += AlignUp(2 * N * sizeof(float));
-    s.ll_crows = o;     o += AlignUp(2 * N * s.ll_row_stride);
+    s.ll_crows = o;     o += AlignUp(2 * N * s.ll_crow_stride);
+    if (nodes > 1) {  // staging of the puts to other nodes
+      s.ll_msg_out = o;  o += R * s.ll_msg_stride;
+      s.ll_tok = o;      o += AlignUp(static_cast<size_t>(max_tokens) * s.ll_row_stride);
+      s.ll_cstage = o;   o += AlignUp(static_cast<size_t>(capacity) * s.ll_crow_stride);
+    }
   }
   s.total = o;
   return s;

@@ -129,7 +129,7 @@ struct Diag {
 //     + region_out        Tmax x region_row_bytes: what my node returns for peer n's tokens, put
 //                         from here into peer n's region for my node
 //
-// Low-latency mode only (ll_experts > 0: a mode="low_latency" config was initialized; one node;
+// Low-latency mode only (ll_experts > 0: a mode="low_latency" config was initialized;
 // low_latency.h says who writes what and why two halves p = seq & 1 are enough):
 //   ll_ctr[2]            u64  local: the device sequence numbers of ll dispatch (0), combine (1)
 //   ll_done[kMaxRanks]   u64  ll_done[d] = last seq whose combine_send rank d started
@@ -140,12 +140,16 @@ struct Diag {
 //   ll_row_flag[2][L][ranks][cap] u64  last seq whose row i of (local expert l, source s) is here
 //   ll_rows[2][L][ranks][cap] of ll_row_stride bytes: those rows (payload or fp8 codes + scales)
 //   ll_cflag[2][N]       u64  combine: last seq whose row of my slot j = t*K + k came back
-//   ll_cw[2][N]          f32  combine: that row's weight (the expert side's)
-//   ll_crows[2][N] of ll_row_stride bytes: the row (y's dtype)
+//   ll_crows[2][N] of ll_crow_stride bytes: the row (y's dtype), then at + ll_row_stride its f32
+//                        weight (the expert side's): one put carries both
+// With several nodes (NVSHMEM puts need registered sources; low_latency.h), this rank's staging:
+//   ll_msg_out[ranks]    of ll_msg_stride bytes: the counts message for each rank of another node
+//   ll_tok[Tmax]         of ll_row_stride bytes: each token's row (fp8: quantized) once
+//   ll_cstage[Cmax]      of ll_crow_stride bytes: combine rows (and weights) for other nodes
 struct SymLayout {
   size_t ll_ctr = 0, ll_done = 0, ll_msg_flag = 0, ll_msg = 0, ll_msg_stride = 0,
          ll_msg_meta = 0, ll_row_flag = 0, ll_rows = 0, ll_row_stride = 0, ll_cflag = 0,
-         ll_cw = 0, ll_crows = 0;
+         ll_crows = 0, ll_crow_stride = 0, ll_msg_out = 0, ll_tok = 0, ll_cstage = 0;
   int64_t ll_experts = 0;  // L (0: no low-latency area)
   int64_t ll_cap = 0;      // rows per (local expert, source) area: min(M, Tmax * K)
   int32_t ll_ranks = 0;    // R

@@ -16,6 +16,8 @@ a CUDA graph: the device sequence numbers advanced once per step while the host 
 fewer times than 4 per step (one node: the low-latency kernels' handlers are graph compatible).
 (Called with fresh input buffers every time, XLA re-records a command buffer instead, running the
 handlers again: also correct, since nothing per call is kept on the host.)
+`--case multi`: jaxep.initialize([normal config, low-latency config]) (one runtime sized for both),
+then normal-mode dispatch + combine and the low-latency public ops, each bitwise vs the oracle.
 `--case graph_killed`: the same loop; the last rank exits after one run, the others must get
 jaxep.TimeoutError (prints `KILLED ...`) within the timeout, never hang.
 Prints `RESULT <rank> <case> ok|FAIL <detail>` and `SUMMARY <rank> <passed>/<total>`.
@@ -233,6 +235,27 @@ def case_graph(cfg, steps=8, runs=2, seed=40):
         mw.report("graph", True, detail)
 
 
+def case_normal_public(cfg_n, seed=5):
+    """Normal-mode jaxep.dispatch + jaxep.combine with the other initialized config."""
+    E, K, H, T = cfg_n.num_experts, cfg_n.topk, cfg_n.hidden, cfg_n.max_tokens_per_rank
+    C = cfg_n.capacity(mw.R)
+    xs, idxs, ws = mw.make_inputs(seed, T, H, K, E, np.dtype(cfg_n.dtype), "uniform", 0.05)
+
+    def one(x, idx, w):
+        res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg_n)
+        return res.x, res.handle.send_row, jaxep.combine(res.x, res.handle, axis_name="ep")
+
+    got = [mw.mine(v) for v in mw.smap(one, 3, 3)(*(mw.glob(a) for a in (xs, idxs, ws)))]
+    jaxep.check()
+    o = oracle.dispatch(xs, idxs, ws, num_experts=E, capacity=C)
+    want = oracle.combine(o["x"], o["weights"], o["send_row"], idxs, num_experts=E,
+                          ranks_per_node=G, wire_dtype=cfg_n.combine_wire_dtype)[mw.ME]
+    checks = [("x", got[0], o["x"][mw.ME]), ("send_row", got[1], o["send_row"][mw.ME]),
+              ("combine", got[2], want)]
+    if all([mw.compare("normal_public", n, g, w) for n, g, w in checks]):
+        mw.report("normal_public", True, f"normal mode beside a low-latency config, C={C}")
+
+
 def run_graph_killed(cfg, timeout_s) -> int:
     f, args, _ = _scan_loop(cfg, 4, 60)
     victim = mw.R - 1
@@ -263,7 +286,7 @@ def main() -> int:
     p.add_argument("--timeout_s", type=float, default=60.0)
     p.add_argument("--ranks_per_node", type=int, default=0)
     p.add_argument("--wire", default="float32", choices=("float32", "payload"))
-    p.add_argument("--case", default="all", choices=("all", "graph", "graph_killed"))
+    p.add_argument("--case", default="all", choices=("all", "graph", "graph_killed", "multi"))
     args = p.parse_args()
     mw.WIRE = args.wire
     K, H, T = 4, 256, 32
@@ -272,13 +295,26 @@ def main() -> int:
     # The runtime is sized from this config (rows L*M with M = R*T); the backend cases stay within.
     cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T, dtype="bfloat16",
                        mode="low_latency", timeout_s=args.timeout_s, **extra)
-    jaxep.initialize(cfg)
+    if args.case == "multi":  # a training (normal) config and the decode config in one runtime
+        cfg_n = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=2 * T,
+                             dtype="bfloat16", timeout_s=args.timeout_s, **extra)
+        jaxep.initialize([cfg_n, cfg])
+    else:
+        jaxep.initialize(cfg)
     G = jaxep.runtime.node_size(cfg, mw.R)
     mw.G = G
     if mw.ME == 0:
         print(f"LL LAYOUT {mw.R // G}x{G} wire={args.wire} M={cfg.expert_rows(mw.R)}", flush=True)
     if args.case == "graph_killed":
         return run_graph_killed(cfg, args.timeout_s)
+    if args.case == "multi":
+        for fn, c in ((case_normal_public, cfg_n), (case_public, cfg), (case_normal_public, cfg_n)):
+            try:
+                fn(c)
+            except Exception as e:  # pylint: disable=broad-except
+                mw.report(fn.__name__[5:], False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
+                traceback.print_exc()
+        return _finish()
     if args.case == "graph":
         try:
             case_graph(cfg)

@@ -124,6 +124,13 @@ def test_low_latency_graph_replay(nproc):
     assert re.search(r"RESULT 0 graph ok .*host handler runs", out), out[-3000:]
 
 
+@pytest.mark.parametrize("layout", [(), ("--ranks_per_node", "4")])
+def test_low_latency_beside_normal_config(layout):
+    """jaxep.initialize([train_config, decode_config]): normal, low-latency, normal again."""
+    rc, out, secs = _launch(8, "--case", "multi", *layout, timeout=300, worker=LL_WORKER)
+    _assert_all_passed(8, rc, out, secs)
+
+
 def test_low_latency_killed_peer_during_replay():
     """The last rank dies after 2 replayed steps: the others' bounded waits end in TimeoutError."""
     nproc, timeout_s = 4, 5.0
