@@ -66,6 +66,13 @@ inline ffi::Error FromCuda(std::string_view target, std::string_view what, cudaE
                                      cudaGetErrorString(err), ")"));
 }
 
+// A multi-rank call before jaxep.initialize (or after finalize).
+inline ffi::Error RuntimeMissing(std::string_view target, int64_t ep_size) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    StrCat(target, ": ep_size = ", ep_size, " needs jaxep.initialize() in a "
+                           "multi-process run first (NVSHMEM runtime not initialized)"));
+}
+
 // Calls fn(T{}) with T the payload element type of `t` (__nv_bfloat16, __half or float); any
 // other dtype is an error naming the target and the argument (`what`).
 template <typename Fn>

@@ -13,9 +13,7 @@ ffi::Error Exchange::Begin(std::string_view target, mr::OpCode op, int64_t ep_si
                            const ExchangeFit& fit, cudaStream_t stream, Exchange* out) {
   const mr::Team* team = rt::ActiveTeam();
   if (team == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      StrCat(target, ": ep_size = ", ep_size, " needs jaxep.initialize() in a "
-                             "multi-process run first (NVSHMEM runtime not initialized)"));
+    return RuntimeMissing(target, ep_size);
   }
   const mr::SymLayout& lay = team->lay;
   if (ep_size != team->size) {

@@ -33,9 +33,7 @@ ffi::Error LLTeam(std::string_view target, int64_t ep_size, int64_t ranks_per_no
   rt::NoteLLHostCall();
   const mr::Team* team = rt::ActiveTeam();
   if (team == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      StrCat(target, ": ep_size = ", ep_size, " needs jaxep.initialize() in a "
-                             "multi-process run first (NVSHMEM runtime not initialized)"));
+    return RuntimeMissing(target, ep_size);
   }
   const mr::SymLayout& lay = team->lay;
   if (ep_size != team->size || ranks_per_node != team->node_size) {

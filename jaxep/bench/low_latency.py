@@ -287,6 +287,10 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
               for op in ("dispatch", "combine")}
     copies["both"] = dict(copies["dispatch"], median=copies["dispatch"]["median"] +
                           copies["combine"]["median"])
+    # The bytes dispatch must write whatever the kernel (x [L, M, H] in full: the contract zeroes
+    # the rows past the counts): a copy of them, the floor of any dispatch with this M.
+    x_total = R * L * M * row_d
+    x_copy = runner._time_copy(bc, mesh, R, 2 * x_total // R)  # pylint: disable=protected-access
     ops = {}
     for op in OPS:
         t = times[op]
@@ -319,6 +323,8 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
                          kept_rows=kept_rows, dropped_rows=dropped,
                          row_bytes_dispatch=row_d, row_bytes_combine=row_c,
                          x_bytes_per_rank=L * M * row_d,
+                         x_copy_s=x_copy,
+                         x_copy_over_dispatch=x_copy["median"] / times["dispatch"]["median"],
                          sync_floor_s=floor,
                          signal_round_trip_s=signal,
                          kernels="low_latency" if _ffi.ll_area_ready(R, G) and backend == "cuda"
@@ -352,6 +358,10 @@ def report(r: dict) -> str:
                      f"{o['payload']['copy_time_s'] * 1e6:>9.1f} {o['payload']['copy_over_op']:>8.2f} "
                      f"{(fl['ratio'] if fl else float('nan')):>9.2f} "
                      f"{(sg['ratio'] if sg else float('nan')):>10.2f}")
+    if ll.get("x_copy_s"):
+        lines.append(f"x [L, M, H] ({ll['x_bytes_per_rank'] / 1e3:.1f} KB per rank, zero rows "
+                     f"included): copy {ll['x_copy_s']['median'] * 1e6:.1f} us, copy/dispatch "
+                     f"{ll['x_copy_over_dispatch']:.2f}")
     lines.append("copy/op: same-run copy of the payload bytes / op (> 1: faster than that copy); "
                  "op/floor: op / the sync floor; op/signal: op / the signal round trip")
     return "\n".join(lines)

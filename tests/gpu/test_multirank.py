@@ -116,9 +116,9 @@ CMDBUF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
                        "--xla_gpu_graph_min_graph_size=1"}
 
 
-@pytest.mark.parametrize("nproc", [4, 8])
-def test_low_latency_graph_replay(nproc):
-    rc, out, secs = _launch(nproc, "--case", "graph", timeout=300, worker=LL_WORKER,
+@pytest.mark.parametrize("nproc,layout", [(4, ()), (8, ()), (8, ("--ranks_per_node", "4"))])
+def test_low_latency_graph_replay(nproc, layout):
+    rc, out, secs = _launch(nproc, "--case", "graph", *layout, timeout=300, worker=LL_WORKER,
                             env_extra=CMDBUF)
     _assert_all_passed(nproc, rc, out, secs)
     line = re.search(r"RESULT 0 graph ok .*host handler runs.*", out)
