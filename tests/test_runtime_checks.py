@@ -278,3 +278,59 @@ def test_a_rank_with_another_number_of_configs_is_refused(fake, monkeypatch):
     with pytest.raises(RuntimeError, match="number of configs=None vs 2"):
         runtime._init_multi_rank([CFG, decode])  # pylint: disable=protected-access
     assert fake.ext.inits == []
+
+
+def test_the_low_latency_area_is_sized_from_the_low_latency_configs(fake, monkeypatch):
+    """initialize passes the area (L local experts, min(M, T*K) rows per (expert, source)) to the
+    runtime, from the low-latency configs only; none without one."""
+    _client(monkeypatch)
+    decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
+                          mode="low_latency", rows_per_expert=64)
+    runtime._init_multi_rank([CFG, decode])  # pylint: disable=protected-access
+    (args,) = fake.ext.inits
+    assert args[-2:] == (4, 8), args  # L = 8 / 2 ranks, min(M=64, T*K=4*2) = 8
+    assert runtime.ll_area_sizes([CFG], 2, 2) == dict(ll_experts=0, ll_cap=0)
+    small = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
+                         mode="low_latency", rows_per_expert=3)
+    big_t = jaxep.Config(num_experts=16, topk=2, hidden=64, max_tokens_per_rank=32,
+                         mode="low_latency", rows_per_expert=24)
+    assert runtime.ll_area_sizes([small, big_t], 2, 1) == dict(ll_experts=8, ll_cap=24)
+
+
+def test_the_low_latency_heap_refusal_names_the_area_and_rows_per_expert(fake, monkeypatch):
+    _client(monkeypatch)
+    fake.ext.sym = 3 << 30
+    decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
+                          mode="low_latency")
+    with pytest.raises(RuntimeError, match=r"low-latency area for L=4 experts x 2 sources x 8 rows"
+                                           r" x 2 halves.*NVSHMEM_SYMMETRIC_SIZE=.*rows_per_expert"):
+        runtime._init_multi_rank(decode)  # pylint: disable=protected-access
+
+
+def _ll_info(**over):
+    info = dict(size=2, node_size=2, max_tokens=4, topk=2, experts=8, capacity=64,
+                stage_bytes=1 << 20, ll_experts=4, ll_cap=8, ll_row_bytes=128)
+    info.update(over)
+    return info
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(ll_experts=2), r"local experts must be <= 2 .*got 4"),
+    (dict(ll_cap=4), r"rows per \(expert, source\) min\(M, T\*K\) must be <= 4 .*got 8"),
+    (dict(ll_row_bytes=64), r"row bytes must be <= 64 .*got 128"),
+    (dict(node_size=1), r"ranks_per_node must be the node layout jaxep.initialize set up \(1 "),
+])
+def test_low_latency_calls_that_do_not_fit_the_area_are_refused(monkeypatch, over, match):
+    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep: _ll_info(**over))
+    with pytest.raises(ValueError, match=r"jaxep\._ffi\.ll_dispatch_send: " + match):
+        _ffi._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
+                            row_bytes=128, topk=2)
+
+
+def test_low_latency_calls_that_fit_the_area_pass(monkeypatch):
+    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep: _ll_info())
+    _ffi._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
+                        row_bytes=128, topk=2)
+    with pytest.raises(ValueError, match=r"config.topk must be <= 64"):
+        _ffi._check_ll_fits("ll_combine_recv", 2, 2, experts=8, slots=8, cap=0,  # pylint: disable=protected-access
+                            row_bytes=128, topk=65)
