@@ -5,7 +5,6 @@
 #include <nanobind/stl/string.h>
 
 #include "cuda/sync.h"
-#include "cuda/low_latency.h"
 #include "cuda/runtime.h"
 #include "phase_times.h"
 
@@ -129,7 +128,7 @@ void RegisterRuntime(nb::module_& m) {
     d["pool_base"] = t->pool_base;
     d["pool_size"] = t->pool_size;
     d["zero_copy_calls"] = rt::ZeroCopyCalls();
-    // The low-latency area (0: none) and the host runs of its handlers (ffi/low_latency.cc).
+    // The low-latency area (0: none) and the host runs of its handlers (ffi/low_latency.h).
     d["ll_experts"] = t->lay.ll_experts;
     d["ll_cap"] = t->lay.ll_cap;
     d["ll_row_bytes"] = t->lay.ll_row_stride;
@@ -146,9 +145,7 @@ void RegisterRuntime(nb::module_& m) {
     const mr::Team* t = rt::ActiveTeam();
     if (t == nullptr) return nb::none();
     uint64_t seq[2];
-    if (cudaError_t e = mr::ReadLLSeq(*t, seq); e != cudaSuccess) {
-      throw std::runtime_error(std::string("ll_device_seq: ") + cudaGetErrorString(e));
-    }
+    if (std::string err = rt::ReadLLSeq(seq); !err.empty()) throw std::runtime_error(err);
     return nb::make_tuple(seq[0], seq[1]);
   }, "(dispatch, combine): the low-latency ops' device sequence numbers (a blocking copy; call "
      "it after the work is done), or None.");

@@ -417,7 +417,7 @@ def fp8_quantize(x):
   return tuple(call(x))
 
 
-# ---- mode="low_latency", ep_size > 1 (ffi/low_latency.cc, ffi/cuda/low_latency.h) ----
+# ---- mode="low_latency", ep_size > 1 (ffi/dispatch_ll.cc, ffi/combine_ll.cc; protocol: ffi/cuda/low_latency.h) ----
 # Command-buffer compatible handlers: the sequence number lives on the device.
 
 LL_MAX_TOPK = 64  # combine_recv orders a token's slots in shared memory (kLLMaxTopk)

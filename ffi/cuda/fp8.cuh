@@ -1,5 +1,5 @@
 // The FP8 quantization of one 128-channel block by one warp (fp8.h gives the contract), written
-// once: the jaxep_fp8_quantize kernel (fp8.cu) and the low-latency dispatch (low_latency.cu)
+// once: the jaxep_fp8_quantize kernel (fp8.cu) and the low-latency dispatch (dispatch_ll.cu)
 // both call it, so both give the bits of jaxep.reference.fp8_quantize. Each lane holds 4
 // channels; the block's amax is a warp max (max is exact: the order does not matter); the scale
 // and every code are IEEE f32 divisions (__fdiv_rn; XLA's own GPU division is not correctly

@@ -84,6 +84,18 @@ uint64_t ZeroCopyCalls() { return S().zero_copy_calls.load(); }
 void NoteLLHostCall() { S().ll_host_calls.fetch_add(1); }
 uint64_t LLHostCalls() { return S().ll_host_calls.load(); }
 
+std::string ReadLLSeq(uint64_t out[2]) {
+  out[0] = out[1] = 0;
+  if (!S().up || S().team.lay.ll_experts == 0) return "";
+  const mr::Team& t = S().team;
+  if (cudaError_t e = cudaMemcpy(out, t.peer[t.rank] + t.lay.ll_ctr, 2 * sizeof(uint64_t),
+                                 cudaMemcpyDeviceToHost);
+      e != cudaSuccess) {
+    return CudaErr("cudaMemcpy(ll_ctr)", e);
+  }
+  return "";
+}
+
 bool ReadDiag(mr::Diag* out) {
   if (!S().up || S().diag_host == nullptr) return false;
   std::memcpy(out, const_cast<const mr::Diag*>(S().diag_host), sizeof(mr::Diag));

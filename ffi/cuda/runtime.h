@@ -70,6 +70,9 @@ void NoteZeroCopyCall();
 // sequence numbers (ReadLLSeq) once XLA replays them from a CUDA graph.
 void NoteLLHostCall();
 uint64_t LLHostCalls();
+// This process's low-latency device sequence numbers (dispatch, combine; 0 without the area),
+// read with a blocking copy. Returns "" or the error.
+std::string ReadLLSeq(uint64_t out[2]);
 uint64_t ZeroCopyCalls();
 
 // nullptr when not initialized. The Team stays valid until Finalize.

@@ -96,7 +96,7 @@ def _handler_seq() -> int | None:
     """Runs of the multi-rank host handlers so far in this process (None without the runtime)."""
     from jaxep import _ffi
     info = _ffi.runtime_info() if _ffi.is_available() else None
-    # seq: the normal mode's handlers; ll_host_calls: the low-latency kernels' (ffi/low_latency.cc)
+    # seq: the normal mode's handlers; ll_host_calls: the low-latency kernels' (ffi/low_latency.h)
     return None if info is None else int(info.get("seq", 0)) + int(info.get("ll_host_calls", 0))
 
 

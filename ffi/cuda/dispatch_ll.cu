@@ -1,0 +1,302 @@
+// The low-latency dispatch kernels (dispatch_ll.h; the protocol in low_latency.h): send kernel A
+// (the call's seq, the slots' ordinals, the counts messages), send kernel B (the rows), receive.
+#include <algorithm>
+
+#include "dispatch.h"  // kMaxExperts
+#include "dispatch_ll.h"
+#include "fp8.cuh"
+#include "low_latency.cuh"
+
+namespace jaxep::cuda::mr {
+namespace {
+
+using namespace ll;  // NOLINT: the shared helpers
+
+constexpr int kLayoutThreads = 1024;
+constexpr int kRecvRowsPerBlock = 32;
+
+// Kernel A, one block: the call's seq, the slots' ordinals, and the counts message to every rank.
+__global__ void __launch_bounds__(kLayoutThreads) LLDispatchLayoutKernel(Team team,
+                                                                         LLDispatchSend a) {
+  __shared__ int32_t run[kMaxExperts];  // slots per expert, then their exclusive prefix
+  __shared__ uint64_t s_seq;
+  __shared__ int s_abort;
+  const SymLayout& lay = team.lay;
+  const int tid = threadIdx.x, lane = tid % kWarpSize, me = team.rank, R = team.size;
+  const int E = a.experts, L = E / R, N = a.tokens * a.topk;
+  if (tid == 0) {
+    s_seq = Ctr(team)[0] + 1;
+    Ctr(team)[0] = s_seq;  // read by this op's later kernels (stream order)
+    s_abort = Aborted(team) ? 1 : 0;
+  }
+  for (int e = tid; e < E; e += blockDim.x) run[e] = 0;
+  __syncthreads();
+  if (s_abort) return;
+  const uint64_t seq = s_seq;
+  const int p = static_cast<int>(seq & 1);
+  // One warp ranks the slots in (t, k) order, 32 at a time: lanes with the same expert get
+  // consecutive ordinals after the ones of the earlier chunks (the reference's stable order).
+  if (tid < kWarpSize) {
+    int invalid = 0;
+    for (int base = 0; base < N; base += kWarpSize) {
+      const int j = base + lane;
+      int e = -1;
+      if (j < N) {
+        const int32_t raw = a.topk_idx[j];
+        invalid += (raw < -1 || raw >= E) ? 1 : 0;
+        e = Sanitize(raw, E);
+      }
+      const unsigned peers = __match_any_sync(kFullMask, e);
+      const int prior = e >= 0 ? run[e] : 0;
+      __syncwarp();
+      if (e >= 0 && 31 - __clz(peers) == lane) run[e] = prior + __popc(peers);
+      if (j < N) a.pos[j] = e >= 0 ? prior + __popc(peers & ((1u << lane) - 1u)) : -1;
+      __syncwarp();
+    }
+    for (int off = 16; off > 0; off /= 2) invalid += __shfl_xor_sync(kFullMask, invalid, off);
+    if (lane == 0) *a.invalid = invalid;
+  }
+  __syncthreads();
+  // Where the message to rank d is written: d's ll_msg[p][me] on this node, else this rank's
+  // staging ll_msg_out[d] (put below).
+  auto msg_of = [&](int d) -> char* {
+    return SameNode(team, d) ? team.peer[d] + MsgOffset(lay, p, me)
+                             : team.peer[me] + lay.ll_msg_out + d * lay.ll_msg_stride;
+  };
+  // counts[E] to every rank (each needs the sources before it for its send_row).
+  for (int q = tid; q < R * E; q += blockDim.x) {
+    const int d = q / E, e = q % E;
+    reinterpret_cast<uint32_t*>(msg_of(d))[e] = static_cast<uint32_t>(run[e]);
+  }
+  const int total = BlockScanArray(run, run, E);  // run[e] = slots of experts < e
+  // {slot, weight} of each row, at its place in its destination's (expert, t, k) list.
+  for (int j = tid; j < N; j += blockDim.x) {
+    const int e = Sanitize(a.topk_idx[j], E);
+    if (e < 0) continue;
+    const int d = e / L;
+    const int at = run[e] - run[d * L] + a.pos[j];
+    int32_t* meta = reinterpret_cast<int32_t*>(msg_of(d) + lay.ll_msg_meta) + 2 * at;
+    meta[0] = j;
+    meta[1] = __float_as_int(a.topk_w[j]);
+  }
+  __syncthreads();
+  const size_t flag = lay.ll_msg_flag + (static_cast<size_t>(p) * kMaxRanks + me) * sizeof(uint64_t);
+  for (int d = tid; d < R; d += blockDim.x) {
+    __threadfence_system();
+    if (SameNode(team, d)) {
+      StoreReleaseSys(reinterpret_cast<uint64_t*>(team.peer[d] + flag), seq);
+    } else {  // counts, then d's rows' {slot, weight}: run[] is the prefix over experts
+      const int rows = (d + 1 < R ? run[(d + 1) * L] : total) - run[d * L];
+      PutSignal(team.sym + MsgOffset(lay, p, me), team.sym + lay.ll_msg_out + d * lay.ll_msg_stride,
+                lay.ll_msg_meta + static_cast<size_t>(rows) * 2 * sizeof(int32_t),
+                reinterpret_cast<uint64_t*>(team.sym + flag), seq, d);
+    }
+  }
+  if (Nodes(team) > 1) Quiet();
+}
+
+// Kernel B, a block per token: its rows into their experts' areas, a flag per row.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDispatchSend a) {
+  extern __shared__ __align__(16) unsigned char s_row[];  // fp8: codes [H], scales [H / 128]
+  __shared__ int s_abort;
+  if (threadIdx.x == 0) s_abort = Aborted(team) ? 1 : 0;
+  __syncthreads();
+  if (s_abort) return;
+  const SymLayout& lay = team.lay;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int me = team.rank, E = a.experts, L = E / team.size, K = a.topk;
+  const uint64_t seq = CurrentSeq(team, 0);
+  const int p = static_cast<int>(seq & 1);
+  const int64_t t = blockIdx.x, H = a.hidden;
+  const T* xt = static_cast<const T*>(a.x) + t * H;
+  const char* src = reinterpret_cast<const char*>(xt);
+  int64_t row_bytes = H * static_cast<int64_t>(sizeof(T));
+  // Several nodes: the row is staged once in ll_tok[t] (the puts' registered source); one node:
+  // fp8 rows in shared memory, payload rows straight from x.
+  const bool internode = Nodes(team) > 1;
+  unsigned char* row = internode
+                           ? reinterpret_cast<unsigned char*>(team.peer[me] + lay.ll_tok +
+                                                              t * lay.ll_row_stride)
+                           : s_row;
+  if (a.fp8) {  // once per token, then the same packed row to each of its experts
+    float* scales = reinterpret_cast<float*>(row + H);
+    for (int64_t b = warp; b < H / kFp8Block; b += kWarps) {
+      const float scale = QuantizeFp8Block(xt + b * kFp8Block, row + b * kFp8Block, lane);
+      if (lane == 0) scales[b] = scale;
+    }
+    row_bytes = H + (H / kFp8Block) * static_cast<int64_t>(sizeof(float));
+    src = reinterpret_cast<const char*>(row);
+  } else if (internode) {
+    BlockCopy(reinterpret_cast<char*>(row), src, row_bytes);
+    src = reinterpret_cast<const char*>(row);
+  }
+  if (a.fp8 || internode) __syncthreads();
+  for (int k = warp; k < K; k += kWarps) {
+    const int64_t j = t * K + k;
+    const int e = Sanitize(a.topk_idx[j], E);
+    if (e < 0) continue;
+    const int32_t i = a.pos[j];
+    if (i >= lay.ll_cap) continue;  // i >= M: dropped by the receiver whatever the prefix
+    const int d = e / L;
+    const size_t ri = RowIndex(lay, p, e % L, me, i);
+    if (!SameNode(team, d)) {
+      __threadfence_system();  // the staged row before the put reads it
+      PutSignalWarp(team.sym + lay.ll_rows + ri * lay.ll_row_stride, src, row_bytes,
+                    reinterpret_cast<uint64_t*>(team.sym + lay.ll_row_flag) + ri, seq, d);
+      continue;
+    }
+    WarpCopy(team.peer[d] + lay.ll_rows + ri * lay.ll_row_stride, src, row_bytes, lane);
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence_system();
+      StoreReleaseSys(reinterpret_cast<uint64_t*>(team.peer[d] + lay.ll_row_flag) + ri, seq);
+    }
+  }
+  if (internode) Quiet();
+}
+
+// ---- dispatch_recv ------------------------------------------------------------------------
+
+// Blocks 0 .. L*chunks-1: rows [32 chunk, 32 chunk + 32) of local expert l; the last block: the
+// handle's send_row and topk_idx, and stats.
+__global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDispatchRecv a,
+                                                                 int chunks) {
+  __shared__ int s_abort, s_drop;
+  __shared__ int32_t s_pre[kMaxRanks + 1], s_cnt[kMaxRanks], s_base[kMaxRanks];
+  const SymLayout& lay = team.lay;
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int me = team.rank, R = team.size, E = a.experts, L = E / R, M = a.rows_per_expert;
+  const int N = a.tokens * a.topk;
+  const uint64_t seq = CurrentSeq(team, 0);
+  const int p = static_cast<int>(seq & 1);
+  if (tid == 0) {
+    s_abort = Aborted(team) ? 1 : 0;
+    s_drop = 0;
+  }
+  __syncthreads();
+  if (s_abort) return;
+  for (int s = tid; s < R; s += blockDim.x) {
+    const uint64_t* f =
+        reinterpret_cast<const uint64_t*>(team.peer[me] + lay.ll_msg_flag) + p * kMaxRanks + s;
+    if (!WaitAtLeast(team, f, seq, kPhaseLLCounts, kOpLLDispatch, s, seq)) s_abort = 1;
+  }
+  __syncthreads();
+  if (s_abort) return;
+  auto counts_of = [&](int s) {
+    return reinterpret_cast<const uint32_t*>(team.peer[me] + MsgOffset(lay, p, s));
+  };
+  if (blockIdx.x == gridDim.x - 1) {
+    for (int l = tid; l < L; l += blockDim.x) {
+      int total = 0;
+      for (int s = 0; s < R; ++s) total += static_cast<int>(counts_of(s)[me * L + l]);
+      if (total > M) atomicAdd(&s_drop, total - M);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      a.stats[0] = s_drop;
+      a.stats[1] = *a.invalid;
+    }
+    for (int j = tid; j < N; j += blockDim.x) {
+      const int e = Sanitize(a.topk_idx[j], E);
+      a.topk_out[j] = e;
+      int row = -1;
+      if (e >= 0) {
+        int pre = 0;  // rows of expert e from the sources before me
+        for (int s = 0; s < me; ++s) pre += static_cast<int>(counts_of(s)[e]);
+        const int r = pre + a.pos[j];
+        if (r < M) row = (e % L) * M + r;
+      }
+      a.send_row[j] = row;
+    }
+    return;
+  }
+  const int l = blockIdx.x / chunks, chunk = blockIdx.x % chunks, e = me * L + l;
+  for (int s = tid; s < R; s += blockDim.x) {
+    const uint32_t* c = counts_of(s);
+    s_cnt[s] = static_cast<int32_t>(c[e]);
+    int b = 0;  // s's rows to my experts before l: where expert l's list starts in s's message
+    for (int l2 = 0; l2 < l; ++l2) b += static_cast<int>(c[me * L + l2]);
+    s_base[s] = b;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      s_pre[s] = acc;
+      acc += s_cnt[s];
+    }
+    s_pre[R] = acc;
+  }
+  __syncthreads();
+  const int kept = min(s_pre[R], M);
+  if (chunk == 0 && tid == 0) a.counts[l] = kept;
+  for (int r = warp; r < kRecvRowsPerBlock; r += kWarps) {
+    const int m = chunk * kRecvRowsPerBlock + r;
+    if (m >= M) break;
+    const int64_t flat = static_cast<int64_t>(l) * M + m;
+    char* xh = static_cast<char*>(a.x) + flat * a.head_bytes;
+    char* xt = static_cast<char*>(a.tail) + flat * a.tail_bytes;
+    if (m >= kept) {
+      WarpZero(xh, a.head_bytes, lane);
+      if (a.tail_bytes) WarpZero(xt, a.tail_bytes, lane);
+      if (lane == 0) {
+        a.weights[flat] = 0.0f;
+        a.recv_slot[flat] = -1;
+      }
+      continue;
+    }
+    int s = 0;
+    while (s_pre[s + 1] <= m) ++s;  // the source of row m: (source, t, k) order
+    const int i = m - s_pre[s];
+    const size_t ri = RowIndex(lay, p, l, s, i);
+    const uint64_t* f = reinterpret_cast<const uint64_t*>(team.peer[me] + lay.ll_row_flag) + ri;
+    if (!__all_sync(kFullMask, WaitAtLeast(team, f, seq, kPhaseLLRow, kOpLLDispatch, s, seq))) {
+      return;
+    }
+    const char* src = team.peer[me] + lay.ll_rows + ri * lay.ll_row_stride;
+    WarpCopy(xh, src, a.head_bytes, lane);
+    if (a.tail_bytes) WarpCopy(xt, src + a.head_bytes, a.tail_bytes, lane);
+    if (lane == 0) {
+      const int32_t* meta = reinterpret_cast<const int32_t*>(
+          team.peer[me] + MsgOffset(lay, p, s) + lay.ll_msg_meta) + 2 * (s_base[s] + i);
+      a.weights[flat] = __int_as_float(meta[1]);
+      a.recv_slot[flat] = s * N + meta[0];
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t LaunchLLDispatchSend(const Team& team, const LLDispatchSend& a, cudaStream_t stream) {
+  if (a.experts > kMaxExperts || a.topk > kLLMaxTopk) return cudaErrorInvalidValue;
+  LLDispatchLayoutKernel<<<1, kLayoutThreads, 0, stream>>>(team, a);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (a.tokens == 0) return cudaSuccess;
+  const size_t smem = a.fp8 ? static_cast<size_t>(a.hidden + a.hidden / kFp8Block * 4) : 0;
+  if (smem > 48 * 1024) {
+    if (cudaError_t e = cudaFuncSetAttribute(LLDispatchRowsKernel<T>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem));
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  LLDispatchRowsKernel<T><<<a.tokens, kThreads, smem, stream>>>(team, a);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchLLDispatchRecv(const Team& team, const LLDispatchRecv& a, cudaStream_t stream) {
+  const int L = a.experts / team.size;
+  const int chunks = static_cast<int>(CeilDiv(a.rows_per_expert, kRecvRowsPerBlock));
+  LLDispatchRecvKernel<<<L * chunks + 1, kThreads, 0, stream>>>(team, a, chunks);
+  return cudaGetLastError();
+}
+
+template cudaError_t LaunchLLDispatchSend<float>(const Team&, const LLDispatchSend&, cudaStream_t);
+template cudaError_t LaunchLLDispatchSend<__nv_bfloat16>(const Team&, const LLDispatchSend&,
+                                                         cudaStream_t);
+template cudaError_t LaunchLLDispatchSend<__half>(const Team&, const LLDispatchSend&, cudaStream_t);
+
+}  // namespace jaxep::cuda::mr
