@@ -20,6 +20,11 @@ reference's over all token blocks). f32 with `jax_default_matmul_precision=highe
 k-th and (k+1)-th router scores are within 1e-4 (a near tie could pick another expert on the GPU
 than on the CPU). Capacity: never drop.
 
+Decode (case "decode"): the runtime is initialized with the training config and a low-latency
+decode config (`jaxep.initialize([cfg, decode_cfg])`), and `jaxep.nn.moe_local_decode` (the
+layer's `decode=True` path: low-latency dispatch, batched experts over [L, M, H], combine) of a
+small decode batch is compared, forward, with the same dense reference.
+
 Prints `RESULT <rank> <case> ok|FAIL <detail>` and `SUMMARY <rank> <passed>/<total>`; exits 1 on
 any failure.
 """
@@ -41,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import jaxep  # noqa: E402
-from jaxep.nn.moe import _Routing, moe_local, moe_reference  # noqa: E402
+from jaxep.nn.moe import _Routing, moe_local, moe_local_decode, moe_reference  # noqa: E402
 
 R, ME = jax.process_count(), jax.process_index()
 MESH = Mesh(np.array(jax.devices()), ("ep",))
@@ -129,7 +134,10 @@ def run(args) -> int:
     L = E // R
     cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
                        capacity_factor=None, dtype="float32", timeout_s=args.timeout_s)
-    jaxep.initialize(cfg)
+    T_dec = 4  # decode tokens per rank
+    decode_cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T_dec,
+                              dtype="float32", mode="low_latency", timeout_s=args.timeout_s)
+    jaxep.initialize([cfg, decode_cfg])
     routing = _Routing(E, K, "softmax", True, jnp.float32)
     pspec = dict(router=P("ep"), w_gate=P("ep"), w_up=P("ep"), w_down=P("ep"))
 
@@ -185,10 +193,40 @@ def run(args) -> int:
         except Exception as e:  # pylint: disable=broad-except
             report(case, False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
             traceback.print_exc()
+    try:
+        case_decode(args, decode_cfg, routing, pspec, T_dec, H, F, E, K, L)
+    except Exception as e:  # pylint: disable=broad-except
+        report("decode", False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
+        traceback.print_exc()
     passed = sum(ok for _, ok, _ in RESULTS)
     print(f"SUMMARY {ME} {passed}/{len(RESULTS)}", flush=True)
     jaxep.finalize()
     return 0 if passed == len(RESULTS) else 1
+
+
+def case_decode(args, decode_cfg, routing, pspec, T, H, F, E, K, L):
+    """The layer's decode path (low-latency mode) against the dense reference, forward."""
+    def per_rank(p, x):
+        p = dict(p, router=p["router"][0])
+        y, st = moe_local_decode(p, x, routing=routing, config=decode_cfg, axis_name="ep",
+                                 backend=args.backend)
+        return y, st["dropped_rows"]
+
+    step = jax.jit(jax.shard_map(per_rank, mesh=MESH, in_specs=(pspec, P("ep")),
+                                 out_specs=(P("ep"), P("ep"))))
+    params, x, g = make_problem(args.seed + 7, T, H, F, E, K)
+    sl = slice(ME * L, (ME + 1) * L)
+    local = dict(router=params["router"][None], w_gate=params["w_gate"][sl],
+                 w_up=params["w_up"][sl], w_down=params["w_down"][sl])
+    y, dropped = step({k: glob(v) for k, v in local.items()}, glob(x[ME * T:(ME + 1) * T]))
+    jax.block_until_ready(y)
+    jaxep.check()
+    ref, where = reference_all_blocks(params, x, g, T, K)
+    ok_y, detail = close("decode", "y", mine(y), ref[ME][0])
+    n_drop = int(mine(dropped).sum())
+    report("decode", ok_y and n_drop == 0,
+           f"rel err vs dense reference ({where}): {detail}, dropped {n_drop}, T={T} per rank, "
+           f"M={decode_cfg.expert_rows(R)}")
 
 
 def main() -> int:
