@@ -108,6 +108,10 @@ def fake(monkeypatch):
     monkeypatch.setattr(runtime.jax, "local_devices", lambda: state.local)
     monkeypatch.setattr(runtime.jax, "devices", lambda: [_device(0), _device(1)])
     monkeypatch.setattr(runtime, "_start_watchdog", lambda: None)
+    # _init_multi_rank records the node layout it agreed; restored after the test (a later test's
+    # EP size must not be checked against this fake's 2 processes per host).
+    monkeypatch.setattr(runtime._state, "machine_ranks_per_node",  # pylint: disable=protected-access
+                        runtime._state.machine_ranks_per_node)  # pylint: disable=protected-access
     # NVSHMEM_CUMEM_GRANULARITY: jaxep.initialize sets it (zero-copy); monkeypatch restores it.
     for k in ("NVSHMEM_SYMMETRIC_SIZE", "CUDA_MPS_PIPE_DIRECTORY", "NVSHMEM_CUMEM_GRANULARITY"):
         monkeypatch.delenv(k, raising=False)
