@@ -1,6 +1,7 @@
 // The internode transport (internode.h): credits, positions, NVSHMEM puts with signals, arrival
-// waits. The only file of jaxep whose kernels call NVSHMEM; without NVSHMEM the launchers return
-// cudaErrorNotSupported (the runtime never starts then, so no internode call is ever made).
+// waits. With the low-latency kernels (low_latency.cuh) the only kernels of jaxep that call
+// NVSHMEM; without NVSHMEM the launchers return cudaErrorNotSupported (the runtime never starts
+// then, so no internode call is ever made).
 //
 // Signals: rin_meta is SET to the call's seq by one put-with-signal, and so is rin_seq[n][j] by the
 // put of row j (dispatch, dispatch_rows); rin_rows counts returns with NVSHMEM_SIGNAL_ADD 1
