@@ -29,7 +29,6 @@ import dataclasses
 import os
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -290,18 +289,10 @@ def main() -> int:
         return run_graph_killed(cfg, args.timeout_s)
     if args.case == "multi":
         for fn, c in ((case_normal_public, cfg_n), (case_public, cfg), (case_normal_public, cfg_n)):
-            try:
-                fn(c)
-            except Exception as e:  # pylint: disable=broad-except
-                mw.report(fn.__name__[5:], False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
-                traceback.print_exc()
+            mw.run_case(fn.__name__[5:], fn, c)
         return _finish()
     if args.case == "graph":
-        try:
-            case_graph(cfg)
-        except Exception as e:  # pylint: disable=broad-except
-            mw.report("graph", False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
-            traceback.print_exc()
+        mw.run_case("graph", case_graph, cfg)
         return _finish()
     cases = [
         ("ll_bf16_nodrop", dict(T=T, H=H, K=K, E=E, M=mw.R * T, dtype=jnp.bfloat16, routing="uniform")),
@@ -314,17 +305,9 @@ def main() -> int:
                                    routing="one_expert", fp8=True)),
     ]
     for name, kw in cases:
-        try:
-            case_backend(name, cfg, **kw)
-        except Exception as e:  # pylint: disable=broad-except
-            mw.report(name, False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
-            traceback.print_exc()
+        mw.run_case(name, case_backend, name, cfg, **kw)
     for fn in (case_public, case_decode_loop):
-        try:
-            fn(cfg)
-        except Exception as e:  # pylint: disable=broad-except
-            mw.report(fn.__name__[5:], False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
-            traceback.print_exc()
+        mw.run_case(fn.__name__[5:], fn, cfg)
     return _finish()
 
 

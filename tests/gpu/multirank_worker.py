@@ -53,6 +53,16 @@ def report(case: str, ok: bool, detail: str = "") -> None:
     print(f"RESULT {ME} {case} {'ok' if ok else 'FAIL'} {detail}", flush=True)
 
 
+def run_case(name: str, fn, *args, **kw) -> None:
+    """fn(*args, **kw), which reports its own result; an exception is reported as `name` FAIL
+    (with its traceback printed), so one broken case does not stop the others."""
+    try:
+        fn(*args, **kw)
+    except Exception as e:  # pylint: disable=broad-except
+        report(name, False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
+        traceback.print_exc()
+
+
 def glob(per_rank):
     """The global array [R*n, ...] from every rank's array (this process supplies its own shard;
     a single process emulating R CPU devices, for debugging the worker, supplies them all)."""
@@ -351,18 +361,10 @@ def run_all(args) -> int:
         ("bf16_odd_shapes", dict(T=37, H=250, K=3, E=E, C=300, dtype=jnp.bfloat16, routing="uniform", bad_frac=0.1)),
     ]
     for name, kw in cases:
-        try:
-            case_ops(name, cfg, **kw)
-        except Exception as e:  # pylint: disable=broad-except
-            report(name, False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
-            traceback.print_exc()
+        run_case(name, case_ops, name, cfg, **kw)
     case_peer_table()
     for fn in (case_grads, case_repeat):
-        try:
-            fn(cfg)
-        except Exception as e:  # pylint: disable=broad-except
-            report(fn.__name__[5:], False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
-            traceback.print_exc()
+        run_case(fn.__name__[5:], fn, cfg)
     passed = sum(ok for _, ok, _ in RESULTS)
     info = jaxep._ffi.runtime_info() or {}
     print(f"ZERO_COPY_CALLS {ME} {info.get('zero_copy_calls', 0)}", flush=True)
