@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "cuda/dispatch_ll.h"
+#include "cuda/fp8.h"
 #include "low_latency.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -26,7 +27,7 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x, S32Mat topk
       e.failure()) {
     return e;
   }
-  if (fp8) row_bytes = hidden + hidden / 128 * 4;
+  if (fp8) row_bytes = cuda::Fp8RowBytes(hidden);
   const mr::Team* team = nullptr;
   if (ffi::Error e = LLTeam(kLLDispatchSendTarget, ep_size, ranks_per_node, num_experts,
                             tokens * topk, AreaRows(rows_per_expert, tokens * topk), row_bytes,

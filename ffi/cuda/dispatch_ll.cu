@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
       const float scale = QuantizeFp8Block(xt + b * kFp8Block, row + b * kFp8Block, lane);
       if (lane == 0) scales[b] = scale;
     }
-    row_bytes = H + (H / kFp8Block) * static_cast<int64_t>(sizeof(float));
+    row_bytes = Fp8RowBytes(H);
     src = reinterpret_cast<const char*>(row);
   } else if (internode) {
     BlockCopy(reinterpret_cast<char*>(row), src, row_bytes);
@@ -274,7 +274,8 @@ cudaError_t LaunchLLDispatchSend(const Team& team, const LLDispatchSend& a, cuda
   LLDispatchLayoutKernel<<<1, kLayoutThreads, 0, stream>>>(team, a);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (a.tokens == 0) return cudaSuccess;
-  const size_t smem = a.fp8 ? static_cast<size_t>(a.hidden + a.hidden / kFp8Block * 4) : 0;
+  // Shared memory holds the fp8 row on one node only (several nodes stage it in ll_tok).
+  const size_t smem = a.fp8 && Nodes(team) == 1 ? static_cast<size_t>(Fp8RowBytes(a.hidden)) : 0;
   if (smem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(LLDispatchRowsKernel<T>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -11,6 +11,11 @@ namespace jaxep::cuda {
 
 constexpr int kFp8Block = 128;  // channels per scale (jaxep.config.FP8_BLOCK)
 
+// Bytes of one fp8 row as the low-latency dispatch moves it: H e4m3 codes, then H/128 f32 scales.
+__host__ __device__ constexpr int64_t Fp8RowBytes(int64_t hidden) {
+  return hidden + hidden / kFp8Block * static_cast<int64_t>(sizeof(float));
+}
+
 // x [T, H] (T = tokens, H % 128 == 0) -> codes [T, H] e4m3fn bytes, scales [T, H/128] f32:
 // per token and block j, in f32: amax = max |x[t, 128j:128j+128]|, scale = amax / 448 (IEEE
 // division, round to nearest; 1.0 where amax == 0), code = x / scale (IEEE division) rounded to

@@ -52,40 +52,34 @@ __device__ __forceinline__ uint64_t CurrentSeq(const Team& t, int op) {
   return reinterpret_cast<const volatile uint64_t*>(Ctr(t))[op];
 }
 
-// A warp copies / zeroes `bytes` with the widest unit that the addresses and the size allow (a
-// uniform branch: every row of a call takes the same one).
+// Threads first, first + step, ... copy `bytes` with the widest unit that the addresses and the
+// size allow (a uniform branch: every row of a call takes the same one). WarpCopy: a warp's lanes;
+// BlockCopy: the block's threads (every thread calls it; no barrier inside).
 template <typename U>
-__device__ __forceinline__ void CopyUnits(char* dst, const char* src, int64_t n, int lane) {
+__device__ __forceinline__ void CopyUnits(char* dst, const char* src, int64_t n, int first,
+                                          int step) {
   U* d = reinterpret_cast<U*>(dst);
   const U* s = reinterpret_cast<const U*>(src);
 #pragma unroll 4
-  for (int64_t i = lane; i < n; i += kWarpSize) d[i] = s[i];
+  for (int64_t i = first; i < n; i += step) d[i] = s[i];
+}
+
+__device__ __forceinline__ void StridedCopy(char* dst, const char* src, int64_t bytes, int first,
+                                            int step) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         static_cast<uintptr_t>(bytes);
+  if (bits % 16 == 0) CopyUnits<uint4>(dst, src, bytes / 16, first, step);
+  else if (bits % 8 == 0) CopyUnits<uint2>(dst, src, bytes / 8, first, step);
+  else if (bits % 4 == 0) CopyUnits<uint32_t>(dst, src, bytes / 4, first, step);
+  else CopyUnits<uint8_t>(dst, src, bytes, first, step);
 }
 
 __device__ __forceinline__ void WarpCopy(char* dst, const char* src, int64_t bytes, int lane) {
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                         static_cast<uintptr_t>(bytes);
-  if (bits % 16 == 0) CopyUnits<uint4>(dst, src, bytes / 16, lane);
-  else if (bits % 8 == 0) CopyUnits<uint2>(dst, src, bytes / 8, lane);
-  else if (bits % 4 == 0) CopyUnits<uint32_t>(dst, src, bytes / 4, lane);
-  else CopyUnits<uint8_t>(dst, src, bytes, lane);
+  StridedCopy(dst, src, bytes, lane, kWarpSize);
 }
 
-// The block copies `bytes` (every thread calls it; no barrier inside).
 __device__ __forceinline__ void BlockCopy(char* dst, const char* src, int64_t bytes) {
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                         static_cast<uintptr_t>(bytes);
-  if (bits % 16 == 0) {
-    for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-    }
-  } else if (bits % 4 == 0) {
-    for (int64_t i = threadIdx.x; i < bytes / 4; i += blockDim.x) {
-      reinterpret_cast<uint32_t*>(dst)[i] = reinterpret_cast<const uint32_t*>(src)[i];
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
-  }
+  StridedCopy(dst, src, bytes, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
 }
 
 // NVSHMEM calls of the several-node case (without NVSHMEM the runtime never starts, so a team
