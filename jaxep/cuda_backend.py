@@ -91,7 +91,8 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 # initialized, and a low-latency config gives the runtime its area) the first version runs: the
 # normal mode's exchange (stage, ready, pull) with the low-latency layout (the `expert_rows`
 # attribute: rows of local expert l at [l*M, l*M + M) of C = L*M rows), so both halves of the
-# split ops run in the receive half here (the send half only packs); combine is the normal combine kernel on the flat rows l*M + m (the same fixed order).
+# split ops run in the receive half here (the send half only packs); combine is the normal
+# combine kernel on the flat rows l*M + m (the same fixed order).
 # fp8_dispatch quantizes in its own kernel before the dispatch (jaxep_fp8_quantize: IEEE
 # divisions, which XLA's own GPU division is not, so the reference's jnp code would not give the
 # same bits here) and moves each token's codes and scales as one packed row of H + 4*H/128 bytes,
@@ -101,10 +102,10 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 # platform) with jaxep_fp8_quantize for fp8, like gather_back's local gather at EP size 1.
 
 
-def _ll_kernels(config, ep):
+def _ll_kernels(ep):
     """True when the low-latency kernels run this call: EP > 1 and the runtime has the
     low-latency area (jaxep.initialize got a mode="low_latency" config)."""
-    return ep > 1 and _ffi.ll_area_ready(ep, _node_size(config, ep))
+    return ep > 1 and _ffi.ll_area_ready(ep)
 
 
 def _ll_check(config, ep):
@@ -134,7 +135,7 @@ def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config):
     if ep == 1:
         return _reference.ll_dispatch_send(x, topk_idx, topk_weights, axis_name=axis_name,
                                            config=config, quantize=_fp8_quantize)
-    if _ll_kernels(config, ep):
+    if _ll_kernels(ep):
         pos, invalid = _ffi.ll_dispatch_send(x, topk_idx, topk_weights, config=config,
                                              ep_size=ep, ranks_per_node=_node_size(config, ep))
         return (topk_idx, pos, invalid)
@@ -149,7 +150,7 @@ def ll_dispatch_recv(sent, *, axis_name, config):
     if ep == 1:
         return _reference.ll_dispatch_recv(sent, axis_name=axis_name, config=config)
     L, M, H = config.num_experts // ep, config.expert_rows(ep), config.hidden
-    if _ll_kernels(config, ep):
+    if _ll_kernels(ep):
         topk_idx, pos, invalid = sent
         rows, tail, weights, counts, send_row, recv_slot, idx, stats = _ffi.ll_dispatch_recv(
             topk_idx, pos, invalid, config=config, dtype=config.dtype, ep_size=ep,
@@ -186,7 +187,7 @@ def combine_send(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config
         raise NotImplementedError(
             f"jaxep.combine_send: on the CUDA backend y must have the config's dtype "
             f"{config.dtype} (the kernel casts once, to y's dtype), got {y.dtype}")
-    if _ll_kernels(config, ep):
+    if _ll_kernels(ep):
         (marker,) = _ffi.ll_combine_send(y, weights, recv_slot, tokens=send_row.shape[0],
                                          config=config, ep_size=ep,
                                          ranks_per_node=_node_size(config, ep))
@@ -198,7 +199,7 @@ def combine_recv(sent, *, axis_name, config, dtype):
     ep = _ep_size(axis_name)
     if ep == 1:
         return _reference.combine_recv(sent, axis_name=axis_name, config=config, dtype=dtype)
-    if _ll_kernels(config, ep):
+    if _ll_kernels(ep):
         marker, send_row, topk_idx = sent
         (out,) = _ffi.ll_combine_recv(marker, send_row, topk_idx, hidden=config.hidden,
                                       dtype=config.dtype, config=config, ep_size=ep,

@@ -164,12 +164,10 @@ def runtime_sizes(configs, ep_size: int) -> dict:
                 return_row_bytes=max(c.hidden * 4 for c in configs))
 
 
-def ll_area_sizes(configs, ep_size: int, node: int) -> dict:
+def ll_area_sizes(configs, ep_size: int) -> dict:
     """The low-latency area (ffi/cuda/low_latency.h) for the mode="low_latency" configs among
     `configs`: L local experts and the rows per (expert, source), min(M, T_max * K); zeros when
-    there is none. (`node`, the ranks per node, only changes the staging the area adds with
-    several nodes, which the C++ layout sizes itself.)"""
-    del node
+    there is none. (The staging the area adds with several nodes the C++ layout sizes itself.)"""
     ll = [c for c in configs if c.mode == "low_latency"]
     if not ll:
         return dict(ll_experts=0, ll_cap=0)
@@ -248,7 +246,7 @@ def _init_multi_rank(configs) -> None:
     except RuntimeError:
         _state.generation += 1  # every rank raised: a retry publishes under fresh keys
         raise
-    ll_sizes = ll_area_sizes(configs, nproc, node)
+    ll_sizes = ll_area_sizes(configs, nproc)
     sym = ext.symmetric_bytes(sizes["max_tokens"], sizes["topk"], sizes["experts"], cap,
                               row_bytes, nproc, node, sizes["return_row_bytes"], **ll_sizes)
     heap_env = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")

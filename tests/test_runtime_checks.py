@@ -293,12 +293,12 @@ def test_the_low_latency_area_is_sized_from_the_low_latency_configs(fake, monkey
     runtime._init_multi_rank([CFG, decode])  # pylint: disable=protected-access
     (args,) = fake.ext.inits
     assert args[-2:] == (4, 8), args  # L = 8 / 2 ranks, min(M=64, T*K=4*2) = 8
-    assert runtime.ll_area_sizes([CFG], 2, 2) == dict(ll_experts=0, ll_cap=0)
+    assert runtime.ll_area_sizes([CFG], 2) == dict(ll_experts=0, ll_cap=0)
     small = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                          mode="low_latency", rows_per_expert=3)
     big_t = jaxep.Config(num_experts=16, topk=2, hidden=64, max_tokens_per_rank=32,
                          mode="low_latency", rows_per_expert=24)
-    assert runtime.ll_area_sizes([small, big_t], 2, 1) == dict(ll_experts=8, ll_cap=24)
+    assert runtime.ll_area_sizes([small, big_t], 2) == dict(ll_experts=8, ll_cap=24)
 
 
 def test_the_low_latency_heap_refusal_names_the_area_and_rows_per_expert(fake, monkeypatch):

@@ -178,10 +178,11 @@ def _sync_floor(bc, cfg, mesh, R, G, backend):
                                                   calls_per_op=1))
 
 
-def _signal_floor(bc, cfg, mesh, R, G, backend):
+def _signal_floor(bc, cfg, mesh, R, G, ll_kernels):
     """The low-latency kernels' signal round trip: jaxep_ll_combine_send / _recv of one token with
-    no kept slot (only the start signals to every rank and the wait for all of them)."""
-    if backend != "cuda" or R == 1 or not _ffi.ll_area_ready(R, G):
+    no kept slot (only the start signals to every rank and the wait for all of them); None when
+    the run does not use those kernels."""
+    if not ll_kernels:
         return None
     kw = dict(config=cfg, ep_size=R, ranks_per_node=G)
 
@@ -257,7 +258,8 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
     y = jax.jit(jax.shard_map(expert_input, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(res)
     args = {"dispatch": (x, idx, w), "combine": (y, res.handle), "both": (x, idx, w, y)}
     # Host handler runs per op: the low-latency kernels take two calls per op (send, recv).
-    per = 2 if backend == "cuda" and _ffi.ll_area_ready(R, G) else 1
+    ll_kernels = backend == "cuda" and _ffi.ll_area_ready(R)
+    per = 2 if ll_kernels else 1
     calls = ({"dispatch": per, "combine": per, "both": 2 * per}
              if backend == "cuda" and R > 1 else {})
     times = {}
@@ -270,7 +272,7 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
     stage("timing the sync floor")
     floor = _sync_floor(bc, cfg, mesh, R, G, backend)
     stage("timing the signal round trip")
-    signal = _signal_floor(bc, cfg, mesh, R, G, backend)
+    signal = _signal_floor(bc, cfg, mesh, R, G, ll_kernels)
 
     # Payload: the rows that land in x (kept slots) and come back from y.
     kept_rows = 0
@@ -327,8 +329,7 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
                          x_copy_over_dispatch=x_copy["median"] / times["dispatch"]["median"],
                          sync_floor_s=floor,
                          signal_round_trip_s=signal,
-                         kernels="low_latency" if _ffi.ll_area_ready(R, G) and backend == "cuda"
-                         else "normal exchange",
+                         kernels="low_latency" if ll_kernels else "normal exchange",
                          sync_floor_note="one cross-rank exchange of 4 bytes (jaxep_gather_back "
                                          "of one masked slot): free wait, ready round, free round"),
         ops=ops, notes=["low-latency mode; link classes emulated when ranks share a GPU"])
