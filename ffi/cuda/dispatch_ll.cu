@@ -13,7 +13,9 @@ namespace {
 using namespace ll;  // NOLINT: the shared helpers
 
 constexpr int kLayoutThreads = 1024;
-constexpr int kRecvRowsPerBlock = 32;
+// Rows of x per receive block: a warp per row, so the kept rows of an expert (at the front of its
+// M) are copied by several blocks at once rather than four rows after another by each warp of one.
+constexpr int kRecvRowsPerBlock = kWarps;
 
 // Kernel A, one block: the call's seq, the slots' ordinals, and the counts message to every rank.
 __global__ void __launch_bounds__(kLayoutThreads) LLDispatchLayoutKernel(Team team,
@@ -158,8 +160,8 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
 
 // ---- dispatch_recv ------------------------------------------------------------------------
 
-// Blocks 0 .. L*chunks-1: rows [32 chunk, 32 chunk + 32) of local expert l; the last block: the
-// handle's send_row and topk_idx, and stats.
+// Blocks 0 .. L*chunks-1: rows [chunk, chunk + 1) * kRecvRowsPerBlock of local expert l; the
+// last block: the handle's send_row and topk_idx, and stats.
 __global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDispatchRecv a,
                                                                  int chunks) {
   __shared__ int s_abort, s_drop;
