@@ -13,6 +13,7 @@ namespace {
 using namespace ll;  // NOLINT: the shared helpers
 
 constexpr int kLayoutThreads = 1024;
+constexpr int kRankTile = 2048;  // topk ids kernel A stages in shared memory per pass
 // Rows of x per receive block: a warp per row, so the kept rows of an expert (at the front of its
 // M) are copied by several blocks at once rather than four rows after another by each warp of one.
 constexpr int kRecvRowsPerBlock = kWarps;
@@ -21,6 +22,7 @@ constexpr int kRecvRowsPerBlock = kWarps;
 __global__ void __launch_bounds__(kLayoutThreads) LLDispatchLayoutKernel(Team team,
                                                                          LLDispatchSend a) {
   __shared__ int32_t run[kMaxExperts];  // slots per expert, then their exclusive prefix
+  __shared__ int32_t s_ids[kRankTile];  // a tile of topk_idx
   __shared__ uint64_t s_seq;
   __shared__ int s_abort;
   const SymLayout& lay = team.lay;
@@ -38,23 +40,33 @@ __global__ void __launch_bounds__(kLayoutThreads) LLDispatchLayoutKernel(Team te
   const int p = static_cast<int>(seq & 1);
   // One warp ranks the slots in (t, k) order, 32 at a time: lanes with the same expert get
   // consecutive ordinals after the ones of the earlier chunks (the reference's stable order).
-  if (tid < kWarpSize) {
-    int invalid = 0;
-    for (int base = 0; base < N; base += kWarpSize) {
-      const int j = base + lane;
-      int e = -1;
-      if (j < N) {
-        const int32_t raw = a.topk_idx[j];
-        invalid += (raw < -1 || raw >= E) ? 1 : 0;
-        e = Sanitize(raw, E);
+  // The ids come from shared memory, staged a tile at a time by the whole block, so the warp's
+  // serial walk waits on no global load.
+  int invalid = 0;
+  for (int tile = 0; tile < N; tile += kRankTile) {
+    const int n = min(kRankTile, N - tile);
+    for (int i = tid; i < n; i += blockDim.x) s_ids[i] = a.topk_idx[tile + i];
+    __syncthreads();
+    if (tid < kWarpSize) {
+      for (int base = 0; base < n; base += kWarpSize) {
+        const int i = base + lane;
+        int e = -1;
+        if (i < n) {
+          const int32_t raw = s_ids[i];
+          invalid += (raw < -1 || raw >= E) ? 1 : 0;
+          e = Sanitize(raw, E);
+        }
+        const unsigned peers = __match_any_sync(kFullMask, e);
+        const int prior = e >= 0 ? run[e] : 0;
+        __syncwarp();
+        if (e >= 0 && 31 - __clz(peers) == lane) run[e] = prior + __popc(peers);
+        if (i < n) a.pos[tile + i] = e >= 0 ? prior + __popc(peers & ((1u << lane) - 1u)) : -1;
+        __syncwarp();
       }
-      const unsigned peers = __match_any_sync(kFullMask, e);
-      const int prior = e >= 0 ? run[e] : 0;
-      __syncwarp();
-      if (e >= 0 && 31 - __clz(peers) == lane) run[e] = prior + __popc(peers);
-      if (j < N) a.pos[j] = e >= 0 ? prior + __popc(peers & ((1u << lane) - 1u)) : -1;
-      __syncwarp();
     }
+    __syncthreads();  // s_ids is rewritten by the next tile
+  }
+  if (tid < kWarpSize) {
     for (int off = 16; off > 0; off /= 2) invalid += __shfl_xor_sync(kFullMask, invalid, off);
     if (lane == 0) *a.invalid = invalid;
   }
