@@ -2,8 +2,13 @@
 # Same-run A/B of the benchmark between an older tree (BEFORE, a `git archive` tarball) and this
 # working tree (AFTER), in one device call, so both binaries meet the same GPU state:
 #   git archive -o .ab/before.tar <commit> ffi jaxep tools tests CMakeLists.txt pyproject.toml
-#   (device) OUT=... [SETUPS="8:64 4:64"] [ROUNDS=2] [AFTER_TAR=.ab/after.tar] bash tools/gpu_ab.sh
-#   (carry: .ab; AFTER_TAR: a `git archive` of the commit to test instead of the working tree)
+#   (device) OUT=... [SETUPS="8:64 4:64"] [ROUNDS=2] [AFTER_TAR=.ab/after.tar] \
+#            [VARIANTS="--tokens 128 -- --mode=low_latency|--tokens 1 -- --mode=low_latency"] \
+#            [AFTER_CMD="python3 -m pytest ... "] bash tools/gpu_ab.sh
+#   (carry: .ab; AFTER_TAR: a `git archive` of the commit to test instead of the working tree;
+#   VARIANTS: '|'-separated extra flags of tools/bench_multirank.py, each run for every setup and
+#   round (default: one variant, AB_EXTRA); AFTER_CMD: run once in the AFTER tree after the A/B
+#   (e.g. the GPU tier's low-latency cases), its output in logs/after_cmd.log)
 # Each tree is built with CMake into its own build/ and its module copied next to its jaxep/ (no
 # pip install: an editable install of one tree would shadow the other); every run imports its own
 # tree through PYTHONPATH. For each round and setup N:E, the BEFORE and AFTER benches run back to
@@ -45,33 +50,59 @@ fi
 cat "$L/import_before.txt" "$L/import_after.txt" | tail -4
 echo "builds done in $(( $(date +%s) - T0 ))s"
 
-run() {  # tree tag nproc experts round
-  local d="$L/$2_n$3_e$4_r$5"; mkdir -p "$d"
+run() {  # tree tag nproc experts round variant-index variant-flags
+  local d="$L/$2_n$3_e$4_v$6_r$5"; mkdir -p "$d"
+  echo "$7" > "$d/variant.txt"
+  # shellcheck disable=SC2086  # the flags are words
   ( cd "$1" && PYTHONPATH="$1" timeout -k 10 170 python3 tools/bench_multirank.py --nproc "$3" \
-      --experts "$4" --iters 10 --timeout 150 --outdir "$d" --summary_json "$d/rows.json" --no-plot ${AB_EXTRA:-} \
+      --experts "$4" --iters 10 --timeout 150 --outdir "$d" --summary_json "$d/rows.json" --no-plot $7 \
       > "$d/stdout.txt" 2>&1 )
-  echo "$2 N=$3 E=$4 round $5: rc=$? ($(( $(date +%s) - T0 ))s)"
+  echo "$2 N=$3 E=$4 v$6 round $5: rc=$? ($(( $(date +%s) - T0 ))s)"
 }
+IFS='|' read -r -a VARS <<< "${VARIANTS:-${AB_EXTRA:-}}"
+[ "${#VARS[@]}" -eq 0 ] && VARS=("")
 for r in $(seq 1 "$ROUNDS"); do
   for s in $SETUPS; do
     n=${s%%:*}; e=${s##*:}
-    run "$BEFORE" before "$n" "$e" "$r"
-    run "$AFTER" after "$n" "$e" "$r"
+    for v in "${!VARS[@]}"; do
+      run "$BEFORE" before "$n" "$e" "$r" "$v" "${VARS[$v]}"
+      run "$AFTER" after "$n" "$e" "$r" "$v" "${VARS[$v]}"
+    done
   done
 done
+if [ -n "${AFTER_CMD:-}" ]; then  # once, in the AFTER tree (its own build on PYTHONPATH)
+  ( cd "$AFTER" && PYTHONPATH="$AFTER" bash -c "$AFTER_CMD" ) > "$L/after_cmd.log" 2>&1
+  echo "AFTER_CMD rc=$? ($(( $(date +%s) - T0 ))s): $(tail -1 "$L/after_cmd.log" | cut -c1-150)"
+fi
 {
-  echo "--- A/B rows (tree, N, E, round): dispatch/combine ms, payload copy ms, pc/op = copy / op ---"
+  echo "--- A/B rows (tree, N, E, variant, round): dispatch/combine ms, payload copy ms, pc/op = copy / op ---"
   python3 - "$L" <<'PY'
 import glob, json, os, sys
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_n*_e*_r*", "rows.json"))):
-    tag = os.path.basename(os.path.dirname(path))
+L = sys.argv[1]
+for path in sorted(glob.glob(os.path.join(L, "*_n*_e*_r*", "rows.json")),
+                   key=lambda p: os.path.basename(os.path.dirname(p)).split("_")[1:] +
+                   os.path.basename(os.path.dirname(p)).split("_")[:1]):  # variant, round, tree
+    d = os.path.dirname(path)
+    tag = os.path.basename(d)
     for r in json.load(open(path)):
         if "ok" not in r:
-            print(f"{tag:<22} no JSON rc={r['rc']}")
+            print(f"{tag:<24} no JSON rc={r['rc']}")
             continue
-        print(f"{tag:<22} ok={r['ok']} disp {r['dispatch_ms']:.3f} comb {r['combine_ms']:.3f} "
-              f"pcopy {r['payload_copy_ms']:.3f} d pc/op {r['dispatch_payload_copy_over_op']:.2f} "
-              f"c pc/op {r['combine_payload_copy_over_op']:.2f} h/op {r['dispatch_handler_runs']},{r['combine_handler_runs']}")
+        line = (f"{tag:<24} ok={r['ok']} disp {r['dispatch_ms']:.3f} comb {r['combine_ms']:.3f} "
+                f"both {r['both_ms']:.3f} pcopy {r['payload_copy_ms']:.3f} "
+                f"d pc/op {r['dispatch_payload_copy_over_op']:.2f} "
+                f"c pc/op {r['combine_payload_copy_over_op']:.2f} "
+                f"h/op {r['dispatch_handler_runs']},{r['combine_handler_runs']}")
+        for j in glob.glob(os.path.join(d, "*low-latency*.json")):  # the LL bench's own figures
+            ll = json.load(open(j)).get("low_latency", {})
+            if ll:
+                line += (f" | LL T={ll['tokens']} fp8={ll['fp8_dispatch']} x_copy/disp "
+                         f"{ll['x_copy_over_dispatch']:.2f} x_copy {ll['x_copy_s']['median'] * 1e6:.0f}us "
+                         f"signal {(ll.get('signal_round_trip_s') or 0) * 1e6:.0f}us")
+        print(line)
+for v in sorted(glob.glob(os.path.join(L, "after_n*_v*_r1", "variant.txt"))):
+    print(os.path.basename(os.path.dirname(v)).split("_r")[0].replace("after_", ""), "flags:",
+          open(v).read().strip() or "(none)")
 PY
   echo "total $(( $(date +%s) - T0 ))s"
 } > "$OUT/ab_summary.txt" 2>&1
