@@ -8,7 +8,8 @@
 #   (carry: .ab; AFTER_TAR: a `git archive` of the commit to test instead of the working tree;
 #   VARIANTS: '|'-separated extra flags of tools/bench_multirank.py, each run for every setup and
 #   round (default: one variant, AB_EXTRA); AFTER_CMD: run once in the AFTER tree after the A/B
-#   (e.g. the GPU tier's low-latency cases), its output in logs/after_cmd.log)
+#   (e.g. the GPU tier's low-latency cases), its output in logs/after_cmd.log; MORE="tag:.ab/x.tar
+#   ...": further trees, each built and run like BEFORE right after it, tagged `tag`)
 # Each tree is built with CMake into its own build/ and its module copied next to its jaxep/ (no
 # pip install: an editable install of one tree would shadow the other); every run imports its own
 # tree through PYTHONPATH. For each round and setup N:E, the BEFORE and AFTER benches run back to
@@ -31,6 +32,11 @@ if [ -n "${AFTER_TAR:-}" ]; then  # AFTER_TAR=.ab/after.tar: a committed tree in
   AFTER=/tmp/jaxep_after
   rm -rf "$AFTER" && mkdir -p "$AFTER" && tar xf "$AFTER_TAR" -C "$AFTER" || exit 3
 fi
+MORE_TAGS=(); MORE_DIRS=()
+for m in ${MORE:-}; do  # tag:tarball
+  MORE_TAGS+=("${m%%:*}"); MORE_DIRS+=("/tmp/jaxep_${m%%:*}")
+  rm -rf "/tmp/jaxep_${m%%:*}" && mkdir -p "/tmp/jaxep_${m%%:*}" && tar xf "${m#*:}" -C "/tmp/jaxep_${m%%:*}" || exit 3
+done
 T0=$(date +%s)
 
 build() {  # tree tag
@@ -42,12 +48,15 @@ build() {  # tree tag
 }
 if [ "${BUILD:-1}" = 1 ]; then
   build "$BEFORE" before > "$L/import_before.txt" 2>&1 &
+  for i in "${!MORE_TAGS[@]}"; do
+    build "${MORE_DIRS[$i]}" "${MORE_TAGS[$i]}" > "$L/import_${MORE_TAGS[$i]}.txt" 2>&1 &
+  done
   build "$AFTER" after > "$L/import_after.txt" 2>&1
   wait
 else
   cp "$AFTER"/jaxep/_jaxep_cuda*.so "$BEFORE/jaxep/" 2>/dev/null || true
 fi
-cat "$L/import_before.txt" "$L/import_after.txt" | tail -4
+cat "$L"/import_*.txt | grep extension
 echo "builds done in $(( $(date +%s) - T0 ))s"
 
 run() {  # tree tag nproc experts round variant-index variant-flags
@@ -66,6 +75,9 @@ for r in $(seq 1 "$ROUNDS"); do
     n=${s%%:*}; e=${s##*:}
     for v in "${!VARS[@]}"; do
       run "$BEFORE" before "$n" "$e" "$r" "$v" "${VARS[$v]}"
+      for i in "${!MORE_TAGS[@]}"; do
+        run "${MORE_DIRS[$i]}" "${MORE_TAGS[$i]}" "$n" "$e" "$r" "$v" "${VARS[$v]}"
+      done
       run "$AFTER" after "$n" "$e" "$r" "$v" "${VARS[$v]}"
     done
   done
@@ -98,7 +110,7 @@ for path in sorted(glob.glob(os.path.join(L, "*_n*_e*_r*", "rows.json")),
             if ll:
                 line += (f" | LL T={ll['tokens']} fp8={ll['fp8_dispatch']} x_copy/disp "
                          f"{ll['x_copy_over_dispatch']:.2f} x_copy {ll['x_copy_s']['median'] * 1e6:.0f}us "
-                         f"signal {(ll.get('signal_round_trip_s') or 0) * 1e6:.0f}us")
+                         f"signal {(ll.get('signal_round_trip_s') or {}).get('median', 0) * 1e6:.0f}us")
         print(line)
 for v in sorted(glob.glob(os.path.join(L, "after_n*_v*_r1", "variant.txt"))):
     print(os.path.basename(os.path.dirname(v)).split("_r")[0].replace("after_", ""), "flags:",

@@ -55,41 +55,53 @@ __device__ __forceinline__ uint64_t CurrentSeq(const Team& t, int op) {
 // Threads first, first + step, ... copy `bytes` with the widest unit that the addresses and the
 // size allow (a uniform branch: every row of a call takes the same one). WarpCopy: a warp's lanes;
 // BlockCopy: the block's threads (every thread calls it; no barrier inside).
-// kCopyBatch loads in flight per thread before their stores: dst and src may alias as far as the
-// compiler knows, so it never hoists a load above an earlier store, and a plain loop keeps one
-// load in flight (a warp then copies a 14 KB row in 28 serial round trips to memory instead of 4).
+// 16-byte units (every row of the benches and of a real model): kCopyBatch loads in flight per
+// thread before their stores. dst and src may alias as far as the compiler knows, so it never
+// hoists a load above an earlier store, and a plain loop keeps one load in flight (a warp then
+// copied a 14 KB row in 28 serial round trips to memory instead of 4). The narrower units keep
+// the plain loop (registers: the batch costs 4 per unit and thread).
 constexpr int kCopyBatch = 8;
 
-template <typename U>
+template <typename U, int kBatch, typename Step>
 __device__ __forceinline__ void CopyUnits(char* dst, const char* src, int64_t n, int first,
-                                          int step) {
-  U* d = reinterpret_cast<U*>(dst);
-  const U* s = reinterpret_cast<const U*>(src);
-  for (int64_t i0 = first; i0 < n; i0 += static_cast<int64_t>(kCopyBatch) * step) {
-    U v[kCopyBatch];
+                                          Step step) {
+  for (int64_t i = first; i < n; i += kBatch * step) {
+    const U* s = reinterpret_cast<const U*>(src) + i;
+    U* d = reinterpret_cast<U*>(dst) + i;
+    const int64_t left = (n - i + step - 1) / step;  // this thread's units from i on
+    const int k = left < kBatch ? static_cast<int>(left) : kBatch;
+    U v[kBatch];
 #pragma unroll
-    for (int b = 0; b < kCopyBatch; ++b) {
-      if (i0 + static_cast<int64_t>(b) * step < n) v[b] = s[i0 + static_cast<int64_t>(b) * step];
+    for (int b = 0; b < kBatch; ++b) {
+      if (b < k) v[b] = s[b * step];
     }
 #pragma unroll
-    for (int b = 0; b < kCopyBatch; ++b) {
-      if (i0 + static_cast<int64_t>(b) * step < n) d[i0 + static_cast<int64_t>(b) * step] = v[b];
+    for (int b = 0; b < kBatch; ++b) {
+      if (b < k) d[b * step] = v[b];
     }
   }
 }
 
+// A step known at compile time (a warp's lanes): the batch's offsets become immediates.
+template <int N>
+struct FixedStep {
+  __device__ constexpr operator int() const { return N; }  // NOLINT: used as an int
+};
+
+// `step` is an int, or a FixedStep.
+template <typename Step>
 __device__ __forceinline__ void StridedCopy(char* dst, const char* src, int64_t bytes, int first,
-                                            int step) {
+                                            Step step) {
   const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
                          static_cast<uintptr_t>(bytes);
-  if (bits % 16 == 0) CopyUnits<uint4>(dst, src, bytes / 16, first, step);
-  else if (bits % 8 == 0) CopyUnits<uint2>(dst, src, bytes / 8, first, step);
-  else if (bits % 4 == 0) CopyUnits<uint32_t>(dst, src, bytes / 4, first, step);
-  else CopyUnits<uint8_t>(dst, src, bytes, first, step);
+  if (bits % 16 == 0) CopyUnits<uint4, kCopyBatch>(dst, src, bytes / 16, first, step);
+  else if (bits % 8 == 0) CopyUnits<uint2, 1>(dst, src, bytes / 8, first, step);
+  else if (bits % 4 == 0) CopyUnits<uint32_t, 1>(dst, src, bytes / 4, first, step);
+  else CopyUnits<uint8_t, 1>(dst, src, bytes, first, step);
 }
 
 __device__ __forceinline__ void WarpCopy(char* dst, const char* src, int64_t bytes, int lane) {
-  StridedCopy(dst, src, bytes, lane, kWarpSize);
+  StridedCopy(dst, src, bytes, lane, FixedStep<kWarpSize>{});
 }
 
 __device__ __forceinline__ void BlockCopy(char* dst, const char* src, int64_t bytes) {
