@@ -109,8 +109,10 @@ __global__ void __launch_bounds__(kLayoutThreads) LLDispatchLayoutKernel(Team te
   if (Nodes(team) > 1) Quiet();
 }
 
-// Kernel B, a block per token: its rows into their experts' areas, a flag per row.
-template <typename T>
+// Kernel B, a block per token: its rows into their experts' areas, a flag per row. kFp8 ==
+// a.fp8, a separate instantiation: the payload copy (from global memory) is batched, the fp8 one
+// (from shared memory) is not, and the batch's registers would cost the quantize its warps.
+template <typename T, bool kFp8>
 __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDispatchSend a) {
   extern __shared__ __align__(16) unsigned char s_row[];  // fp8: codes [H], scales [H / 128]
   __shared__ int s_abort;
@@ -133,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
                            ? reinterpret_cast<unsigned char*>(team.peer[me] + lay.ll_tok +
                                                               t * lay.ll_row_stride)
                            : s_row;
-  if (a.fp8) {  // once per token, then the same packed row to each of its experts
+  if (kFp8) {  // once per token, then the same packed row to each of its experts
     float* scales = reinterpret_cast<float*>(row + H);
     for (int64_t b = warp; b < H / kFp8Block; b += kWarps) {
       const float scale = QuantizeFp8Block(xt + b * kFp8Block, row + b * kFp8Block, lane);
@@ -145,7 +147,7 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
     BlockCopy(reinterpret_cast<char*>(row), src, row_bytes);
     src = reinterpret_cast<const char*>(row);
   }
-  if (a.fp8 || internode) __syncthreads();
+  if (kFp8 || internode) __syncthreads();
   for (int k = warp; k < K; k += kWarps) {
     const int64_t j = t * K + k;
     const int e = Sanitize(a.topk_idx[j], E);
@@ -160,7 +162,8 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
                     reinterpret_cast<uint64_t*>(team.sym + lay.ll_row_flag) + ri, seq, d);
       continue;
     }
-    WarpCopy(team.peer[d] + lay.ll_rows + ri * lay.ll_row_stride, src, row_bytes, lane);
+    WarpCopy<kFp8 ? 1 : kCopyBatch>(team.peer[d] + lay.ll_rows + ri * lay.ll_row_stride, src,
+                                     row_bytes, lane);
     __syncwarp();
     if (lane == 0) {
       __threadfence_system();
@@ -269,7 +272,7 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDi
       return;
     }
     const char* src = team.peer[me] + lay.ll_rows + ri * lay.ll_row_stride;
-    WarpCopy(xh, src, a.head_bytes, lane);
+    WarpCopy<kCopyBatch>(xh, src, a.head_bytes, lane);
     if (a.tail_bytes) WarpCopy(xt, src + a.head_bytes, a.tail_bytes, lane);
     if (lane == 0) {
       const int32_t* meta = reinterpret_cast<const int32_t*>(
@@ -290,16 +293,18 @@ cudaError_t LaunchLLDispatchSend(const Team& team, const LLDispatchSend& a, cuda
   if (a.tokens == 0) return cudaSuccess;
   // Shared memory holds the fp8 row on one node only (several nodes stage it in ll_tok).
   const size_t smem = a.fp8 && Nodes(team) == 1 ? static_cast<size_t>(Fp8RowBytes(a.hidden)) : 0;
-  if (smem > 48 * 1024) {
-    if (cudaError_t e = cudaFuncSetAttribute(LLDispatchRowsKernel<T>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(smem));
-        e != cudaSuccess) {
-      return e;
+  auto launch = [&](auto kernel) {
+    if (smem > 48 * 1024) {
+      if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem));
+          e != cudaSuccess) {
+        return e;
+      }
     }
-  }
-  LLDispatchRowsKernel<T><<<a.tokens, kThreads, smem, stream>>>(team, a);
-  return cudaGetLastError();
+    kernel<<<a.tokens, kThreads, smem, stream>>>(team, a);
+    return cudaGetLastError();
+  };
+  return a.fp8 ? launch(LLDispatchRowsKernel<T, true>) : launch(LLDispatchRowsKernel<T, false>);
 }
 
 cudaError_t LaunchLLDispatchRecv(const Team& team, const LLDispatchRecv& a, cudaStream_t stream) {

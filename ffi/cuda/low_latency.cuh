@@ -55,57 +55,68 @@ __device__ __forceinline__ uint64_t CurrentSeq(const Team& t, int op) {
 // Threads first, first + step, ... copy `bytes` with the widest unit that the addresses and the
 // size allow (a uniform branch: every row of a call takes the same one). WarpCopy: a warp's lanes;
 // BlockCopy: the block's threads (every thread calls it; no barrier inside).
-// 16-byte units (every row of the benches and of a real model): kCopyBatch loads in flight per
-// thread before their stores. dst and src may alias as far as the compiler knows, so it never
-// hoists a load above an earlier store, and a plain loop keeps one load in flight (a warp then
-// copied a 14 KB row in 28 serial round trips to memory instead of 4). The narrower units keep
-// the plain loop (registers: the batch costs 4 per unit and thread).
+// kBatch > 1 (WarpCopy<kCopyBatch>, 16-byte units only): kBatch loads in flight per thread before
+// their stores. dst and src may alias as far as the compiler knows, so it never hoists a load
+// above an earlier store, and the plain loop keeps one load in flight: a warp copies a 14 KB row
+// from global memory in 28 serial round trips, batched in 4. The batch costs registers (4 per
+// unit and thread; the kernel's occupancy), so a copy whose source is shared memory (fp8 rows)
+// or that measured no gain (combine_send, docs/performance.md section 8) keeps the plain loop.
 constexpr int kCopyBatch = 8;
 
-template <typename U, int kBatch, typename Step>
+template <typename U>
 __device__ __forceinline__ void CopyUnits(char* dst, const char* src, int64_t n, int first,
-                                          Step step) {
-  for (int64_t i = first; i < n; i += kBatch * step) {
-    const U* s = reinterpret_cast<const U*>(src) + i;
-    U* d = reinterpret_cast<U*>(dst) + i;
-    const int64_t left = (n - i + step - 1) / step;  // this thread's units from i on
+                                          int step) {
+  U* d = reinterpret_cast<U*>(dst);
+  const U* s = reinterpret_cast<const U*>(src);
+#pragma unroll 4
+  for (int64_t i = first; i < n; i += step) d[i] = s[i];
+}
+
+// A warp's batched copy of n 16-byte units (lane `first`, step 32: the offsets are immediates).
+template <int kBatch>
+__device__ __forceinline__ void CopyUnitsBatched(char* dst, const char* src, int64_t n,
+                                                 int first) {
+  for (int64_t i = first; i < n; i += kBatch * kWarpSize) {
+    const uint4* s = reinterpret_cast<const uint4*>(src) + i;
+    uint4* d = reinterpret_cast<uint4*>(dst) + i;
+    const int64_t left = (n - i + kWarpSize - 1) / kWarpSize;  // this lane's units from i on
     const int k = left < kBatch ? static_cast<int>(left) : kBatch;
-    U v[kBatch];
+    uint4 v[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (b < k) v[b] = s[b * step];
+      if (b < k) v[b] = s[b * kWarpSize];
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (b < k) d[b * step] = v[b];
+      if (b < k) d[b * kWarpSize] = v[b];
     }
   }
 }
 
-// A step known at compile time (a warp's lanes): the batch's offsets become immediates.
-template <int N>
-struct FixedStep {
-  __device__ constexpr operator int() const { return N; }  // NOLINT: used as an int
-};
-
-// `step` is an int, or a FixedStep.
-template <typename Step>
+template <int kBatch>
 __device__ __forceinline__ void StridedCopy(char* dst, const char* src, int64_t bytes, int first,
-                                            Step step) {
+                                            int step) {
   const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
                          static_cast<uintptr_t>(bytes);
-  if (bits % 16 == 0) CopyUnits<uint4, kCopyBatch>(dst, src, bytes / 16, first, step);
-  else if (bits % 8 == 0) CopyUnits<uint2, 1>(dst, src, bytes / 8, first, step);
-  else if (bits % 4 == 0) CopyUnits<uint32_t, 1>(dst, src, bytes / 4, first, step);
-  else CopyUnits<uint8_t, 1>(dst, src, bytes, first, step);
+  if (bits % 16 == 0) {
+    if constexpr (kBatch > 1) CopyUnitsBatched<kBatch>(dst, src, bytes / 16, first);
+    else CopyUnits<uint4>(dst, src, bytes / 16, first, step);
+  } else if (bits % 8 == 0) {
+    CopyUnits<uint2>(dst, src, bytes / 8, first, step);
+  } else if (bits % 4 == 0) {
+    CopyUnits<uint32_t>(dst, src, bytes / 4, first, step);
+  } else {
+    CopyUnits<uint8_t>(dst, src, bytes, first, step);
+  }
 }
 
+template <int kBatch = 1>
 __device__ __forceinline__ void WarpCopy(char* dst, const char* src, int64_t bytes, int lane) {
-  StridedCopy(dst, src, bytes, lane, FixedStep<kWarpSize>{});
+  StridedCopy<kBatch>(dst, src, bytes, lane, kWarpSize);
 }
 
 __device__ __forceinline__ void BlockCopy(char* dst, const char* src, int64_t bytes) {
-  StridedCopy(dst, src, bytes, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+  StridedCopy<1>(dst, src, bytes, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
 }
 
 // NVSHMEM calls of the several-node case (without NVSHMEM the runtime never starts, so a team
