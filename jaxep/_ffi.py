@@ -423,19 +423,18 @@ def fp8_quantize(x):
 LL_MAX_TOPK = 64  # combine_recv orders a token's slots in shared memory (kLLMaxTopk)
 
 
-def ll_area_ready(ep_size: int) -> bool:
-  """True when the runtime has the low-latency area (jaxep.initialize got a mode="low_latency"
-  config): the low-latency ops then run these kernels, on any node layout (each call checks its
-  ranks_per_node against the runtime's)."""
-  if ep_size < 2 or not multi_rank_built():
-    return False
-  info = _module.runtime_info()
-  return info is not None and info.get("ll_experts", 0) > 0
-
-
 def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, slots: int,
                    cap: int, row_bytes: int, topk: int) -> None:
+  """Every low-latency wrapper's check at trace time: the runtime has the low-latency area (the
+  low-latency ops have no other path at ep_size > 1) and the call fits it."""
   info = runtime_limits(op, ep_size)
+  if info.get("ll_experts", 0) <= 0:
+    raise RuntimeError(
+        f"jaxep._ffi.{op}: mode='low_latency' at ep_size = {ep_size} on the CUDA backend needs "
+        "the runtime's low-latency area: expected a runtime that jaxep.initialize set up with a "
+        "mode='low_latency' config among its configs, got one without that area (initialized "
+        "with mode='normal' configs only); pass the low-latency config to jaxep.initialize too, "
+        "e.g. jaxep.initialize([train_config, decode_config]) in every process, before tracing")
   if ranks_per_node != info["node_size"]:
     _fail(op, "ranks_per_node", f"the node layout jaxep.initialize set up ({info['node_size']} "
           "ranks per node)", ranks_per_node)
