@@ -11,9 +11,7 @@
 //   ranks_per_node   the node layout G (ffi/cuda/internode.h), checked against the runtime's
 // Several nodes run the same handlers: Exchange adds the internode steps (the rows and layout go
 // to the other nodes once, the pull reads them through each source's forwarder, team.cuh
-// SourceOf). The low-latency mode (expert_rows M > 0) runs the cross-rank path with the
-// low-latency layout (ffi/cuda/dispatch.h DispatchMetaArgs): capacity L*M, rows of expert l at
-// [l*M, l*M + M).
+// SourceOf). The low-latency mode has its own handlers (ffi/dispatch_ll.cc).
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -70,7 +68,6 @@ ffi::Error ParseDispatchKernel(std::string_view name, mr::DispatchKernel* out) {
 // The outputs of jaxep_dispatch, as device pointers.
 struct DispatchOut {
   void* x_rows;
-  void* x_tail;  // row_split > 0: the rows' bytes past row_split (else nullptr)
   float* weights;
   int32_t* group_sizes;
   int32_t* send_row;
@@ -81,8 +78,6 @@ struct DispatchOut {
 
 struct DispatchSizes {
   int64_t tokens, hidden, topk, experts, capacity, row_bytes, ep_size, ranks_per_node, max_blocks;
-  int64_t expert_rows;  // M of the low-latency layout (capacity == L*M), 0: the normal layout
-  int64_t row_split;    // bytes of each row that go to x_rows, the rest to x_tail; 0: no split
 };
 
 // The layout kernels' arguments: over all E experts with `capacity` rows (C on one rank; T*K,
@@ -191,7 +186,6 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
     ma.topk = static_cast<int32_t>(s.topk);
     ma.experts = static_cast<int32_t>(s.experts);
     ma.capacity = static_cast<int32_t>(s.capacity);
-    ma.expert_rows = static_cast<int32_t>(s.expert_rows);
     ma.topk_idx_out = o.topk_idx_out;
     ma.local_order = order;
     ma.layout_stats = lstats;
@@ -211,9 +205,7 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
     return ex.Check("pull", mr::LaunchDispatchPull(
                                 ex.team(), static_cast<int32_t>(s.tokens),
                                 static_cast<int32_t>(s.topk), static_cast<int32_t>(s.experts),
-                                static_cast<int32_t>(s.capacity),
-                                static_cast<int32_t>(s.expert_rows), s.row_bytes, meta, o.x_rows,
-                                s.row_split, o.x_tail,
+                                static_cast<int32_t>(s.capacity), s.row_bytes, meta, o.x_rows,
                                 o.weights, o.recv_slot, kernel, set, s.max_blocks, stream));
   };
   // Other nodes get every layout array (their meta kernels need my counts) and my rows that
@@ -231,25 +223,22 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
 
 ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32, 2> topk_idx, ffi::Buffer<ffi::F32, 2> topk_weights,
-                        int64_t num_experts, int64_t capacity, int64_t expert_rows,
-                        int64_t row_split, int64_t ep_size, int64_t ranks_per_node,
-                        int64_t num_sms, std::string_view dispatch_kernel, bool zero_copy,
+                        int64_t num_experts, int64_t capacity, int64_t ep_size,
+                        int64_t ranks_per_node, int64_t num_sms,
+                        std::string_view dispatch_kernel, bool zero_copy,
                         ffi::Result<ffi::AnyBuffer> x_rows,
                         ffi::ResultBuffer<ffi::F32, 1> weights,
                         ffi::ResultBuffer<ffi::S32, 1> group_sizes,
                         ffi::ResultBuffer<ffi::S32, 2> send_row,
                         ffi::ResultBuffer<ffi::S32, 1> recv_slot,
                         ffi::ResultBuffer<ffi::S32, 2> topk_idx_out,
-                        ffi::ResultBuffer<ffi::S32, 1> stats,
-                        ffi::Result<ffi::AnyBuffer> x_tail) {
+                        ffi::ResultBuffer<ffi::S32, 1> stats) {
   DispatchSizes s{};
   s.tokens = x.dimensions()[0];
   s.hidden = x.dimensions()[1];
   s.topk = topk_idx.dimensions()[1];
   s.experts = num_experts;
   s.capacity = capacity;
-  s.expert_rows = expert_rows;
-  s.row_split = row_split;
   s.ep_size = ep_size;
   s.ranks_per_node = ranks_per_node;
   s.max_blocks = cuda::MaxBlocksForSms(num_sms);
@@ -259,22 +248,11 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   }
   mr::DispatchKernel kernel = mr::DispatchKernel::kToken;
   if (ffi::Error e = ParseDispatchKernel(dispatch_kernel, &kernel); e.failure()) return e;
-  if (row_split != 0 && (ep_size == 1 || row_split < 0 || row_split >= s.row_bytes)) {
-    return ffi::Error::InvalidArgument(StrCat(kDispatchTarget, ": row_split must be 0 or in (0, ",
-                                              s.row_bytes, ") with ep_size > 1, got ",
-                                              row_split, " (ep_size ", ep_size, ")"));
-  }
-  const DispatchOut o{x_rows->untyped_data(),
-                      row_split > 0 ? x_tail->untyped_data() : nullptr,
-                      weights->typed_data(),
+  const DispatchOut o{x_rows->untyped_data(),     weights->typed_data(),
                       group_sizes->typed_data(),  send_row->typed_data(),
                       recv_slot->typed_data(),    topk_idx_out->typed_data(),
                       stats->typed_data()};
   if (ep_size == 1) {
-    if (expert_rows > 0) {  // jaxep/cuda_backend.py refuses it at trace time
-      return ffi::Error::InvalidArgument(StrCat(kDispatchTarget, ": the low-latency layout "
-                                                "(expert_rows > 0) needs ep_size > 1, got 1"));
-    }
     return SingleRankDispatch(stream, scratch, s, x.untyped_data(), topk_idx.typed_data(),
                               topk_weights.typed_data(), o);
   }
@@ -354,8 +332,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<jaxep::F32Mat>()                              // topk_weights [T, K]
         .Attr<int64_t>("num_experts")                      // E
         .Attr<int64_t>("capacity")                         // C, receive rows per rank
-        .Attr<int64_t>("expert_rows")                      // M (low-latency: C = L*M), 0: normal
-        .Attr<int64_t>("row_split")                        // bytes per row into x_rows; 0: all
         .Attr<int64_t>("ep_size")                          // R, EP axis size
         .Attr<int64_t>("ranks_per_node")                   // G, the node layout (R: one node)
         .Attr<int64_t>("num_sms")                          // Config.num_sms (0: no grid cap)
@@ -367,8 +343,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<jaxep::S32Mat>()                              // send_row [T, K]
         .Ret<jaxep::S32Vec>()                              // recv_slot [C]
         .Ret<jaxep::S32Mat>()                              // topk_idx_out [T, K]
-        .Ret<jaxep::S32Vec>()                              // stats [2] {dropped, invalid}
-        .Ret<xla::ffi::AnyBuffer>());                      // x_tail [C, row bytes - row_split] u8
+        .Ret<jaxep::S32Vec>());                            // stats [2] {dropped, invalid}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxepDispatchRows, jaxep::DispatchRowsImpl,

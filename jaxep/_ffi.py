@@ -282,18 +282,13 @@ def _nbytes(a) -> int:
 
 
 def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int = 1,
-             ranks_per_node: int = 1, expert_rows: int = 0, row_split: int = 0):
+             ranks_per_node: int = 1):
   """``jaxep_dispatch``: x[T,H], topk_idx[T,K] int32, topk_weights[T,K] f32.
 
-  Attributes: num_experts, capacity, expert_rows, ep_size, ranks_per_node, num_sms (int64);
-  dispatch_kernel (str); zero_copy (bool). Returns ``(x_rows[C,H], weights[C] f32,
-  group_sizes[L] i32, send_row[T,K] i32, recv_slot[C] i32, topk_idx_out[T,K] i32, stats[2] i32)``
-  with C = capacity, L = num_experts // ep_size, stats = (dropped_rows, invalid_ids).
-  expert_rows M > 0 (low-latency mode, ep_size > 1, capacity == L*M): rows of local expert l at
-  [l*M, l*M + M) (ffi/cuda/dispatch.h), group_sizes = the experts' kept counts.
-  row_split > 0 (bytes, ep_size > 1): the first row_split bytes of each row go to x_rows
-  [C, row_split / itemsize], the rest to an eighth result x_tail [C, row bytes - row_split] uint8
-  (fp8_dispatch: the codes and the scales of the packed rows, with no copy after the pull).
+  Attributes: num_experts, capacity, ep_size, ranks_per_node, num_sms (int64); dispatch_kernel (str);
+  zero_copy (bool). Returns ``(x_rows[C,H], weights[C] f32, group_sizes[L] i32, send_row[T,K] i32,
+  recv_slot[C] i32, topk_idx_out[T,K] i32, stats[2] i32)`` with C = capacity,
+  L = num_experts // ep_size, stats = (dropped_rows, invalid_ids).
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -306,31 +301,19 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
   _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=k, slots=t * k,
               experts=config.num_experts, rows=c, staged_bytes=_nbytes(x))
   i32, f32 = jnp.int32, jnp.float32
-  row_bytes = h * np.dtype(x.dtype).itemsize
-  if row_split and (ep_size < 2 or not 0 < row_split < row_bytes or
-                    row_split % np.dtype(x.dtype).itemsize):
-    _fail(op, "row_split", f"0, or a multiple of x's itemsize in (0, {row_bytes}) with "
-          "ep_size > 1", f"{row_split} (ep_size={ep_size})")
-  head = row_split // np.dtype(x.dtype).itemsize if row_split else h
   out_types = (
-      jax.ShapeDtypeStruct((c, head), x.dtype),  # x_rows
+      jax.ShapeDtypeStruct((c, h), x.dtype),  # x_rows
       jax.ShapeDtypeStruct((c,), f32),        # weights
       jax.ShapeDtypeStruct((l,), i32),        # group_sizes
       jax.ShapeDtypeStruct((t, k), i32),      # send_row
       jax.ShapeDtypeStruct((c,), i32),        # recv_slot
       jax.ShapeDtypeStruct((t, k), i32),      # topk_idx_out
       jax.ShapeDtypeStruct((2,), i32),        # stats
-      jax.ShapeDtypeStruct((c, row_bytes - row_split if row_split else 0), np.uint8),  # x_tail
   )
-  if expert_rows and (ep_size < 2 or c != l * int(expert_rows)):
-    _fail(op, "expert_rows", f"a low-latency layout with ep_size > 1 and capacity == L*M "
-          f"({l} x {expert_rows})", f"ep_size={ep_size}, capacity={c}")
   call = jax.ffi.ffi_call("jaxep_dispatch", out_types, vmap_method="sequential")
-  out = tuple(call(x, topk_idx, topk_weights, num_experts=_i64(config.num_experts),
-                   capacity=_i64(c), expert_rows=_i64(expert_rows), row_split=_i64(row_split),
-                   ep_size=_i64(ep_size), ranks_per_node=_i64(ranks_per_node),
-                   **_knob_attrs(config, "num_sms", "dispatch_kernel", "zero_copy")))
-  return out if row_split else out[:7]  # x_tail only when split
+  return tuple(call(x, topk_idx, topk_weights, num_experts=_i64(config.num_experts),
+                    capacity=_i64(c), ep_size=_i64(ep_size), ranks_per_node=_i64(ranks_per_node),
+                    **_knob_attrs(config, "num_sms", "dispatch_kernel", "zero_copy")))
 
 
 def dispatch_rows(x, recv_slot, send_row, topk_idx, *, config, ep_size: int = 1,
@@ -423,19 +406,18 @@ def fp8_quantize(x):
 LL_MAX_TOPK = 64  # combine_recv orders a token's slots in shared memory (kLLMaxTopk)
 
 
-def ll_area_ready(ep_size: int) -> bool:
-  """True when the runtime has the low-latency area (jaxep.initialize got a mode="low_latency"
-  config): the low-latency ops then run these kernels, on any node layout (each call checks its
-  ranks_per_node against the runtime's)."""
-  if ep_size < 2 or not multi_rank_built():
-    return False
-  info = _module.runtime_info()
-  return info is not None and info.get("ll_experts", 0) > 0
-
-
 def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, slots: int,
                    cap: int, row_bytes: int, topk: int) -> None:
+  """Every low-latency wrapper's check at trace time: the runtime has the low-latency area (the
+  low-latency ops have no other path at ep_size > 1) and the call fits it."""
   info = runtime_limits(op, ep_size)
+  if info.get("ll_experts", 0) <= 0:
+    raise RuntimeError(
+        f"jaxep._ffi.{op}: mode='low_latency' at ep_size = {ep_size} on the CUDA backend needs "
+        "the runtime's low-latency area: expected a runtime that jaxep.initialize set up with a "
+        "mode='low_latency' config among its configs, got one without that area (initialized "
+        "with mode='normal' configs only); pass the low-latency config to jaxep.initialize too, "
+        "e.g. jaxep.initialize([train_config, decode_config]) in every process, before tracing")
   if ranks_per_node != info["node_size"]:
     _fail(op, "ranks_per_node", f"the node layout jaxep.initialize set up ({info['node_size']} "
           "ranks per node)", ranks_per_node)

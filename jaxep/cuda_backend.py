@@ -81,31 +81,20 @@ def gather_back(v, send_row, recv_slot, topk_idx, *, axis_name, config):
 
 
 # ---- mode="low_latency" (docs/design.md "Low-latency mode") ----------------------------------
-# EP size > 1 (`_ll_kernels`: the runtime was initialized with a low-latency config): the
-# low-latency kernels of ffi/cuda/low_latency.h, one FFI call per half (jaxep_ll_dispatch_send /
-# _recv, jaxep_ll_combine_send / _recv), the sender writing each row straight into the expert
-# rank's area (peer pointers on its node, NVSHMEM puts to other nodes); the sequence number lives
-# on the device, so the handlers are CUDA-graph (command buffer) compatible; fp8 quantizes inside
-# the send kernel.
-# Otherwise (only a direct backend call reaches it: jaxep.dispatch refuses a config that was not
-# initialized, and a low-latency config gives the runtime its area) the first version runs: the
-# normal mode's exchange (stage, ready, pull) with the low-latency layout (the `expert_rows`
-# attribute: rows of local expert l at [l*M, l*M + M) of C = L*M rows), so both halves of the
-# split ops run in the receive half here (the send half only packs); combine is the normal
-# combine kernel on the flat rows l*M + m (the same fixed order).
-# fp8_dispatch quantizes in its own kernel before the dispatch (jaxep_fp8_quantize: IEEE
-# divisions, which XLA's own GPU division is not, so the reference's jnp code would not give the
-# same bits here) and moves each token's codes and scales as one packed row of H + 4*H/128 bytes,
-# which the pull splits into the two outputs (the `row_split` attribute: no copy after it).
+# EP size > 1: the low-latency kernels of ffi/cuda/low_latency.h, one FFI call per half
+# (jaxep_ll_dispatch_send / _recv, jaxep_ll_combine_send / _recv), the sender writing each row
+# straight into the expert rank's area (peer pointers on its node, NVSHMEM puts to other nodes);
+# the sequence number lives on the device, so the handlers are CUDA-graph (command buffer)
+# compatible; fp8 quantizes inside the send kernel. They need the runtime's low-latency area,
+# which jaxep.initialize adds when a mode="low_latency" config is among its configs; without it
+# every one of the four calls raises at trace time (jaxep._ffi._check_ll_fits), so no other path
+# runs at EP size > 1. (jaxep.dispatch refuses a config that was not initialized, so only a direct
+# backend call can meet that error.)
 # EP size 1: nothing is exchanged, so the low-latency ops are XLA ops on the one GPU (the
 # reference's local layout, gathers and fixed-order sum, which are bitwise the spec's on every
-# platform) with jaxep_fp8_quantize for fp8, like gather_back's local gather at EP size 1.
-
-
-def _ll_kernels(ep):
-    """True when the low-latency kernels run this call: EP > 1 and the runtime has the
-    low-latency area (jaxep.initialize got a mode="low_latency" config)."""
-    return ep > 1 and _ffi.ll_area_ready(ep)
+# platform) with jaxep_fp8_quantize for fp8 (IEEE divisions, which XLA's own GPU division is not,
+# so the reference's jnp code would not give the same bits here), like gather_back's local gather
+# at EP size 1.
 
 
 def _ll_check(config, ep):
@@ -119,29 +108,15 @@ def _fp8_quantize(x):
     return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn), scales
 
 
-def _pack_fp8(codes, scales):
-    """codes [T,H] uint8 (e4m3fn bytes) and scales [T,H/128] f32 -> one bf16 row of
-    (H + 4*H/128) / 2 per token (bytes moved as they are: the dispatch kernels copy rows byte
-    for byte)."""
-    t = codes.shape[0]
-    scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(t, -1)
-    row = jnp.concatenate([codes, scale_bytes], axis=1)
-    return jax.lax.bitcast_convert_type(row.reshape(t, -1, 2), jnp.bfloat16)
-
-
 def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config):
     ep = _ep_size(axis_name)
     _ll_check(config, ep)
     if ep == 1:
         return _reference.ll_dispatch_send(x, topk_idx, topk_weights, axis_name=axis_name,
                                            config=config, quantize=_fp8_quantize)
-    if _ll_kernels(ep):
-        pos, invalid = _ffi.ll_dispatch_send(x, topk_idx, topk_weights, config=config,
-                                             ep_size=ep, ranks_per_node=_node_size(config, ep))
-        return (topk_idx, pos, invalid)
-    if config.fp8_dispatch:  # jaxep_fp8_quantize: IEEE divisions, the reference's bits
-        x = _pack_fp8(*_ffi.fp8_quantize(x))
-    return (x, topk_idx, topk_weights)
+    pos, invalid = _ffi.ll_dispatch_send(x, topk_idx, topk_weights, config=config, ep_size=ep,
+                                         ranks_per_node=_node_size(config, ep))
+    return (topk_idx, pos, invalid)
 
 
 def ll_dispatch_recv(sent, *, axis_name, config):
@@ -150,29 +125,14 @@ def ll_dispatch_recv(sent, *, axis_name, config):
     if ep == 1:
         return _reference.ll_dispatch_recv(sent, axis_name=axis_name, config=config)
     L, M, H = config.num_experts // ep, config.expert_rows(ep), config.hidden
-    if _ll_kernels(ep):
-        topk_idx, pos, invalid = sent
-        rows, tail, weights, counts, send_row, recv_slot, idx, stats = _ffi.ll_dispatch_recv(
-            topk_idx, pos, invalid, config=config, dtype=config.dtype, ep_size=ep,
-            ranks_per_node=_node_size(config, ep))
-        scales = None
-        if config.fp8_dispatch:  # bitcasts only: u8 codes -> e4m3; [L*M, H/32] u8 -> f32
-            rows = jax.lax.bitcast_convert_type(rows, jnp.float8_e4m3fn)
-            scales = jax.lax.bitcast_convert_type(tail.reshape(L, M, -1, 4), jnp.float32)
-        return _varying((rows.reshape(L, M, H), scales, counts, weights.reshape(L, M), send_row,
-                         recv_slot, idx, stats), axis_name)
-    payload, topk_idx, topk_weights = sent
-    # fp8: the packed rows split in the pull, codes (H bytes) to rows, scales to the tail.
-    out = _ffi.dispatch(payload, topk_idx, topk_weights, config=config, capacity=L * M,
-                        ep_size=ep, ranks_per_node=_node_size(config, ep), expert_rows=M,
-                        row_split=H if config.fp8_dispatch else 0)
-    rows, weights, counts, send_row, recv_slot, idx, stats = out[:7]
+    topk_idx, pos, invalid = sent
+    rows, tail, weights, counts, send_row, recv_slot, idx, stats = _ffi.ll_dispatch_recv(
+        topk_idx, pos, invalid, config=config, dtype=config.dtype, ep_size=ep,
+        ranks_per_node=_node_size(config, ep))
     scales = None
-    if config.fp8_dispatch:  # bitcasts only: [C, H/2] bf16 -> [C, H] e4m3; [C, H/32] u8 -> f32
-        n = rows.shape[0]
-        codes = jax.lax.bitcast_convert_type(rows, jnp.uint8).reshape(n, H)
-        rows = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
-        scales = jax.lax.bitcast_convert_type(out[7].reshape(L, M, -1, 4), jnp.float32)
+    if config.fp8_dispatch:  # bitcasts only: u8 codes -> e4m3; [L*M, H/32] u8 -> f32
+        rows = jax.lax.bitcast_convert_type(rows, jnp.float8_e4m3fn)
+        scales = jax.lax.bitcast_convert_type(tail.reshape(L, M, -1, 4), jnp.float32)
     return _varying((rows.reshape(L, M, H), scales, counts, weights.reshape(L, M), send_row,
                      recv_slot, idx, stats), axis_name)
 
@@ -186,25 +146,20 @@ def combine_send(y, weights, send_row, recv_slot, topk_idx, *, axis_name, config
     if jnp.dtype(y.dtype) != jnp.dtype(config.dtype):
         raise NotImplementedError(
             f"jaxep.combine_send: on the CUDA backend y must have the config's dtype "
-            f"{config.dtype} (the kernel casts once, to y's dtype), got {y.dtype}")
-    if _ll_kernels(ep):
-        (marker,) = _ffi.ll_combine_send(y, weights, recv_slot, tokens=send_row.shape[0],
-                                         config=config, ep_size=ep,
-                                         ranks_per_node=_node_size(config, ep))
-        return (marker, send_row, topk_idx)
-    return (y, weights, send_row, recv_slot, topk_idx)
+            f"{config.dtype} (jaxep_ll_combine_recv reads the rows sent back as that dtype), "
+            f"got {y.dtype}")
+    (marker,) = _ffi.ll_combine_send(y, weights, recv_slot, tokens=send_row.shape[0],
+                                     config=config, ep_size=ep,
+                                     ranks_per_node=_node_size(config, ep))
+    return (marker, send_row, topk_idx)
 
 
 def combine_recv(sent, *, axis_name, config, dtype):
     ep = _ep_size(axis_name)
     if ep == 1:
         return _reference.combine_recv(sent, axis_name=axis_name, config=config, dtype=dtype)
-    if _ll_kernels(ep):
-        marker, send_row, topk_idx = sent
-        (out,) = _ffi.ll_combine_recv(marker, send_row, topk_idx, hidden=config.hidden,
-                                      dtype=config.dtype, config=config, ep_size=ep,
-                                      ranks_per_node=_node_size(config, ep))
-        return _varying(out, axis_name).astype(dtype)
-    y, weights, send_row, recv_slot, topk_idx = sent
-    out = combine(y, weights, send_row, recv_slot, topk_idx, axis_name=axis_name, config=config)
-    return out.astype(dtype)
+    marker, send_row, topk_idx = sent
+    (out,) = _ffi.ll_combine_recv(marker, send_row, topk_idx, hidden=config.hidden,
+                                  dtype=config.dtype, config=config, ep_size=ep,
+                                  ranks_per_node=_node_size(config, ep))
+    return _varying(out, axis_name).astype(dtype)

@@ -143,7 +143,9 @@ def _row_bytes(config: Config) -> int:
 
 
 def recv_rows(config: Config, ep_size: int) -> int:
-    """Receive rows per rank: C (normal), or L * M (low_latency: dispatch's [L, M, H] rows)."""
+    """Receive rows per rank of the normal-mode calls: C (normal), or L * M (low_latency: its
+    backward runs combine, dispatch_rows and gather_back on the flat rows l * M + m; its forward
+    uses the low-latency area, `ll_area_sizes`)."""
     if config.mode == "normal":
         return config.capacity(ep_size)
     return config.local_experts(ep_size) * config.expert_rows(ep_size)

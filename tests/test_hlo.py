@@ -22,8 +22,7 @@ CFG = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4, dtyp
 
 # The attributes of each target: the contract with ffi/*.cc (their Bind() calls).
 ATTRS = {
-    "jaxep_dispatch": {"num_experts", "capacity", "expert_rows", "row_split", "ep_size",
-                       "ranks_per_node", "num_sms",
+    "jaxep_dispatch": {"num_experts", "capacity", "ep_size", "ranks_per_node", "num_sms",
                        "dispatch_kernel", "zero_copy"},
     "jaxep_dispatch_rows": {"num_experts", "ep_size", "ranks_per_node", "topk", "num_sms",
                             "zero_copy"},

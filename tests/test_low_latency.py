@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 import harness
 import jaxep
 import oracle
-from jaxep import reference, runtime
+from jaxep import _ffi, cuda_backend, reference, runtime
+from test_runtime_checks import CONSTANTS
 
 
 def _cfg(**kw):
@@ -558,3 +559,60 @@ def test_cuda_backend_ep1_runs_the_local_math(monkeypatch):
     ref, cuda = run("reference"), run("cuda")
     for a, b in zip(ref, cuda):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _cuda_ll_ops(cfg, R, monkeypatch, ll_experts):
+    """The CUDA backend's four low-latency ops at EP size R: name -> a function that traces the op
+    under shard_map (no GPU: the extension 'loaded', a fake runtime whose low-latency area has
+    `ll_experts` local experts, 0: none), with argument shapes of a T=8 dispatch."""
+    monkeypatch.setattr(_ffi, "_registered", True)
+    if _ffi.constants() is None:
+        monkeypatch.setattr(_ffi, "_constants", _ffi.parse_constants(CONSTANTS))
+    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep_size: dict(
+        size=ep_size, node_size=ep_size, max_tokens=1 << 10, topk=64, experts=1 << 13,
+        capacity=1 << 20, stage_bytes=1 << 30, ll_experts=ll_experts, ll_cap=1 << 10,
+        ll_row_bytes=1 << 16))
+    T, K, H = 8, cfg.topk, cfg.hidden
+    LM = cfg.local_experts(R) * cfg.expert_rows(R)
+    kw = dict(axis_name="ep", config=cfg)
+    sds = jax.ShapeDtypeStruct
+    i32, f32 = jnp.int32, jnp.float32
+    rows, tk = sds((R * LM,), i32), sds((R * T, K), i32)
+    ops = {
+        "ll_dispatch_send": (lambda x, i, w: cuda_backend.ll_dispatch_send(x, i, w, **kw),
+                             (sds((R * T, H), jnp.bfloat16), tk, sds((R * T, K), f32))),
+        "ll_dispatch_recv": (lambda i, p, n: cuda_backend.ll_dispatch_recv((i, p, n), **kw)[0],
+                             (tk, tk, sds((R,), i32))),
+        "ll_combine_send": (lambda y, w, s, r, i: cuda_backend.combine_send(y, w, s, r, i, **kw),
+                            (sds((R * LM, H), jnp.bfloat16), sds((R * LM,), f32), tk, rows, tk)),
+        "ll_combine_recv": (lambda m, s, i: cuda_backend.combine_recv(
+            (m, s, i), dtype=jnp.bfloat16, **kw), (sds((R,), i32), tk, tk)),
+    }
+    mesh = harness.mesh(R)
+
+    def tracer(f, args):
+        smap = jax.shard_map(f, mesh=mesh, in_specs=(P("ep"),) * len(args), out_specs=P("ep"))
+        return lambda: jax.jit(smap).trace(*args)
+    return {name: tracer(f, args) for name, (f, args) in ops.items()}
+
+
+def test_cuda_backend_low_latency_without_the_area_raises_at_trace_time(monkeypatch):
+    """EP size > 1 on the CUDA backend runs only the low-latency kernels: on a runtime that
+    jaxep.initialize set up without a mode="low_latency" config (no area) each of the four ops
+    refuses at trace time, naming the fix (there is no fallback to normal mode's exchange)."""
+    for name, trace in _cuda_ll_ops(_cfg(hidden=128), 2, monkeypatch, ll_experts=0).items():
+        with pytest.raises(RuntimeError, match=(
+                rf"jaxep\._ffi\.{name}: mode='low_latency' at ep_size = 2 on the CUDA backend "
+                r"needs the runtime's low-latency area: expected .* got one without that area .*"
+                r"jaxep\.initialize\(\[train_config, decode_config\]\)")):
+            trace()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_backend_low_latency_lowers_to_the_ll_targets_only(monkeypatch, fp8):
+    """With the area each op is one low-latency custom call (lowered for CUDA, no GPU needed);
+    nothing of normal mode's dispatch or combine."""
+    cfg = _cfg(hidden=128, fp8_dispatch=fp8)
+    for name, trace in _cuda_ll_ops(cfg, 2, monkeypatch, ll_experts=8).items():
+        hlo = trace().lower(lowering_platforms=("cuda",)).as_text()
+        assert re.findall(r"custom_call @(jaxep_\w+)", hlo) == ["jaxep_" + name], (name, hlo)

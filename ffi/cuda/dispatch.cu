@@ -251,12 +251,8 @@ constexpr int kMetaThreads = 1024;
 //   blk[E+1]  first row of block b = l*R + s on this destination; blk[E] = rows wanted here
 //   srcoff[E] index of block b's first slot in source s's sorted_slot
 //   kept[1]   min(rows wanted here, C)
-//   end[L]    one past the last kept row of local expert l (a slot's row is kept iff < end[l])
-// Low-latency layout (expert_rows M > 0, C = L*M): expert l owns rows [l*M, l*M + M); a block's
-// first row is l*M + (rows of earlier sources for e), clamped to l*M + M (a clamped block's rows
-// are all dropped: row >= end[l]), so blk stays non-decreasing and the row kernel's search holds.
 struct MetaScratch {
-  int32_t *cnt, *pre, *g, *base, *blk, *srcoff, *kept, *end;
+  int32_t *cnt, *pre, *g, *base, *blk, *srcoff, *kept;
   __host__ __device__ MetaScratch(void* p, int64_t r, int64_t e) {
     int32_t* s = static_cast<int32_t*>(p);
     cnt = s;
@@ -266,16 +262,9 @@ struct MetaScratch {
     blk = base + e;
     srcoff = blk + e + 1;
     kept = srcoff + e;
-    end = kept + 1;
   }
-  static size_t Ints(int64_t r, int64_t e) { return static_cast<size_t>(2 * r * e + 5 * e + 3); }
+  static size_t Ints(int64_t r, int64_t e) { return static_cast<size_t>(2 * r * e + 4 * e + 3); }
 };
-
-// Whether destination row p (of C) holds no slot: past the kept rows (normal layout) or past its
-// expert's kept rows (low-latency layout, M = expert_rows).
-__device__ __forceinline__ bool EmptyRow(const MetaScratch& m, int64_t p, int32_t expert_rows) {
-  return expert_rows > 0 ? p >= m.end[p / expert_rows] : p >= *m.kept;
-}
 
 __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, DispatchMetaArgs a) {
   if (Aborted(team)) return;
@@ -302,12 +291,9 @@ __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, Di
   if (threadIdx.x == 0) m.g[E] = grand;
   __syncthreads();
   // 4. Layout order on destination d = e / L is (local expert, source, t, k): the block of
-  //    (e, s) starts at G[e] - G[d*L] + sum_{s' < s} cnt[s'][e]; low-latency (M > 0): at
-  //    (e % L) * M + sum_{s' < s} cnt[s'][e].
-  const int M = a.expert_rows;
-  auto expert_start = [&](int e) { return M > 0 ? (e % L) * M : m.g[e] - m.g[(e / L) * L]; };
+  //    (e, s) starts at G[e] - G[d*L] + sum_{s' < s} cnt[s'][e].
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int b = expert_start(e);
+    int b = m.g[e] - m.g[(e / L) * L];
     for (int s = 0; s < me; ++s) b += m.cnt[s * E + e];
     m.base[e] = b;  // where my (source me) slots of expert e start on their destination
   }
@@ -315,66 +301,43 @@ __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, Di
   const int total_me = m.g[first + L] - m.g[first];
   for (int b = threadIdx.x; b < L * R; b += blockDim.x) {
     const int l = b / R, s = b % R, e = first + l;
-    int start = expert_start(e);
+    int start = m.g[e] - m.g[first];
     for (int s2 = 0; s2 < s; ++s2) start += m.cnt[s2 * E + e];
-    m.blk[b] = M > 0 ? min(start, (l + 1) * M) : start;  // clamped: see MetaScratch
+    m.blk[b] = start;
     m.srcoff[b] = m.pre[s * E + e];
   }
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
-    const int start = expert_start(first + l);
+    const int start = m.g[first + l] - m.g[first];
     const int count = m.g[first + l + 1] - m.g[first + l];
-    const int kept_l = max(0, min(count, M > 0 ? M : a.capacity - start));
-    a.group_sizes[l] = kept_l;
-    m.end[l] = start + kept_l;
+    a.group_sizes[l] = max(0, min(count, a.capacity - start));
   }
-  __syncthreads();
   if (threadIdx.x == 0) {
-    m.blk[L * R] = M > 0 ? L * M : total_me;
-    int kept = min(total_me, a.capacity);
-    if (M > 0) {
-      kept = 0;
-      for (int l = 0; l < L; ++l) kept += a.group_sizes[l];
-    }
-    *m.kept = kept;                       // low-latency: the kept rows, not a row bound
+    m.blk[L * R] = total_me;
+    const int kept = min(total_me, a.capacity);
+    *m.kept = kept;
     a.stats[0] = total_me - kept;         // dropped rows, this rank as destination
     a.stats[1] = a.layout_stats[1];       // invalid ids, this rank as source
   }
   __syncthreads();
-  // 5. send_row of my slots: base + position among my slots of that expert, if below capacity
-  //    (low-latency: if its position within the expert is below M).
+  // 5. send_row of my slots: base + position among my slots of that expert, if below capacity.
   const int64_t n = static_cast<int64_t>(a.tokens) * a.topk;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const int e = a.topk_idx_out[i];
     int row = -1;
     if (e >= 0 && e < E && a.local_order[i] >= 0) {
       const int r = m.base[e] + (a.local_order[i] - m.pre[me * E + e]);
-      const int lim = M > 0 ? (e % L) * M + M : a.capacity;
-      row = r < lim ? r : -1;
+      row = r < a.capacity ? r : -1;
     }
     a.send_row[i] = row;
   }
 }
 
-// Where the pull writes destination row p: one array of `units` per row, or (split, b != nullptr)
-// the first `first` units of every row into `a` and the rest into `b` (fp8: the codes and the
-// scales of a packed row land in their own outputs, nothing is copied after the pull).
-template <typename Unit>
-struct RowsOut {
-  Unit* a = nullptr;
-  Unit* b = nullptr;
-  int64_t first = 0, units = 0;  // units per row in all; not split: first == units
-  __device__ __forceinline__ Unit& At(int64_t p, int64_t u) const {
-    return (b == nullptr || u < first) ? a[p * first + u] : b[p * (units - first) + (u - first)];
-  }
-};
-
 // Destination side of dispatch: warp per row p of [0, C).
 template <typename Unit>
 __global__ void __launch_bounds__(kRowThreads)
     DispatchPullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t capacity,
-                       int32_t expert_rows, int64_t units_per_row, const void* meta_scratch,
-                       RowsOut<Unit> out, float* __restrict__ weights,
-                       int32_t* __restrict__ recv_slot, int32_t set) {
+                       int64_t units_per_row, const void* meta_scratch, Unit* __restrict__ x_rows,
+                       float* __restrict__ weights, int32_t* __restrict__ recv_slot, int32_t set) {
   if (Aborted(team)) return;
   __shared__ Source s_src[kMaxRanks];  // where every source's arrays and rows are (team.cuh)
   LoadSources(team, s_src);
@@ -382,21 +345,23 @@ __global__ void __launch_bounds__(kRowThreads)
   const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
   const uint64_t seq = PullSeq(team);  // this call's (AwaitRemoteRow)
   const int nblk = experts;  // L * R blocks (l, s)
+  const int kept = *m.kept;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t wpb = blockDim.x / kWarpSize;
   const int64_t nwarps = gridDim.x * wpb;
   const int64_t slots_per_rank = static_cast<int64_t>(tokens) * topk;
   for (int64_t p = blockIdx.x * wpb + threadIdx.x / kWarpSize; p < capacity; p += nwarps) {
-    if (EmptyRow(m, p, expert_rows)) {
+    Unit* dst = x_rows + p * units_per_row;
+    if (p >= kept) {
       if (set == kOtherNodeSources) continue;  // zeroed by the first pass
-      for (int64_t u = lane; u < units_per_row; u += kWarpSize) out.At(p, u) = Unit{};
+      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
       if (lane == 0) {
         weights[p] = 0.0f;
         recv_slot[p] = -1;
       }
       continue;
     }
-    // Last block b with blk[b] <= p: it holds p, since p is a kept row (blk[nblk] > p).
+    // Last block b with blk[b] <= p: it is non-empty because blk[nblk] >= kept > p.
     int lo = 0, hi = nblk - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
@@ -413,7 +378,7 @@ __global__ void __launch_bounds__(kRowThreads)
     if (from.pos != nullptr && !AwaitRemoteRow(team, s, i, seq, kOpDispatch)) return;
     const Unit* src = reinterpret_cast<const Unit*>(from.rows) + i * units_per_row;
 #pragma unroll 4
-    for (int64_t u = lane; u < units_per_row; u += kWarpSize) out.At(p, u) = src[u];
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
     if (lane == 0) {
       weights[p] = reinterpret_cast<const float*>(src_base + team.lay.sorted_w)[idx];
       recv_slot[p] = static_cast<int32_t>(s * slots_per_rank + slot);
@@ -433,10 +398,9 @@ constexpr int kTokenBatch = 4;  // 16-byte units loaded per lane before storing 
 template <typename Unit>
 __global__ void __launch_bounds__(kRowThreads)
     DispatchPullTokenKernel(Team team, int32_t tokens, int32_t topk, int32_t experts,
-                            int32_t capacity, int32_t expert_rows, int64_t units_per_row,
-                            const void* meta_scratch, RowsOut<Unit> out,
-                            float* __restrict__ weights, int32_t* __restrict__ recv_slot,
-                            int32_t set) {
+                            int32_t capacity, int64_t units_per_row, const void* meta_scratch,
+                            Unit* __restrict__ x_rows, float* __restrict__ weights,
+                            int32_t* __restrict__ recv_slot, int32_t set) {
   if (Aborted(team)) return;
   constexpr int kWarps = kRowThreads / kWarpSize;
   __shared__ int s_dst[kWarps][kMaxTokenTopk];
@@ -444,6 +408,7 @@ __global__ void __launch_bounds__(kRowThreads)
   LoadSources(team, s_src);
   const int R = team.size, me = team.rank, L = experts / R;
   const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
+  const int kept = *m.kept;
   const uint64_t seq = PullSeq(team);  // this call's (AwaitRemoteRow)
   const int lane = threadIdx.x % kWarpSize;
   const int wib = threadIdx.x / kWarpSize;
@@ -466,7 +431,7 @@ __global__ void __launch_bounds__(kRowThreads)
         if (idx >= 0) {
           const int b = (e - me * L) * R + s;
           const int row = m.blk[b] + (idx - m.srcoff[b]);
-          if (row < m.end[e - me * L]) {  // rows past it were dropped for capacity
+          if (row < kept) {  // kept <= C: rows past it were dropped for capacity
             q = row;
             weights[row] = reinterpret_cast<const float*>(src_base + team.lay.sorted_w)[idx];
             recv_slot[row] = static_cast<int32_t>(s * slots_per_rank + slot);
@@ -494,21 +459,19 @@ __global__ void __launch_bounds__(kRowThreads)
         if (u < units_per_row) v[i] = src[u];
       }
       for (int j = 0; j < n; ++j) {
-        const int64_t p = s_dst[wib][j];
+        Unit* dst = x_rows + static_cast<int64_t>(s_dst[wib][j]) * units_per_row;
 #pragma unroll
         for (int i = 0; i < kTokenBatch; ++i) {
           const int64_t u = u0 + i * kWarpSize;
-          if (u < units_per_row) out.At(p, u) = v[i];
+          if (u < units_per_row) dst[u] = v[i];
         }
       }
     }
     __syncwarp();  // s_dst is rewritten for the next item
   }
-  // The empty rows: [kept, C), or each expert's tail with the low-latency layout.
-  for (int64_t p = (expert_rows > 0 ? 0 : *m.kept) + gw; p < capacity && set != kOtherNodeSources;
-       p += nwarps) {
-    if (!EmptyRow(m, p, expert_rows)) continue;  // uniform per warp
-    for (int64_t u = lane; u < units_per_row; u += kWarpSize) out.At(p, u) = Unit{};
+  for (int64_t p = kept + gw; p < capacity && set != kOtherNodeSources; p += nwarps) {
+    Unit* dst = x_rows + p * units_per_row;
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
     if (lane == 0) {
       weights[p] = 0.0f;
       recv_slot[p] = -1;
@@ -561,38 +524,24 @@ cudaError_t LaunchDispatchMeta(const Team& team, const DispatchMetaArgs& a, cuda
 }
 
 cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
-                               int32_t capacity, int32_t expert_rows, int64_t row_bytes,
-                               const void* meta_scratch,
-                               void* x_rows, int64_t split_bytes, void* x_tail, float* weights,
-                               int32_t* recv_slot,
+                               int32_t capacity, int64_t row_bytes, const void* meta_scratch,
+                               void* x_rows, float* weights, int32_t* recv_slot,
                                DispatchKernel kernel, int32_t set, int64_t max_blocks,
                                cudaStream_t stream) {
   if (capacity <= 0) return cudaSuccess;
   const bool by_token = kernel == DispatchKernel::kToken && topk <= kMaxTokenTopk;
   const unsigned grid = static_cast<unsigned>(
       RowBlocks(by_token ? static_cast<int64_t>(tokens) * team.size : capacity, max_blocks));
-  // Split rows (x_tail != nullptr): the unit must divide the split point and both bases too.
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(x_rows) |
-                         (x_tail != nullptr ? reinterpret_cast<uintptr_t>(x_tail) |
-                                                  static_cast<uintptr_t>(split_bytes)
-                                            : 0);
-  WithRowUnit(bits, row_bytes, [&](auto unit) {
+  WithRowUnit(reinterpret_cast<uintptr_t>(x_rows), row_bytes, [&](auto unit) {
     using U = decltype(unit);
-    RowsOut<U> out;
-    out.a = static_cast<U*>(x_rows);
-    out.units = row_bytes / static_cast<int64_t>(sizeof(U));
-    out.first = out.units;
-    if (x_tail != nullptr) {
-      out.b = static_cast<U*>(x_tail);
-      out.first = split_bytes / static_cast<int64_t>(sizeof(U));
-    }
+    const int64_t units = row_bytes / static_cast<int64_t>(sizeof(U));
     if (by_token) {
       DispatchPullTokenKernel<U><<<grid, kRowThreads, 0, stream>>>(
-          team, tokens, topk, experts, capacity, expert_rows, out.units, meta_scratch, out,
+          team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
           weights, recv_slot, set);
     } else {
       DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
-          team, tokens, topk, experts, capacity, expert_rows, out.units, meta_scratch, out,
+          team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
           weights, recv_slot, set);
     }
   });

@@ -80,12 +80,8 @@ namespace jaxep::cuda::mr {
 //   scratch for the pull (DispatchMetaScratchBytes).
 // `local_order[slot]` is the slot's index among this source's valid slots in (expert, slot)
 // order (the single-rank layout with unbounded capacity), -1 when masked.
-// Low-latency layout (`expert_rows` M > 0, capacity == L*M): local expert l owns rows
-// [l*M, l*M + M), in (source rank, t, k) order; its slots past M are dropped (counted), and the
-// rows past its kept ones are zero. group_sizes[l] is then the expert's kept count (<= M).
 struct DispatchMetaArgs {
   int32_t tokens = 0, topk = 0, experts = 0, capacity = 0;
-  int32_t expert_rows = 0;                // M, 0: the normal (packed, capacity-bounded) layout
   const int32_t* topk_idx_out = nullptr;  // sanitized ids [T*K]
   const int32_t* local_order = nullptr;   // [T*K]
   const int32_t* layout_stats = nullptr;  // [2] of the local layout
@@ -106,17 +102,12 @@ enum class DispatchKernel : int32_t { kToken = 0, kRow = 1 };
 constexpr const char* kDispatchKernelNames[] = {"token", "row"};  // by enum value
 
 // Dispatch pull (destination side): rows [0, kept) from the sources' stages in layout order,
-// zero rows after (low-latency, expert_rows M > 0: each expert's kept rows, zero rows after
-// them up to its M); weights and recv_slot alike. `x_tail` != nullptr splits every row: its
-// first `split_bytes` bytes go to x_rows ([C, split_bytes]), the rest to x_tail ([C, row_bytes -
-// split_bytes]; fp8_dispatch: the codes and the scales of the packed rows). Uses the scratch written by LaunchDispatchMeta.
+// zero rows after; weights and recv_slot alike. Uses the scratch written by LaunchDispatchMeta.
 // `set` (SourceSet, sync.h): only the rows of those sources; the zero rows with kAllSources and
 // kOwnNodeSources.
 cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
-                               int32_t capacity, int32_t expert_rows, int64_t row_bytes,
-                               const void* meta_scratch,
-                               void* x_rows, int64_t split_bytes, void* x_tail, float* weights,
-                               int32_t* recv_slot,
+                               int32_t capacity, int64_t row_bytes, const void* meta_scratch,
+                               void* x_rows, float* weights, int32_t* recv_slot,
                                DispatchKernel kernel, int32_t set, int64_t max_blocks,
                                cudaStream_t stream);
 
