@@ -6,7 +6,8 @@
 // (rt::NextSeq) that the call's kernels compare flags against, so the host handler must run for
 // every execution. The cross-rank handlers are registered without the kCmdBufferCompatible trait,
 // so XLA never captures them into a CUDA graph (tests/gpu/test_multirank.py runs a jitted loop).
-// (The low-latency family, which must be graph compatible, will keep its sequence on the device.)
+// (The low-latency handlers, ffi/{dispatch,combine}_ll.cc, are graph compatible: they do not use
+// Exchange and keep their sequence numbers on the device, ffi/cuda/low_latency.h.)
 #pragma once
 
 #include <cstdint>
