@@ -7,6 +7,7 @@
 #include "common.h"
 #include "cuda/combine_ll.h"
 #include "low_latency.h"
+#include "phase_times.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxep {
@@ -31,13 +32,22 @@ ffi::Error LLCombineSendImpl(cudaStream_t stream, ffi::AnyBuffer y, F32Vec weigh
       e.failure()) {
     return e;
   }
-  return FromCuda(kLLCombineSendTarget, "send kernels",
-                  mr::LaunchLLCombineSend(*team, y.untyped_data(), row_bytes,
-                                          weights.typed_data(), recv_slot.typed_data(),
-                                          static_cast<int32_t>(rows),
-                                          static_cast<int32_t>(tokens),
-                                          static_cast<int32_t>(topk), marker->typed_data(),
-                                          stream));
+  phase::Recorder rec;  // JAXEP_PHASE_TIMES=1 only (phase_times.h)
+  rec.Start("ll_combine_send", stream);
+  if (ffi::Error e = FromCuda(kLLCombineSendTarget, "start kernel",
+                              mr::LaunchLLCombineStart(*team, marker->typed_data(), stream));
+      e.failure()) {
+    return e;
+  }
+  rec.Mark("start");
+  ffi::Error e = FromCuda(kLLCombineSendTarget, "rows kernel",
+                          mr::LaunchLLCombineRows(*team, y.untyped_data(), row_bytes,
+                                                  weights.typed_data(), recv_slot.typed_data(),
+                                                  static_cast<int32_t>(rows),
+                                                  static_cast<int32_t>(tokens),
+                                                  static_cast<int32_t>(topk), stream));
+  rec.Mark("rows");
+  return e;
 }
 
 ffi::Error LLCombineRecvImpl(cudaStream_t stream, S32Vec marker, S32Mat send_row,
@@ -61,7 +71,9 @@ ffi::Error LLCombineRecvImpl(cudaStream_t stream, S32Vec marker, S32Mat send_row
   }
   // "float32" or the payload's dtype (checked at trace time; with one node it changes nothing).
   const bool wire_f32 = combine_wire_dtype == "float32";
-  return WithPayloadType(kLLCombineRecvTarget, "out", out->element_type(), [&](auto v) {
+  phase::Recorder rec;
+  rec.Start("ll_combine_recv", stream);
+  ffi::Error e = WithPayloadType(kLLCombineRecvTarget, "out", out->element_type(), [&](auto v) {
     using T = decltype(v);
     return FromCuda(kLLCombineRecvTarget, "receive kernel",
                     mr::LaunchLLCombineRecv<T>(
@@ -70,6 +82,8 @@ ffi::Error LLCombineRecvImpl(cudaStream_t stream, S32Vec marker, S32Mat send_row
                         static_cast<int32_t>(num_experts), hidden, wire_f32,
                         static_cast<T*>(out->untyped_data()), stream));
   });
+  rec.Mark("sum");
+  return e;
 }
 
 }  // namespace

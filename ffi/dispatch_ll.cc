@@ -8,6 +8,7 @@
 #include "cuda/dispatch_ll.h"
 #include "cuda/fp8.h"
 #include "low_latency.h"
+#include "phase_times.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxep {
@@ -46,11 +47,21 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x, S32Mat topk
   a.fp8 = fp8;
   a.pos = pos->typed_data();
   a.invalid = invalid->typed_data();
-  return WithPayloadType(kLLDispatchSendTarget, "x", x.element_type(), [&](auto v) {
+  phase::Recorder rec;  // JAXEP_PHASE_TIMES=1 only (phase_times.h)
+  rec.Start("ll_dispatch_send", stream);
+  if (ffi::Error e = FromCuda(kLLDispatchSendTarget, "layout kernel",
+                              mr::LaunchLLDispatchLayout(*team, a, stream));
+      e.failure()) {
+    return e;
+  }
+  rec.Mark("layout");
+  ffi::Error e = WithPayloadType(kLLDispatchSendTarget, "x", x.element_type(), [&](auto v) {
     using T = decltype(v);
-    return FromCuda(kLLDispatchSendTarget, "send kernels",
-                    mr::LaunchLLDispatchSend<T>(*team, a, stream));
+    return FromCuda(kLLDispatchSendTarget, "rows kernel",
+                    mr::LaunchLLDispatchRows<T>(*team, a, stream));
   });
+  rec.Mark("rows");
+  return e;
 }
 
 ffi::Error LLDispatchRecvImpl(cudaStream_t stream, S32Mat topk_idx, S32Mat pos, S32Vec invalid,
@@ -89,8 +100,12 @@ ffi::Error LLDispatchRecvImpl(cudaStream_t stream, S32Mat topk_idx, S32Mat pos, 
   a.recv_slot = recv_slot->typed_data();
   a.topk_out = topk_out->typed_data();
   a.stats = stats->typed_data();
-  return FromCuda(kLLDispatchRecvTarget, "receive kernel",
-                  mr::LaunchLLDispatchRecv(*team, a, stream));
+  phase::Recorder rec;
+  rec.Start("ll_dispatch_recv", stream);
+  ffi::Error e = FromCuda(kLLDispatchRecvTarget, "receive kernel",
+                          mr::LaunchLLDispatchRecv(*team, a, stream));
+  rec.Mark("receive");
+  return e;
 }
 
 }  // namespace

@@ -62,6 +62,15 @@ bool Enabled() {
 
 void Recorder::Start(const char* op, cudaStream_t stream) {
   if (!Enabled()) return;
+  // A stream being captured into a CUDA graph (an XLA command buffer: the low-latency handlers)
+  // records nothing: the graph's replays would not run this host code, and reading its events
+  // (Drain) is not allowed while capturing.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    return;
+  }
   op_ = op;
   stream_ = stream;
   Mark("start");

@@ -7,6 +7,11 @@
 // waits for peers included (that is the point: where the call's time goes). Events are read only
 // once they completed, at a later call (never a stream sync), and summed per (op, step);
 // runtime_info()["phase_ms"] returns the sums ({"op/step": (calls, total ms)}).
+// The cross-rank calls of normal mode (Exchange) are never captured into CUDA graphs; the
+// low-latency handlers (ffi/{dispatch,combine}_ll.cc: "ll_dispatch_send/layout", ".../rows",
+// "ll_dispatch_recv/receive", "ll_combine_send/start", ".../rows", "ll_combine_recv/sum") may be,
+// and a call on a capturing stream records nothing: time them with XLA's command buffers off
+// (XLA_FLAGS=--xla_gpu_enable_command_buffer=), README's table of environment variables.
 #pragma once
 
 #include <string>

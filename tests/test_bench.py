@@ -475,3 +475,18 @@ def test_preset_seed_2x8_on_cpu(tmp_path):
     d = doc["ops"]["dispatch"]
     assert len(d["links"]["rdma"]["bytes_per_rank"]) == 16
     assert d["logical"]["rdma"]["bytes_per_rank_max"] > 0 and d["metadata"]["bytes_per_rank_max"] > 0
+
+
+def test_phase_lines_keep_each_ops_steps_in_call_order():
+    """JAXEP_PHASE_TIMES's table (runner.phase_lines): the steps of an op in the order the handler
+    marks them, normal mode's and the low-latency handlers' alike; an unknown step goes last."""
+    from jaxep.bench import runner
+    phases = {k: dict(calls=2, total_ms=1.0, mean_ms=0.5) for k in (
+        "ll_dispatch_send/rows", "ll_dispatch_send/layout", "ll_combine_send/rows",
+        "ll_combine_send/start", "dispatch/pull", "dispatch/ready", "dispatch/unknown")}
+    lines = runner.phase_lines(phases)
+    keys = [line.split()[0] for line in lines[1:]]
+    assert keys == ["dispatch/ready", "dispatch/pull", "dispatch/unknown",
+                    "ll_combine_send/start", "ll_combine_send/rows",
+                    "ll_dispatch_send/layout", "ll_dispatch_send/rows"]
+    assert all("500.0 us  (2 calls)" in line for line in lines[1:])

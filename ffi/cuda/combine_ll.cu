@@ -155,12 +155,14 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-cudaError_t LaunchLLCombineSend(const Team& team, const void* y, int64_t row_bytes,
-                                const float* weights, const int32_t* recv_slot, int32_t rows,
-                                int32_t tokens, int32_t topk, int32_t* marker,
-                                cudaStream_t stream) {
+cudaError_t LaunchLLCombineStart(const Team& team, int32_t* marker, cudaStream_t stream) {
   LLCombineStartKernel<<<1, kMaxRanks, 0, stream>>>(team, marker);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchLLCombineRows(const Team& team, const void* y, int64_t row_bytes,
+                                const float* weights, const int32_t* recv_slot, int32_t rows,
+                                int32_t tokens, int32_t topk, cudaStream_t stream) {
   if (rows == 0 || tokens == 0) return cudaSuccess;
   LLCombineRowsKernel<<<static_cast<unsigned>(RowBlocks(rows, 0)), kThreads, 0, stream>>>(
       team, static_cast<const char*>(y), row_bytes, weights, recv_slot, rows, tokens * topk);

@@ -285,11 +285,14 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDi
 
 }  // namespace
 
-template <typename T>
-cudaError_t LaunchLLDispatchSend(const Team& team, const LLDispatchSend& a, cudaStream_t stream) {
+cudaError_t LaunchLLDispatchLayout(const Team& team, const LLDispatchSend& a, cudaStream_t stream) {
   if (a.experts > kMaxExperts || a.topk > kLLMaxTopk) return cudaErrorInvalidValue;
   LLDispatchLayoutKernel<<<1, kLayoutThreads, 0, stream>>>(team, a);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchLLDispatchRows(const Team& team, const LLDispatchSend& a, cudaStream_t stream) {
   if (a.tokens == 0) return cudaSuccess;
   // Shared memory holds the fp8 row on one node only (several nodes stage it in ll_tok).
   const size_t smem = a.fp8 && Nodes(team) == 1 ? static_cast<size_t>(Fp8RowBytes(a.hidden)) : 0;
@@ -314,9 +317,9 @@ cudaError_t LaunchLLDispatchRecv(const Team& team, const LLDispatchRecv& a, cuda
   return cudaGetLastError();
 }
 
-template cudaError_t LaunchLLDispatchSend<float>(const Team&, const LLDispatchSend&, cudaStream_t);
-template cudaError_t LaunchLLDispatchSend<__nv_bfloat16>(const Team&, const LLDispatchSend&,
+template cudaError_t LaunchLLDispatchRows<float>(const Team&, const LLDispatchSend&, cudaStream_t);
+template cudaError_t LaunchLLDispatchRows<__nv_bfloat16>(const Team&, const LLDispatchSend&,
                                                          cudaStream_t);
-template cudaError_t LaunchLLDispatchSend<__half>(const Team&, const LLDispatchSend&, cudaStream_t);
+template cudaError_t LaunchLLDispatchRows<__half>(const Team&, const LLDispatchSend&, cudaStream_t);
 
 }  // namespace jaxep::cuda::mr

@@ -37,9 +37,12 @@ struct LLDispatchRecv {
   int32_t* stats = nullptr;      // [2] dropped rows, invalid ids
 };
 
-// T is the payload type of x (float, __nv_bfloat16, __half).
+// dispatch_send is two launches in this order (low_latency.h): kernel A (the call's seq, the
+// slots' ordinals, the counts messages), then kernel B (the rows; T is the payload type of x:
+// float, __nv_bfloat16, __half). Separate so the handler can time them apart (phase_times.h).
+cudaError_t LaunchLLDispatchLayout(const Team& team, const LLDispatchSend& a, cudaStream_t stream);
 template <typename T>
-cudaError_t LaunchLLDispatchSend(const Team& team, const LLDispatchSend& a, cudaStream_t stream);
+cudaError_t LaunchLLDispatchRows(const Team& team, const LLDispatchSend& a, cudaStream_t stream);
 cudaError_t LaunchLLDispatchRecv(const Team& team, const LLDispatchRecv& a, cudaStream_t stream);
 
 }  // namespace jaxep::cuda::mr

@@ -452,7 +452,8 @@ def phase_lines(phases: dict) -> list:
            "of each step, waits for peers included):"]
     order = ("local", "wait free", "grant", "stage", "send", "arrive", "ready", "meta",
              "pull own node", "pull other nodes", "reduce", "return", "pull", "signal free",
-             "wait zero-copy readers")
+             "wait zero-copy readers",
+             "layout", "start", "rows", "receive", "sum")  # the low-latency handlers' steps
     rank = lambda k: (k.split("/")[0], order.index(k.split("/", 1)[1])  # noqa: E731
                       if k.split("/", 1)[1] in order else len(order))
     for key in sorted(phases, key=rank):
