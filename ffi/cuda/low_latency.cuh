@@ -93,6 +93,7 @@ __device__ __forceinline__ void CopyUnitsBatched(char* dst, const char* src, int
   }
 }
 
+// kBatch > 1 only for a warp's copy (first = lane, step = kWarpSize: WarpCopy).
 template <int kBatch>
 __device__ __forceinline__ void StridedCopy(char* dst, const char* src, int64_t bytes, int first,
                                             int step) {
