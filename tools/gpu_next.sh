@@ -14,6 +14,9 @@
 #   benchll1 benchll1f ... benchll128 benchll128f   jaxep-bench --mode=low_latency, 8 ranks, E=256,
 #              T = 1/8/32/128, bf16 / FP8 dispatch (...f), ~10 s each
 #   benchll1g4 benchll128g4   the same as 2 emulated nodes x 4 (T = 1, 128)
+#   phasell128 phase8_64 phase8_64g4   the phase table (JAXEP_PHASE_TIMES=1, ffi/phase_times.h) of
+#              benchll128 (XLA command buffers off, so the low-latency handlers are timed),
+#              bench8_64 and bench8_64g4w (bf16 wire): where each op's time goes, 1x8 beside 2x4
 #   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
 #              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
@@ -116,7 +119,16 @@ done
 # node: NVSHMEM over P2P on one GPU).
 bench benchll1g4 8 256 90 token warp "--ranks_per_node 4 --tokens 1 -- --mode=low_latency"
 bench benchll128g4 8 256 90 token warp "--ranks_per_node 4 --tokens 128 -- --mode=low_latency"
+# The phase tables: the GPU time of each step of each call on process 0 (the events cost ~15-25 %
+# of the op, so read the steps' shares, not the totals). The low-latency one runs without XLA's
+# command buffers: a captured call records nothing (phase_times.h).
+JAXEP_PHASE_TIMES=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+  bench phasell128 8 256 90 token warp \
+  "--tokens 128 --iters 5 --no-plot --outdir $LOGS/phasell128 -- --mode=low_latency"
 unset NVSHMEM_SYMMETRIC_SIZE
+JAXEP_PHASE_TIMES=1 bench phase8_64 8 64 120 token warp "--iters 5 --no-plot --outdir $LOGS/phase8_64"
+JAXEP_PHASE_TIMES=1 bench phase8_64g4 8 64 120 token warp \
+  "--iters 5 --no-plot --outdir $LOGS/phase8_64g4 --ranks_per_node 4 -- --combine_wire_dtype=payload"
 bench bench8_64a 8 64 120 row thread   # the alternative pull kernels: same inputs, same call
 bench bench8_64s 8 64 120 token warp --staged   # zero-copy off (Config zero_copy=False): same-run A/B
 step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider tests/gpu/test_nn_multirank.py
@@ -159,7 +171,7 @@ import glob, json, os, sys
 sys.path.insert(0, "tools")
 import bench_multirank as b
 rows = []
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "bench*.rows.json")), key=os.path.getmtime):
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.rows.json")), key=os.path.getmtime):
     rows += json.load(open(path))
 print(b.table(rows) if rows else "no bench rows")
 for r in rows:
@@ -167,6 +179,11 @@ for r in rows:
         print(f"N={r['N']} E={r['E']}: no JSON (rc={r['rc']}); see logs/bench_n{r['N']}_e{r['E']}.log")
 EOF
   grep -hE "BenchCorrectnessError|TimeoutError|Traceback|failed:|error:" "$LOGS"/bench_n*_e*.log 2>/dev/null | cut -c1-200 | head -6
+  for d in phasell128 phase8_64 phase8_64g4; do   # the phase tables (rank 0's)
+    for f in "$LOGS/$d"/bench_n*.log; do
+      [ -f "$f" ] && { echo "$d:"; grep -hE "^\[rank 0\] (phase times|  [a-z_]+/)" "$f" | sed 's/^\[rank 0\] //'; }
+    done
+  done
   for f in "$LOGS"/bench_n*_mode-low-latency*.log; do   # the low-latency tables (rank 0's)
     [ -f "$f" ] && grep -hE -A6 "jaxep-bench low_latency:" "$f" | sed 's/^\[rank 0\] //' | head -7
   done
