@@ -113,7 +113,8 @@ def test_table_and_plot(result, tmp_path):
         row = next(l for l in lines if l.startswith(op) and "(itself)" in l)
         assert f"{o['baselines']['copy']['ratio']:.2f}" in row
         assert f"{o['baselines']['payload_copy']['ratio']:.2f}" in row
-    drawn = report.plot(result, str(tmp_path / "p.png"))
+    from jaxep.bench import plot
+    drawn = plot.plot(result, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG" and drawn["emulated_note"]
 
 

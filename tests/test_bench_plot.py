@@ -83,7 +83,7 @@ def test_cpu_plot_content(result, tmp_path):
         assert drawn["axes"]["both"]["xlabel"] == "time per op (ms, log scale)"
     finally:
         plt.close(fig)
-    out = report.plot(result, str(tmp_path / "p.png"))
+    out = plot.plot(result, str(tmp_path / "p.png"))
     assert out["path"] == str(tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 

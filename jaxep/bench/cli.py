@@ -120,7 +120,7 @@ def bench_config():
         given = {k: kw[k] for k, holder in _FIELDS.items() if flags.FLAGS[holder.name].present}
         if GPUS_PER_NODE.present and not RANKS_PER_NODE.present:  # its older spelling: given too
             given["ranks_per_node"] = None
-        return presets.bench_config(PRESET.value, **{**kw, **presets.fields(PRESET.value), **given})
+        return BenchConfig(**{**kw, **presets.fields(PRESET.value), **given, "preset": PRESET.value})
     return BenchConfig(**kw)
 
 
@@ -198,7 +198,8 @@ def main(argv):
         console.print("plot: not drawn for --mode=low_latency (the table is the report)",
                       soft_wrap=True)
     elif PLOT.value:
-        report.plot(result, PLOT.value)
+        from jaxep.bench import plot  # pylint: disable=g-import-not-at-top (matplotlib: only here)
+        plot.plot(result, PLOT.value)
         console.print(f"plot: {PLOT.value}", soft_wrap=True)
 
 

@@ -117,10 +117,9 @@ def oracle_combine(idx_all, w_all, kept, x_r, E: int, r: int, out_dtype, G: int,
 
 
 def _global(mesh, R, per_rank, dtype):
-    """runner._global of the per-rank arrays `per_rank` (one per rank, cast to `dtype`)."""
-    from jaxep.bench import runner  # pylint: disable=g-import-not-at-top (runner imports this)
-    return runner._global(mesh, R, per_rank[0].shape, dtype,  # pylint: disable=protected-access
-                          lambda r: per_rank[r].astype(dtype))
+    """timing.global_array of the per-rank arrays `per_rank` (one per rank, cast to `dtype`)."""
+    return timing.global_array(mesh, AXIS, R, per_rank[0].shape, dtype,
+                               lambda r: per_rank[r].astype(dtype))
 
 
 def _programs(cfg, backend, mesh):
@@ -285,15 +284,14 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
     pay = {"dispatch": kept_rows * row_d, "combine": kept_rows * row_c}
     pay["both"] = pay["dispatch"] + pay["combine"]
     stage("timing the payload copies")
-    from jaxep.bench import runner  # pylint: disable=g-import-not-at-top (runner imports this)
-    copies = {op: runner._time_copy(bc, mesh, R, 2 * pay[op] // R)  # pylint: disable=protected-access
+    copies = {op: timing.time_copy(bc, mesh, AXIS, R, 2 * pay[op] // R)
               for op in ("dispatch", "combine")}
     copies["both"] = dict(copies["dispatch"], median=copies["dispatch"]["median"] +
                           copies["combine"]["median"])
     # The bytes dispatch must write whatever the kernel (x [L, M, H] in full: the contract zeroes
     # the rows past the counts): a copy of them, the floor of any dispatch with this M.
     x_total = R * L * M * row_d
-    x_copy = runner._time_copy(bc, mesh, R, 2 * x_total // R)  # pylint: disable=protected-access
+    x_copy = timing.time_copy(bc, mesh, AXIS, R, 2 * x_total // R)
     ops = {}
     for op in OPS:
         t = times[op]

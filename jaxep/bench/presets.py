@@ -6,8 +6,8 @@ with the node override Config.ranks_per_node = 8:
 
     python -m jaxep.launch --nproc 16 --share-gpu -m jaxep.bench --preset=seed_2x8
 
-A preset sets BenchConfig fields; anything given explicitly (a flag on the command line, a keyword
-of `bench_config`) wins. Its modeled hardware gives the link model's peaks (docs/benchmark.md,
+A preset sets BenchConfig fields (`fields`); anything given explicitly (a flag on the command line)
+wins (jaxep/bench/cli.py). Its modeled hardware gives the link model's peaks (docs/benchmark.md,
 "Reading the seed's numbers") unless --nvlink_gbps / --rdma_gbps are given.
 """
 from __future__ import annotations
@@ -40,9 +40,3 @@ def fields(name: str) -> dict:
     if name not in PRESETS:
         raise ValueError(f"jaxep-bench: preset must be one of {NAMES}, got {name!r}")
     return dict(PRESETS[name])
-
-
-def bench_config(name: str, **given):
-    """BenchConfig of preset `name`, the keywords `given` winning over the preset's fields."""
-    from jaxep.bench.runner import BenchConfig
-    return BenchConfig(**{**fields(name), **given, "preset": name})

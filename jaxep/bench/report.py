@@ -337,9 +337,3 @@ def sweep_table(s: dict) -> str:
 def write_json(r: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(r, f, indent=1, default=float)
-
-
-def plot(r: dict, path: str) -> dict:
-    """Writes the PNG (jaxep/bench/plot.py); returns what it drew."""
-    from jaxep.bench import plot as plot_
-    return plot_.plot(r, path)

@@ -22,7 +22,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import jaxep
 from jaxep import runtime
@@ -120,17 +120,6 @@ def _ranks_per_gpu(bc, R, platform) -> int:
     if platform == "gpu" and jax.process_count() > 1 and os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
         return R
     return 1
-
-
-def _global(mesh, R, per_rank_shape, dtype, block):
-    """A global [R*rows, ...] array sharded on the EP axis; block(rank) gives one rank's rows."""
-    shape = (R * per_rank_shape[0],) + tuple(per_rank_shape[1:])
-
-    def cb(index):
-        start = index[0].start or 0
-        return block(start // per_rank_shape[0])
-
-    return jax.make_array_from_callback(shape, NamedSharding(mesh, P(AXIS)), cb)
 
 
 class _Ops:
@@ -334,20 +323,6 @@ def _model(bc, tr, parts, meta, logical, R, G):
     return dict(hardware=hw, ops=ops, fp8_dispatch=fp8_op, seed=reading)
 
 
-def _time_copy(bc, mesh, R, hbm_bytes_per_rank):
-    """Seconds for one device copy moving `hbm_bytes_per_rank` (read half, write half) per rank.
-
-    The copy is `c ^ 1` on uint32 words: memory bound on every platform (a bf16 negation is not on
-    CPU), and a new buffer each iteration, so it cannot be elided.
-    """
-    n = max(1, int(hbm_bytes_per_rank) // 8)
-    a = _global(mesh, R, (n,), jnp.uint32, lambda r: np.random.default_rng([bc.seed, 5, r]).integers(
-        0, 2**32, n, dtype=np.uint32))
-    loop = timing.device_loop(lambda c: c ^ np.uint32(1), mesh, AXIS)
-    return timing.over_processes(timing.time_loop(loop, (a,), warmup=bc.warmup, iters=bc.iters,
-                                                  inner=bc.inner))
-
-
 def _sweep(bc, mesh, x, idx, w, backend, emit, stage=lambda what: None):
     """Times every num_sms of `sweep_num_sms` (0: no cap), and with `sweep_kernels` every kernel
     pair, on the backend under test; the best point's Config as a snippet."""
@@ -488,9 +463,10 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     lay = accounting.layout(idx_all, bc.experts, capacity)
     tr = accounting.traffic(lay, topo)
     np_dt = np.dtype(dtype)
-    x = _global(mesh, R, (T, H), dtype, lambda r: routing.tokens_for_rank(r, T, H, np_dt, seed=bc.seed))
-    idx = _global(mesh, R, (T, K), jnp.int32, lambda r: idx_all[r])
-    w = _global(mesh, R, (T, K), jnp.float32, lambda r: w_all[r])
+    x = timing.global_array(mesh, AXIS, R, (T, H), dtype,
+                            lambda r: routing.tokens_for_rank(r, T, H, np_dt, seed=bc.seed))
+    idx = timing.global_array(mesh, AXIS, R, (T, K), jnp.int32, lambda r: idx_all[r])
+    w = timing.global_array(mesh, AXIS, R, (T, K), jnp.float32, lambda r: w_all[r])
 
     # XLA collectives cannot run with several processes on one GPU (GPU.md): no reference there.
     ref_runs = not (jax.process_count() > 1 and rpg > 1)
@@ -535,14 +511,14 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
 
     hbm = accounting.hbm_bytes(lay, T, H, dtype.itemsize)
     stage("timing the copy baseline (the op's least memory bytes)")
-    copy = _time_copy(bc, mesh, R, int(hbm.max()))
+    copy = timing.time_copy(bc, mesh, AXIS, R, int(hbm.max()))
     # The payload: unique (token, destination rank) pairs x row bytes, all ranks together; its copy
     # baseline: every rank at once reads and writes 1/R of it (docs/performance.md's multi-rank
     # metric, formerly tools/bench_multirank.py's "copy_all").
     row_d = H * dtype.itemsize
     payload_total = int(tr.pairs.sum()) * row_d
     stage("timing the payload copy baseline")
-    payload_copy = _time_copy(bc, mesh, R, 2 * payload_total // R)
+    payload_copy = timing.time_copy(bc, mesh, AXIS, R, 2 * payload_total // R)
     copy_gbps = hbm.max() / copy["median"] / 1e9
     pk = peaks.resolve(dev.device_kind, platform, nvlink=bc.nvlink_gbps, rdma=bc.rdma_gbps, hbm=bc.hbm_gbps)
     if emulated:  # no real links: the memory system is the only "link"

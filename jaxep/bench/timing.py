@@ -14,7 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 _gather_calls = [0]
 
@@ -161,3 +161,28 @@ def over_processes(stats: dict) -> dict:
     if runs:
         out["handler_runs_per_op"] = max(runs)
     return out
+
+
+def global_array(mesh, axis: str, R: int, per_rank_shape, dtype, block):
+    """A global [R*rows, ...] array sharded on `axis`; block(rank) gives one rank's rows."""
+    shape = (R * per_rank_shape[0],) + tuple(per_rank_shape[1:])
+
+    def cb(index):
+        start = index[0].start or 0
+        return block(start // per_rank_shape[0])
+
+    return jax.make_array_from_callback(shape, NamedSharding(mesh, P(axis)), cb)
+
+
+def time_copy(bc, mesh, axis: str, R: int, hbm_bytes_per_rank):
+    """Seconds for one device copy moving `hbm_bytes_per_rank` (read half, write half) per rank,
+    every rank at once (`bc`: seed, warmup, iters, inner of the bench).
+
+    The copy is `c ^ 1` on uint32 words: memory bound on every platform (a bf16 negation is not on
+    CPU), and a new buffer each iteration, so it cannot be elided.
+    """
+    n = max(1, int(hbm_bytes_per_rank) // 8)
+    a = global_array(mesh, axis, R, (n,), jnp.uint32, lambda r: np.random.default_rng(
+        [bc.seed, 5, r]).integers(0, 2**32, n, dtype=np.uint32))
+    loop = device_loop(lambda c: c ^ np.uint32(1), mesh, axis)
+    return over_processes(time_loop(loop, (a,), warmup=bc.warmup, iters=bc.iters, inner=bc.inner))
