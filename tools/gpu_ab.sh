@@ -9,7 +9,7 @@
 #   VARIANTS: '|'-separated extra flags of tools/bench_multirank.py, each run for every setup and
 #   round (default: one variant, AB_EXTRA); AFTER_CMD: run once in the AFTER tree after the A/B
 #   (e.g. the GPU tier's low-latency cases), its output in logs/after_cmd.log; MORE="tag:.ab/x.tar
-#   ...": further trees, each built and run like BEFORE right after it, tagged `tag`)
+#   ...": further trees, each unpacked, built and run like BEFORE right after it, tagged `tag`)
 # Each tree is built with CMake into its own build/ and its module copied next to its jaxep/ (no
 # pip install: an editable install of one tree would shadow the other); every run imports its own
 # tree through PYTHONPATH. For each round and setup N:E, the BEFORE and AFTER benches run back to
@@ -25,18 +25,20 @@ L="$OUT/logs"
 export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 JAXEP_LOG_LEVEL=INFO
 SETUPS=${SETUPS:-"8:64 4:64"}
 ROUNDS=${ROUNDS:-2}
-BEFORE=/tmp/jaxep_before
-rm -rf "$BEFORE" && mkdir -p "$BEFORE" && tar xf .ab/before.tar -C "$BEFORE" || exit 3
+unpack() {  # tarball dir
+  rm -rf "$2" && mkdir -p "$2" && tar xf "$1" -C "$2"
+}
+# The trees other than AFTER, in run order: BEFORE, then MORE's.
+TAGS=(); DIRS=()
+for m in before:.ab/before.tar ${MORE:-}; do  # tag:tarball
+  TAGS+=("${m%%:*}"); DIRS+=("/tmp/jaxep_${m%%:*}")
+  unpack "${m#*:}" "/tmp/jaxep_${m%%:*}" || exit 3
+done
 AFTER=$(pwd)
 if [ -n "${AFTER_TAR:-}" ]; then  # AFTER_TAR=.ab/after.tar: a committed tree instead of this one
   AFTER=/tmp/jaxep_after
-  rm -rf "$AFTER" && mkdir -p "$AFTER" && tar xf "$AFTER_TAR" -C "$AFTER" || exit 3
+  unpack "$AFTER_TAR" "$AFTER" || exit 3
 fi
-MORE_TAGS=(); MORE_DIRS=()
-for m in ${MORE:-}; do  # tag:tarball
-  MORE_TAGS+=("${m%%:*}"); MORE_DIRS+=("/tmp/jaxep_${m%%:*}")
-  rm -rf "/tmp/jaxep_${m%%:*}" && mkdir -p "/tmp/jaxep_${m%%:*}" && tar xf "${m#*:}" -C "/tmp/jaxep_${m%%:*}" || exit 3
-done
 T0=$(date +%s)
 
 build() {  # tree tag
@@ -47,14 +49,13 @@ build() {  # tree tag
     && (cd "$1" && PYTHONPATH="$1" python3 -c "import jaxep._ffi as f; print('$2 extension', f.is_available(), f.unavailable_reason(), f.build_info().get('multi_rank'))")
 }
 if [ "${BUILD:-1}" = 1 ]; then
-  build "$BEFORE" before > "$L/import_before.txt" 2>&1 &
-  for i in "${!MORE_TAGS[@]}"; do
-    build "${MORE_DIRS[$i]}" "${MORE_TAGS[$i]}" > "$L/import_${MORE_TAGS[$i]}.txt" 2>&1 &
+  for i in "${!TAGS[@]}"; do
+    build "${DIRS[$i]}" "${TAGS[$i]}" > "$L/import_${TAGS[$i]}.txt" 2>&1 &
   done
   build "$AFTER" after > "$L/import_after.txt" 2>&1
   wait
 else
-  cp "$AFTER"/jaxep/_jaxep_cuda*.so "$BEFORE/jaxep/" 2>/dev/null || true
+  for d in "${DIRS[@]}"; do cp "$AFTER"/jaxep/_jaxep_cuda*.so "$d/jaxep/" 2>/dev/null || true; done
 fi
 cat "$L"/import_*.txt | grep extension
 echo "builds done in $(( $(date +%s) - T0 ))s"
@@ -74,9 +75,8 @@ for r in $(seq 1 "$ROUNDS"); do
   for s in $SETUPS; do
     n=${s%%:*}; e=${s##*:}
     for v in "${!VARS[@]}"; do
-      run "$BEFORE" before "$n" "$e" "$r" "$v" "${VARS[$v]}"
-      for i in "${!MORE_TAGS[@]}"; do
-        run "${MORE_DIRS[$i]}" "${MORE_TAGS[$i]}" "$n" "$e" "$r" "$v" "${VARS[$v]}"
+      for i in "${!TAGS[@]}"; do
+        run "${DIRS[$i]}" "${TAGS[$i]}" "$n" "$e" "$r" "$v" "${VARS[$v]}"
       done
       run "$AFTER" after "$n" "$e" "$r" "$v" "${VARS[$v]}"
     done
