@@ -143,10 +143,10 @@ __device__ __forceinline__ Pack<T, VEC> FinishNodes(const Team& team, FixedOrder
     const int32_t j = reinterpret_cast<const int32_t*>(me + team.lay.out_pos)[
         static_cast<int64_t>(n) * team.lay.max_tokens + t];
     if (j < 0) continue;
-    const Pack<W, VEC> part = reinterpret_cast<const Pack<W, VEC>*>(
-        me + RegionOffset(team.lay, n, mine) + team.lay.region_rows)[j * (hidden / VEC) + u];
+    const W* row = reinterpret_cast<const W*>(me + RegionOffset(team.lay, n, mine) +
+                                              team.lay.region_rows) + j * hidden + u * VEC;
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) out[v] = __fadd_rn(out[v], Convert<W>::ToF32(part.v[v]));
+    for (int v = 0; v < VEC; ++v) out[v] = __fadd_rn(out[v], Convert<W>::ToF32(row[v]));
   }
   Pack<T, VEC> o;
 #pragma unroll
@@ -257,103 +257,31 @@ __device__ __forceinline__ void SumList(const SlotList<P>& list, int wib, int n,
   }
 }
 
-// The other nodes' partials of one token (several nodes, warp kernel): their rows in node order
-// (a node without a kept slot of the token left out: it adds nothing), and how many of them come
-// before my node, so FinishNodes' order is kept while every row address is known before the
-// token's first unit (its partial loads then go out with the node's slot loads).
-template <typename W>
-struct PartList {
-  const W* row[kWarps][kMaxRanks];
-  int count[kWarps], before[kWarps];
-};
-
-// Lane n of each 32 reads out_pos[n][t]; the warp compacts the rows in node order.
-template <typename W>
-__device__ __forceinline__ void ListPartials(const Team& team, PartList<W>& parts, int wib,
-                                             int lane, int64_t t, int64_t hidden) {
-  const int mine = NodeOf(team, team.rank), nodes = Nodes(team);
-  const char* me = team.peer[team.rank];
-  int count = 0, before = 0;
-  for (int n0 = 0; n0 < nodes; n0 += kWarpSize) {
-    const int n = n0 + lane;
-    const W* row = nullptr;
-    if (n < nodes && n != mine) {
-      const int32_t j = reinterpret_cast<const int32_t*>(me + team.lay.out_pos)[
-          static_cast<int64_t>(n) * team.lay.max_tokens + t];
-      if (j >= 0) {
-        row = reinterpret_cast<const W*>(me + RegionOffset(team.lay, n, mine) +
-                                         team.lay.region_rows) + j * hidden;
-      }
-    }
-    const unsigned has = __ballot_sync(kFullMask, row != nullptr);
-    if (row != nullptr) parts.row[wib][count + __popc(has & ((1u << lane) - 1u))] = row;
-    count += __popc(has);
-    before += __popc(has & __ballot_sync(kFullMask, n < mine));
-  }
-  if (lane == 0) {
-    parts.count[wib] = count;
-    parts.before[wib] = before;
-  }
-  __syncwarp();
-}
-
-// Source side: this node's part in the list, then the other nodes' partials added in node order
-// (FinishNodes' sum, bit for bit), the first of them loaded before the slots' sum.
+// Source side: this node's part in the list, the other nodes' partials by FinishNodes.
 template <typename T, typename W, int VEC>
-__global__ void __launch_bounds__(kCombineThreads, 2)
+__global__ void __launch_bounds__(kCombineThreads)
     CombinePullWarpKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
                           int64_t units_per_row, const int32_t* __restrict__ send_row,
                           const int32_t* __restrict__ topk_idx, T* __restrict__ out) {
   if (Aborted(team)) return;
   using P = Pack<T, VEC>;
-  using PW = Pack<W, VEC>;
   __shared__ SlotList<P> list;
-  __shared__ PartList<PW> parts;
   __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of this node's ranks, once per block
   LoadSrcRows(team, s_rows);
   const int lane = threadIdx.x % kWarpSize;
   const int wib = threadIdx.x / kWarpSize;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const bool one_node = Nodes(team) == 1;
   P* out_packs = reinterpret_cast<P*>(out);
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + wib; t < tokens; t += nwarps) {
     const int n = ListNodeSlots(team, s_rows, list, wib, lane, topk_idx + t * topk,
                                 send_row + t * topk, topk, experts, rows, units_per_row);
-    if (one_node) {
-      for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
-        FixedOrderSum<VEC> sum;
-        SumList<P, VEC>(list, wib, n, u, sum);
-        out_packs[t * units_per_row + u] = sum.template Finish<T>();  // FinishNodes, one node
-      }
-    } else {
-      ListPartials(team, parts, wib, lane, t, units_per_row);
-      const int np = parts.count[wib], before = parts.before[wib];
-      for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
-        PW first;
-        if (np > 0) first = parts.row[wib][0][u];
-        FixedOrderSum<VEC> sum;
-        SumList<P, VEC>(list, wib, n, u, sum);
-        float own[VEC], acc[VEC];
-        sum.Total(own);
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
-        for (int q = 0; q <= np; ++q) {  // out = 0; then node order, my node at `before`
-          if (q == before) {
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) acc[v] = __fadd_rn(acc[v], own[v]);
-          }
-          if (q == np) break;
-          const PW part = q == 0 ? first : parts.row[wib][q][u];
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) acc[v] = __fadd_rn(acc[v], Convert<W>::ToF32(part.v[v]));
-        }
-        P o;
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) o.v[v] = Convert<T>::FromF32(acc[v]);
-        out_packs[t * units_per_row + u] = o;
-      }
+    for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
+      FixedOrderSum<VEC> sum;
+      SumList<P, VEC>(list, wib, n, u, sum);
+      out_packs[t * units_per_row + u] =
+          FinishNodes<T, W, VEC>(team, sum, t, u, units_per_row * VEC);
     }
-    __syncwarp();  // the lists are rewritten for the next token
+    __syncwarp();  // the list is rewritten for the next token
   }
 }
 
@@ -363,7 +291,7 @@ __global__ void __launch_bounds__(kCombineThreads, 2)
 // rounded once to W and written to region n's out area at t's position (then LaunchReturn puts
 // it to peer n). Warp per (n, t).
 template <typename T, typename W, int VEC>
-__global__ void __launch_bounds__(kCombineThreads, 2)
+__global__ void __launch_bounds__(kCombineThreads)
     CombineReduceKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
                         int64_t units_per_row) {
   if (Aborted(team)) return;
@@ -391,17 +319,14 @@ __global__ void __launch_bounds__(kCombineThreads, 2)
         reinterpret_cast<const int32_t*>(meta + team.lay.slot_expert) + t * topk,
         reinterpret_cast<const int32_t*>(meta + team.lay.slot_order) + t * topk, topk, experts,
         rows, units_per_row);
-    Pack<W, VEC>* dst = reinterpret_cast<Pack<W, VEC>*>(region + team.lay.region_out) +
-                        j * units_per_row;
+    W* dst = reinterpret_cast<W*>(region + team.lay.region_out) + j * hidden;
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
       FixedOrderSum<VEC> sum;
       SumList<P, VEC>(list, wib, len, u, sum);
       float p[VEC];
       sum.Total(p);
-      Pack<W, VEC> o;
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) o.v[v] = Convert<W>::FromF32(p[v]);
-      dst[u] = o;  // one aligned store per unit (region rows are 256-byte aligned, hidden % VEC == 0)
+      for (int v = 0; v < VEC; ++v) dst[u * VEC + v] = Convert<W>::FromF32(p[v]);
     }
     __syncwarp();
   }

@@ -175,19 +175,11 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
 
 // ---- dispatch_recv ------------------------------------------------------------------------
 
-// Row `flat` of the outputs as a row past the counts: x (head and tail) zero, weight 0, slot -1.
-__device__ __forceinline__ void ZeroRow(const LLDispatchRecv& a, int64_t flat, int lane) {
-  WarpZero(static_cast<char*>(a.x) + flat * a.head_bytes, a.head_bytes, lane);
-  if (a.tail_bytes) WarpZero(static_cast<char*>(a.tail) + flat * a.tail_bytes, a.tail_bytes, lane);
-  if (lane == 0) {
-    a.weights[flat] = 0.0f;
-    a.recv_slot[flat] = -1;
-  }
-}
-
 // Blocks 0 .. L*chunks-1: rows [chunk, chunk + 1) * kRecvRowsPerBlock of local expert l; the
-// last block: the handle's send_row and topk_idx, and stats.
-__global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDispatchRecv a,
+// last block: the handle's send_row and topk_idx, and stats. Three blocks per SM (80 registers,
+// no spill; unbounded it took 116, two blocks): a block lives about one row copy, so the grid
+// (L * M / 8 + 1 blocks) runs in waves, and each wave's rows in flight are what the copy gets.
+__global__ void __launch_bounds__(kThreads, 3) LLDispatchRecvKernel(Team team, LLDispatchRecv a,
                                                                  int chunks) {
   __shared__ int s_abort, s_drop;
   __shared__ int32_t s_pre[kMaxRanks + 1], s_cnt[kMaxRanks], s_base[kMaxRanks];
@@ -203,32 +195,17 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDi
   }
   __syncthreads();
   if (s_abort) return;
-  const bool last = blockIdx.x == gridDim.x - 1;
-  const uint64_t* flags =
-      reinterpret_cast<const uint64_t*>(team.peer[me] + lay.ll_msg_flag) + p * kMaxRanks;
-  // A row block whose counts are not all in yet zeroes its rows while it waits: every row past
-  // the counts must be zero anyway (SPEC), and the wait is for the slowest sender. The kept rows
-  // are then written twice (the __syncthreads after the wait orders the two writes of a row); a
-  // block whose counts are in zeroes only the rows past them, below. (R <= kMaxRanks <= kThreads.)
-  static_assert(kMaxRanks <= kThreads, "a thread per source rank");
-  const bool counts_in = __syncthreads_and(tid >= R || LoadAcquireSys(flags + tid) >= seq);
-  const int l = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
-  if (!last && !counts_in) {
-    for (int r = warp; r < kRecvRowsPerBlock; r += kWarps) {
-      const int m = chunk * kRecvRowsPerBlock + r;
-      if (m >= M) break;
-      ZeroRow(a, static_cast<int64_t>(l) * M + m, lane);
-    }
-  }
   for (int s = tid; s < R; s += blockDim.x) {
-    if (!WaitAtLeast(team, flags + s, seq, kPhaseLLCounts, kOpLLDispatch, s, seq)) s_abort = 1;
+    const uint64_t* f =
+        reinterpret_cast<const uint64_t*>(team.peer[me] + lay.ll_msg_flag) + p * kMaxRanks + s;
+    if (!WaitAtLeast(team, f, seq, kPhaseLLCounts, kOpLLDispatch, s, seq)) s_abort = 1;
   }
   __syncthreads();
   if (s_abort) return;
   auto counts_of = [&](int s) {
     return reinterpret_cast<const uint32_t*>(team.peer[me] + MsgOffset(lay, p, s));
   };
-  if (last) {
+  if (blockIdx.x == gridDim.x - 1) {
     for (int l = tid; l < L; l += blockDim.x) {
       int total = 0;
       for (int s = 0; s < R; ++s) total += static_cast<int>(counts_of(s)[me * L + l]);
@@ -253,7 +230,7 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDi
     }
     return;
   }
-  const int e = me * L + l;
+  const int l = blockIdx.x / chunks, chunk = blockIdx.x % chunks, e = me * L + l;
   for (int s = tid; s < R; s += blockDim.x) {
     const uint32_t* c = counts_of(s);
     s_cnt[s] = static_cast<int32_t>(c[e]);
@@ -277,12 +254,17 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDi
     const int m = chunk * kRecvRowsPerBlock + r;
     if (m >= M) break;
     const int64_t flat = static_cast<int64_t>(l) * M + m;
-    if (m >= kept) {
-      if (counts_in) ZeroRow(a, flat, lane);  // else zeroed above
-      continue;
-    }
     char* xh = static_cast<char*>(a.x) + flat * a.head_bytes;
     char* xt = static_cast<char*>(a.tail) + flat * a.tail_bytes;
+    if (m >= kept) {
+      WarpZero(xh, a.head_bytes, lane);
+      if (a.tail_bytes) WarpZero(xt, a.tail_bytes, lane);
+      if (lane == 0) {
+        a.weights[flat] = 0.0f;
+        a.recv_slot[flat] = -1;
+      }
+      continue;
+    }
     int s = 0;
     while (s_pre[s + 1] <= m) ++s;  // the source of row m: (source, t, k) order
     const int i = m - s_pre[s];
