@@ -119,7 +119,6 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
         const int64_t wire_bytes = hidden * (wire_f32 ? 4 : static_cast<int64_t>(sizeof(T)));
         ex.Mark("reduce");
         if (ffi::Error e = ex.Return(wire_bytes, max_blocks); e.failure()) return e;
-        ex.Mark("return");
       }
       return ex.Check("pull", mr::LaunchCombinePull<T>(ex.team(), tokens, topk, experts, rows,
                                                        hidden, send_row.typed_data(),

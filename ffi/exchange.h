@@ -93,7 +93,12 @@ class Exchange {
       a.row_bytes = inter.row_bytes;
       // Rows go from where they are: the stage (symmetric heap) or XLA's registered pool.
       if (inter.rows) a.rows = src_off == kStagedSrc ? team_->sym + team_->lay.stage : src;
-      if (ffi::Error e = Check("send", LaunchSend(*team_, a, seq_, op_, 0, stream_));
+      if (ffi::Error e = Check("credit", LaunchSendCredit(*team_, a, seq_, op_, stream_));
+          e.failure()) {
+        return e;
+      }
+      Mark("credit");  // positions, then the wait for every peer's credit
+      if (ffi::Error e = Check("send", LaunchSendPuts(*team_, a, seq_, 0, stream_));
           e.failure()) {
         return e;
       }
@@ -139,9 +144,18 @@ class Exchange {
   void Mark(const char* step) const { rec_.Mark(step); }
 
   // Step 5 of internode.h (combine, gather_back pulls): put what this node computed for the other
-  // nodes' peers (`bytes` per token) back to them, and wait for what they return.
+  // nodes' peers (`bytes` per token) back to them ("return"), and wait for what they return
+  // ("wait returns").
   ffi::Error Return(int64_t bytes, int64_t max_blocks) const {
-    return Check("return", cuda::mr::LaunchReturn(*team_, bytes, seq_, op_, max_blocks, stream_));
+    if (ffi::Error e = Check("return", cuda::mr::LaunchReturnPuts(*team_, bytes, max_blocks,
+                                                                  stream_));
+        e.failure()) {
+      return e;
+    }
+    Mark("return");
+    ffi::Error e = Check("wait returns", cuda::mr::LaunchAwaitReturns(*team_, seq_, op_, stream_));
+    Mark("wait returns");
+    return e;
   }
   bool internode() const { return cuda::mr::Nodes(*team_) > 1; }
 

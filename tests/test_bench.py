@@ -484,10 +484,14 @@ def test_phase_lines_keep_each_ops_steps_in_call_order():
     from jaxep.bench import runner
     phases = {k: dict(calls=2, total_ms=1.0, mean_ms=0.5) for k in (
         "ll_dispatch_send/rows", "ll_dispatch_send/layout", "ll_combine_send/rows",
-        "ll_combine_send/start", "dispatch/pull", "dispatch/ready", "dispatch/unknown")}
+        "ll_combine_send/start", "dispatch/pull", "dispatch/ready", "dispatch/unknown",
+        "combine/pull", "combine/wait returns", "combine/send", "combine/credit", "combine/return",
+        "combine/reduce")}
     lines = runner.phase_lines(phases)
-    keys = [line.split()[0] for line in lines[1:]]
-    assert keys == ["dispatch/ready", "dispatch/pull", "dispatch/unknown",
+    keys = [line.split("  ")[1].strip() for line in lines[1:]]  # "  key   N us": keys have spaces
+    assert keys == ["combine/credit", "combine/send", "combine/reduce", "combine/return",
+                    "combine/wait returns", "combine/pull",
+                    "dispatch/ready", "dispatch/pull", "dispatch/unknown",
                     "ll_combine_send/start", "ll_combine_send/rows",
                     "ll_dispatch_send/layout", "ll_dispatch_send/rows"]
     assert all("500.0 us  (2 calls)" in line for line in lines[1:])

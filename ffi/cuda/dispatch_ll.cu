@@ -176,10 +176,8 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
 // ---- dispatch_recv ------------------------------------------------------------------------
 
 // Blocks 0 .. L*chunks-1: rows [chunk, chunk + 1) * kRecvRowsPerBlock of local expert l; the
-// last block: the handle's send_row and topk_idx, and stats. Three blocks per SM (80 registers,
-// no spill; unbounded it took 116, two blocks): a block lives about one row copy, so the grid
-// (L * M / 8 + 1 blocks) runs in waves, and each wave's rows in flight are what the copy gets.
-__global__ void __launch_bounds__(kThreads, 3) LLDispatchRecvKernel(Team team, LLDispatchRecv a,
+// last block: the handle's send_row and topk_idx, and stats.
+__global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDispatchRecv a,
                                                                  int chunks) {
   __shared__ int s_abort, s_drop;
   __shared__ int32_t s_pre[kMaxRanks + 1], s_cnt[kMaxRanks], s_base[kMaxRanks];

@@ -218,14 +218,20 @@ cudaError_t LaunchGrant(const Team& team, uint64_t seq, int32_t op, cudaStream_t
   return cudaGetLastError();
 }
 
-cudaError_t LaunchSend(const Team& team, const SendArgs& a, uint64_t seq, int32_t op,
-                       int64_t max_blocks, cudaStream_t stream) {
+cudaError_t LaunchSendCredit(const Team& team, const SendArgs& a, uint64_t seq, int32_t op,
+                             cudaStream_t stream) {
   const int nodes = Nodes(team);
   if (nodes < 2) return cudaSuccess;
   PositionsKernel<<<nodes, 1024, 0, stream>>>(team, a);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   CreditKernel<<<1, 32, 0, stream>>>(team, seq, op);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSendPuts(const Team& team, const SendArgs& a, uint64_t seq, int64_t max_blocks,
+                           cudaStream_t stream) {
+  const int nodes = Nodes(team);
+  if (nodes < 2) return cudaSuccess;
   const unsigned blocks = a.rows != nullptr ? PutBlocks(a.tokens, max_blocks) : 1u;
   PutKernel<<<dim3(blocks, static_cast<unsigned>(nodes)), kThreads, 0, stream>>>(team, a, seq);
   return cudaGetLastError();
@@ -239,13 +245,17 @@ cudaError_t LaunchArrive(const Team& team, int32_t tokens, int32_t topk, int32_t
   return cudaGetLastError();
 }
 
-cudaError_t LaunchReturn(const Team& team, int64_t bytes, uint64_t seq, int32_t op,
-                         int64_t max_blocks, cudaStream_t stream) {
+cudaError_t LaunchReturnPuts(const Team& team, int64_t bytes, int64_t max_blocks,
+                             cudaStream_t stream) {
   const int nodes = Nodes(team);
   if (nodes < 2) return cudaSuccess;
   const unsigned blocks = PutBlocks(team.lay.max_tokens, max_blocks);
   ReturnKernel<<<dim3(blocks, static_cast<unsigned>(nodes)), kThreads, 0, stream>>>(team, bytes);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAwaitReturns(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream) {
+  if (Nodes(team) < 2) return cudaSuccess;
   AwaitCountsKernel<<<1, 32, 0, stream>>>(team, team.lay.out_count, kPhaseReturn, seq, op);
   return cudaGetLastError();
 }
@@ -255,14 +265,20 @@ cudaError_t LaunchReturn(const Team& team, int64_t bytes, uint64_t seq, int32_t 
 cudaError_t LaunchGrant(const Team&, uint64_t, int32_t, cudaStream_t) {
   return cudaErrorNotSupported;
 }
-cudaError_t LaunchSend(const Team&, const SendArgs&, uint64_t, int32_t, int64_t, cudaStream_t) {
+cudaError_t LaunchSendCredit(const Team&, const SendArgs&, uint64_t, int32_t, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+cudaError_t LaunchSendPuts(const Team&, const SendArgs&, uint64_t, int64_t, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 cudaError_t LaunchArrive(const Team&, int32_t, int32_t, int32_t, uint64_t, int32_t,
                          cudaStream_t) {
   return cudaErrorNotSupported;
 }
-cudaError_t LaunchReturn(const Team&, int64_t, uint64_t, int32_t, int64_t, cudaStream_t) {
+cudaError_t LaunchReturnPuts(const Team&, int64_t, int64_t, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+cudaError_t LaunchAwaitReturns(const Team&, uint64_t, int32_t, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 

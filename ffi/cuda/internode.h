@@ -50,7 +50,7 @@
 //                  earlier grid's pending blocks before a later grid's: the spinning pull is
 //                  launched after the send kernel it waits for);
 //   5  RETURN  combine, gather_back: the op's kernel wrote, into region n's out area, the result
-//              of each of peer n's tokens that need my node; LaunchReturn puts them to peer n (signal
+//              of each of peer n's tokens that need my node; LaunchReturnPuts puts them to peer n (signal
 //              rin_rows += 1 each); WAIT-RETURNS: rin_rows[n] >= my out_count[n].
 // Flow control: a writer puts into a region only after the host granted this call (3b waits the
 // credit), and a host grants only after its node's readers signalled free for the last call
@@ -81,16 +81,22 @@ struct SendArgs {
   const void* rows = nullptr;
   int64_t row_bytes = 0;
 };
-cudaError_t LaunchSend(const Team& team, const SendArgs& a, uint64_t seq, int32_t op,
-                       int64_t max_blocks, cudaStream_t stream);
+// In two launches, so the phase timer (ffi/phase_times.h) tells the wait from the puts:
+// LaunchSendCredit computes my positions for every other node and waits every peer's credit;
+// LaunchSendPuts then puts the metadata and the rows.
+cudaError_t LaunchSendCredit(const Team& team, const SendArgs& a, uint64_t seq, int32_t op,
+                             cudaStream_t stream);
+cudaError_t LaunchSendPuts(const Team& team, const SendArgs& a, uint64_t seq, int64_t max_blocks,
+                           cudaStream_t stream);
 
 // Step 4a: every peer's metadata, and its positions for my node (region_pos / region_count).
 cudaError_t LaunchArrive(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                          uint64_t seq, int32_t op, cudaStream_t stream);
 
-// Step 5: put region n's first region_count[n] results of `bytes` each to peer n, then WAIT until
-// my own out_count[n] results came back from every peer n.
-cudaError_t LaunchReturn(const Team& team, int64_t bytes, uint64_t seq, int32_t op,
-                         int64_t max_blocks, cudaStream_t stream);
+// Step 5: LaunchReturnPuts puts region n's first region_count[n] results of `bytes` each to peer
+// n; LaunchAwaitReturns then WAITS until my own out_count[n] results came back from every peer n.
+cudaError_t LaunchReturnPuts(const Team& team, int64_t bytes, int64_t max_blocks,
+                             cudaStream_t stream);
+cudaError_t LaunchAwaitReturns(const Team& team, uint64_t seq, int32_t op, cudaStream_t stream);
 
 }  // namespace jaxep::cuda::mr

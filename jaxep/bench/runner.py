@@ -425,9 +425,9 @@ def phase_lines(phases: dict) -> list:
     """The phase table, one line per op and step, in the steps' order within each op."""
     out = [f"phase times (JAXEP_PHASE_TIMES=1, process {jax.process_index()}, GPU time per call "
            "of each step, waits for peers included):"]
-    order = ("local", "wait free", "grant", "stage", "send", "arrive", "ready", "meta",
-             "pull own node", "pull other nodes", "reduce", "return", "pull", "signal free",
-             "wait zero-copy readers",
+    order = ("local", "wait free", "grant", "stage", "credit", "send", "arrive", "ready", "meta",
+             "pull own node", "pull other nodes", "reduce", "return", "wait returns", "pull",
+             "signal free", "wait zero-copy readers",
              "layout", "start", "rows", "receive", "sum")  # the low-latency handlers' steps
     rank = lambda k: (k.split("/")[0], order.index(k.split("/", 1)[1])  # noqa: E731
                       if k.split("/", 1)[1] in order else len(order))
