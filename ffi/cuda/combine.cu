@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 // Internode reducer (forwarder side): for every other node n and every token t of peer n (rank
 // (n, my local index)) that needs this node, P_mine[t] over this node's ranks from peer n's
 // handle in my region n (send_row in its slot_order field, topk_idx in its slot_expert field),
-// rounded once to W and written to region n's out area at t's position (then LaunchReturn puts
+// rounded once to W and written to region n's out area at t's position (then LaunchReturnPuts puts
 // it to peer n). Warp per (n, t).
 template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kCombineThreads)

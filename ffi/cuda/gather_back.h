@@ -18,7 +18,7 @@ cudaError_t LaunchGatherBackPull(const Team& team, int32_t tokens, int32_t topk,
                                  int32_t rows, const int32_t* send_row, const int32_t* topk_idx,
                                  float* out, cudaStream_t stream);
 
-// Forwarder side (several nodes), before LaunchReturn: the values of every other node's peer's
+// Forwarder side (several nodes), before LaunchReturnPuts: the values of every other node's peer's
 // slots kept on this node, K floats per token that needs this node, into the region's out area.
 cudaError_t LaunchGatherBackForward(const Team& team, int32_t tokens, int32_t topk,
                                     int32_t experts, int32_t rows, cudaStream_t stream);
