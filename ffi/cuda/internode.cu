@@ -104,20 +104,25 @@ __global__ void CreditKernel(Team team, uint64_t seq, int32_t op) {
   }
 }
 
-// 3b, second half: grid (blocks, nodes). Block 0 of node n puts the metadata; every warp puts the
-// rows of its tokens that need node n, row j signalling rin_seq[my node][j] = seq on peer n (the
-// flag the pulls of peer n's whole node wait for: the forwarding starts row by row).
+// 3b, second half: grid (blocks, nodes). Block 0 of node n puts the metadata, all its threads
+// (a block put: 0.26-0.66 MB at T=4096, K=8, which one warp took ~100 us to copy over P2P, call 4
+// of docs/performance.md section 9); every warp then puts the rows of its tokens that need node n,
+// row j signalling rin_seq[my node][j] = seq on peer n (the flag the pulls of peer n's whole node
+// wait for: the forwarding starts row by row).
 __global__ void __launch_bounds__(kThreads) PutKernel(Team team, SendArgs a, uint64_t seq) {
-  if (Aborted(team)) return;
+  __shared__ int s_abort;  // read once: the block put below needs every thread of the block
+  if (threadIdx.x == 0) s_abort = Aborted(team) ? 1 : 0;
+  __syncthreads();
+  if (s_abort) return;
   const int n = blockIdx.y, mine = NodeOf(team, team.rank);
   if (n != mine) {
     const int pe = PeerOn(team, n);
     char* region = team.sym + RegionOffset(team.lay, mine, n);  // mine, on peer n
-    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) {
-      nvshmemx_putmem_signal_nbi_warp(region + (a.meta_off - team.lay.counts),
-                                      team.sym + a.meta_off, a.meta_bytes,
-                                      SymWord(team, team.lay.rin_meta, mine), seq,
-                                      NVSHMEM_SIGNAL_SET, pe);
+    if (blockIdx.x == 0) {
+      nvshmemx_putmem_signal_nbi_block(region + (a.meta_off - team.lay.counts),
+                                       team.sym + a.meta_off, a.meta_bytes,
+                                       SymWord(team, team.lay.rin_meta, mine), seq,
+                                       NVSHMEM_SIGNAL_SET, pe);
     }
     if (a.rows != nullptr) {
       const int32_t* pos = reinterpret_cast<const int32_t*>(team.peer[team.rank] +
