@@ -319,14 +319,17 @@ __global__ void __launch_bounds__(kCombineThreads)
         reinterpret_cast<const int32_t*>(meta + team.lay.slot_expert) + t * topk,
         reinterpret_cast<const int32_t*>(meta + team.lay.slot_order) + t * topk, topk, experts,
         rows, units_per_row);
-    W* dst = reinterpret_cast<W*>(region + team.lay.region_out) + j * hidden;
+    Pack<W, VEC>* dst = reinterpret_cast<Pack<W, VEC>*>(region + team.lay.region_out) +
+                        j * units_per_row;
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
       FixedOrderSum<VEC> sum;
       SumList<P, VEC>(list, wib, len, u, sum);
       float p[VEC];
       sum.Total(p);
+      Pack<W, VEC> o;
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) dst[u * VEC + v] = Convert<W>::FromF32(p[v]);
+      for (int v = 0; v < VEC; ++v) o.v[v] = Convert<W>::FromF32(p[v]);
+      dst[u] = o;  // one aligned store per unit (region rows are 256-byte aligned, hidden % VEC == 0)
     }
     __syncwarp();
   }
