@@ -303,7 +303,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int wib = threadIdx.x / kWarpSize;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int mine = NodeOf(team, team.rank), nodes = Nodes(team);
-  const int64_t hidden = units_per_row * VEC;
   char* me = team.peer[team.rank];
   for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + wib;
        it < static_cast<int64_t>(nodes) * tokens; it += nwarps) {
