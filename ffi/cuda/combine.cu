@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       Pack<W, VEC> o;
 #pragma unroll
       for (int v = 0; v < VEC; ++v) o.v[v] = Convert<W>::FromF32(p[v]);
-      dst[u] = o;  // one aligned store per unit (region rows are 256-byte aligned, hidden % VEC == 0)
+      dst[u] = o;  // one aligned store per unit (region rows 256-byte aligned, hidden % VEC == 0)
     }
     __syncwarp();
   }

@@ -47,7 +47,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // Forwarder side (several nodes): for each other node's peer and each of its tokens that needs
 // this node (region pos j >= 0), the K values of its slots kept on this node (0 for the others)
-// into region n's out area at j (then LaunchReturnPuts puts them to the peer). Thread per (n, t, k).
+// into region n's out area at j (then LaunchReturnPuts puts them to the peer). Thread per
+// (n, t, k).
 __global__ void __launch_bounds__(kThreads)
     GatherBackForwardKernel(Team team, int32_t tokens, int32_t topk, int32_t experts,
                             int32_t rows) {

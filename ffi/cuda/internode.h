@@ -50,8 +50,9 @@
 //                  earlier grid's pending blocks before a later grid's: the spinning pull is
 //                  launched after the send kernel it waits for);
 //   5  RETURN  combine, gather_back: the op's kernel wrote, into region n's out area, the result
-//              of each of peer n's tokens that need my node; LaunchReturnPuts puts them to peer n (signal
-//              rin_rows += 1 each); WAIT-RETURNS: rin_rows[n] >= my out_count[n].
+//              of each of peer n's tokens that need my node; LaunchReturnPuts puts them to peer n
+//              (signal rin_rows += 1 each); WAIT-RETURNS (LaunchAwaitReturns): rin_rows[n] >= my
+//              out_count[n].
 // Flow control: a writer puts into a region only after the host granted this call (3b waits the
 // credit), and a host grants only after its node's readers signalled free for the last call
 // (step 2), so regions sized from the Config never overflow or get overwritten while read, for
