@@ -194,6 +194,10 @@ __global__ void __launch_bounds__(kCombineThreads)
 // Warp per token (topk <= 32): the default pull, and the internode reducer.
 constexpr int kMaxWarpTopk = 32;
 constexpr int kWarpBatch = 8;
+// Rows in flight per lane where a token's list holds only the slots on this node (~K / nodes:
+// the internode reducer and, with several nodes, the pull): a batch of 4 loses little there, and
+// the registers it frees buy resident warps (3 blocks per SM instead of 2).
+constexpr int kReduceBatch = 4;
 constexpr int kWarps = kCombineThreads / kWarpSize;
 
 // The shared list of one token's kept slots on this node, in (rank, k) order.
@@ -239,26 +243,27 @@ __device__ __forceinline__ int ListNodeSlots(const Team& team, const char* const
   return before;
 }
 
-// The fixed-order sum of unit u over the warp's list (kWarpBatch rows in flight per lane).
-template <typename P, int VEC>
+// The fixed-order sum of unit u over the warp's list (kBatch rows in flight per lane).
+template <typename P, int VEC, int kBatch = kWarpBatch>
 __device__ __forceinline__ void SumList(const SlotList<P>& list, int wib, int n, int64_t u,
                                         FixedOrderSum<VEC>& sum) {
-  for (int q0 = 0; q0 < n; q0 += kWarpBatch) {
-    P p[kWarpBatch];
+  for (int q0 = 0; q0 < n; q0 += kBatch) {
+    P p[kBatch];
 #pragma unroll
-    for (int j = 0; j < kWarpBatch; ++j) {
+    for (int j = 0; j < kBatch; ++j) {
       if (q0 + j < n) p[j] = list.src[wib][q0 + j][u];
     }
 #pragma unroll
-    for (int j = 0; j < kWarpBatch; ++j) {
+    for (int j = 0; j < kBatch; ++j) {
       if (q0 + j >= n) break;
       sum.Add(list.dest[wib][q0 + j], list.w[wib][q0 + j], p[j]);
     }
   }
 }
 
-// Source side: this node's part in the list, the other nodes' partials by FinishNodes.
-template <typename T, typename W, int VEC>
+// Source side: this node's part in the list, the other nodes' partials by FinishNodes. kBatch:
+// rows in flight per lane (several nodes: kReduceBatch, as the list holds this node's slots only).
+template <typename T, typename W, int VEC, int kBatch>
 __global__ void __launch_bounds__(kCombineThreads)
     CombinePullWarpKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
                           int64_t units_per_row, const int32_t* __restrict__ send_row,
@@ -277,7 +282,7 @@ __global__ void __launch_bounds__(kCombineThreads)
                                 send_row + t * topk, topk, experts, rows, units_per_row);
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
       FixedOrderSum<VEC> sum;
-      SumList<P, VEC>(list, wib, n, u, sum);
+      SumList<P, VEC, kBatch>(list, wib, n, u, sum);
       out_packs[t * units_per_row + u] =
           FinishNodes<T, W, VEC>(team, sum, t, u, units_per_row * VEC);
     }
@@ -322,7 +327,7 @@ __global__ void __launch_bounds__(kCombineThreads)
                         j * units_per_row;
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
       FixedOrderSum<VEC> sum;
-      SumList<P, VEC>(list, wib, len, u, sum);
+      SumList<P, VEC, kReduceBatch>(list, wib, len, u, sum);
       float p[VEC];
       sum.Total(p);
       Pack<W, VEC> o;
@@ -346,14 +351,18 @@ cudaError_t LaunchCombinePullAs(const Team& team, int32_t tokens, int32_t topk, 
   if (kernel == CombineKernel::kWarp && topk <= kMaxWarpTopk) {
     const unsigned grid = static_cast<unsigned>(
         CapBlocks(std::min(CeilDiv(tokens, kWarps), kMaxCombineBlocks), max_blocks));
+    auto launch = [&](auto kernel) {
+      kernel<<<grid, kCombineThreads, 0, stream>>>(team, tokens, topk, experts, rows, units,
+                                                   send_row, topk_idx, out);
+      return cudaGetLastError();
+    };
+    const bool one_node = Nodes(team) == 1;
     if (packed) {
-      CombinePullWarpKernel<T, W, kVec><<<grid, kCombineThreads, 0, stream>>>(
-          team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
-    } else {
-      CombinePullWarpKernel<T, W, 1><<<grid, kCombineThreads, 0, stream>>>(
-          team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
+      return one_node ? launch(CombinePullWarpKernel<T, W, kVec, kWarpBatch>)
+                      : launch(CombinePullWarpKernel<T, W, kVec, kReduceBatch>);
     }
-    return cudaGetLastError();
+    return one_node ? launch(CombinePullWarpKernel<T, W, 1, kWarpBatch>)
+                    : launch(CombinePullWarpKernel<T, W, 1, kReduceBatch>);
   }
   const unsigned grid = static_cast<unsigned>(
       CapBlocks(std::min(CeilDiv(tokens * units, kCombineThreads), kMaxCombineBlocks), max_blocks));
