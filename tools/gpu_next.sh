@@ -18,6 +18,7 @@
 #              benchll128 (XLA command buffers off, so the low-latency handlers are timed),
 #              bench8_64 and bench8_64g4w (bf16 wire): where each op's time goes, 1x8 beside 2x4
 #   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
+#   bench8_64g4wa  2 x 4 bf16 wire with the thread-per-unit combine pull (combine_kernel="thread")
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
 #              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
 #   bench8_64a the same with the alternative kernels (Config dispatch_kernel="row",
@@ -106,6 +107,8 @@ bench bench8_64 8 64 150
 # f32 wire, then the payload (bf16) wire. bench16seed: the seed's 2 x 8 shape (--preset=seed_2x8).
 bench bench8_64g4 8 64 150 token warp "--ranks_per_node 4"
 bench bench8_64g4w 8 64 150 token warp "--ranks_per_node 4 -- --combine_wire_dtype=payload"
+# bench8_64g4wa: the same with the thread-per-unit combine pull (Config combine_kernel="thread").
+bench bench8_64g4wa 8 64 150 token thread "--ranks_per_node 4 -- --combine_wire_dtype=payload"
 step bench16seed 240 120 "$LOGS/bench16seed.log" \
   python3 tools/bench_multirank.py --nproc 16 --experts 128 --ranks_per_node 8 --iters 10 \
   --timeout 220 --outdir "$LOGS" --summary_json "$LOGS/bench16seed.rows.json" -- \
