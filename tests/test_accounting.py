@@ -163,3 +163,13 @@ def test_seed_case_two_nodes_uniform():
     # Combine in f32 doubles the RDMA bytes; combine_wire_dtype=bfloat16 halves them back.
     c32, c16 = A.link_bytes(tr.combine, H * 2, H * 4), A.link_bytes(tr.combine, H * 2, H * 2)
     assert c32["rdma"]["max"] == 2 * c16["rdma"]["max"] == 2 * d["rdma"]["max"]
+    # As built, dispatch overlaps its links (its time is the floor); combine takes them in turn
+    # (reduce over NVLink, return over RDMA, final pull over NVLink): on the seed's hardware the
+    # bf16 wire then moves its true cross-node bytes at ~56 % of line rate, not the floor's 100 %.
+    assert op["as_built_s"] == op["floor_s"] and op["as_built_schedule"] == "the links overlap"
+    cb = model.modeled_op(c16["nvlink"]["max"], c16["rdma"]["max"], 0, nvlink_gbps=900,
+                          rdma_gbps=100, links_overlap=model.LINKS_OVERLAP["combine"])
+    assert cb["bound_by"] == "rdma" and cb["line_rate_fraction_at_floor"] == pytest.approx(1.0)
+    assert cb["as_built_s"] == pytest.approx(cb["floors_s"]["nvlink"] + cb["floors_s"]["rdma"])
+    assert cb["as_built_s"] == pytest.approx(1.05e-3, rel=0.02)
+    assert cb["line_rate_fraction_as_built"] == pytest.approx(0.56, abs=0.01)

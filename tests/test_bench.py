@@ -457,7 +457,9 @@ def test_preset_seed_2x8_on_cpu(tmp_path):
                  'seed: "NVL 149 GB/s, RDMA 44 GB/s" are DeepEP-style bytes / one time, so '
                  "RDMA/NVL = 44/149 = 0.295 is the routing's byte ratio (uniform model at 2x8 "
                  "E=128 K=8: 0.302", "of a 100 GB/s NIC (the seed's HybridEP run: ~22 GB/s)",
-                 "combine_wire_dtype=bfloat16", "preset=seed_2x8"):
+                 "combine_wire_dtype=bfloat16", "preset=seed_2x8",
+                 "as built the links overlap: the floor", "as built (NVLink, RDMA, NVLink in turn)",
+                 "as built (dispatch, then combine)"):
         assert want in text, (want, text[-3000:])
     doc = json.loads(out.read_text())
     c, t = doc["config"], doc["topology"]
@@ -471,6 +473,10 @@ def test_preset_seed_2x8_on_cpu(tmp_path):
     assert set(m["ops"]) == {"dispatch", "combine", "both"} and m["fp8_dispatch"]["row_bytes"] == 264
     for o in m["ops"].values():
         assert o["bound_by"] in ("nvlink", "rdma") and o["floor_s"] > 0
+    d, c, b = (m["ops"][k] for k in ("dispatch", "combine", "both"))
+    assert d["as_built_s"] == d["floor_s"]
+    assert c["as_built_s"] == pytest.approx(sum(c["floors_s"].values()))
+    assert b["as_built_s"] == pytest.approx(d["as_built_s"] + c["as_built_s"])
     assert m["seed"]["seed_ratio"] == pytest.approx(44 / 149)
     assert m["seed"]["ratio_uniform_model"] == pytest.approx(0.30225, abs=1e-4)
     d = doc["ops"]["dispatch"]

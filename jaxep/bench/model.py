@@ -5,6 +5,14 @@ sets it bounds the op. At that floor the bytes that really leave the node move a
 rdma_bytes / floor per GPU: the NIC's line rate when RDMA bounds the op, less when NVLink does.
 The issue's target is >= 90% of line rate in those true cross-node bytes.
 
+The floor assumes the two links overlap. `as_built_s` is the same bytes on jaxep's path as built
+(docs/design.md, ffi/cuda/internode.h): dispatch overlaps them (its rows are put while the own
+node's sources are pulled, and each remote row is forwarded over NVLink as soon as it landed), so
+there it is the floor; combine takes them in turn (the reducer's NVLink reads, then the return of
+the partials over RDMA, then the final pull's NVLink reads), so there it is their sum; dispatch +
+combine ("both") is the two ops one after the other. The true cross-node GB/s and the fraction of
+line rate are given at both times.
+
 `seed_reading` explains the seed's "NVL 149 GB/s, RDMA 44 GB/s" (presets.SEED): both are
 DeepEP-style logical bytes / one time, so their ratio is the routing's byte ratio.
 """
@@ -22,25 +30,45 @@ def floors(bytes_by_link: dict, peaks_gbps: dict) -> dict:
     return dict(floors_s=per, bound_by=bound, floor_s=per[bound] if bound else None)
 
 
+# Whether an op's NVLink and RDMA transfers overlap on jaxep's path as built (module docstring).
+LINKS_OVERLAP = {"dispatch": True, "combine": False}
+SCHEDULES = {True: "the links overlap", False: "NVLink, RDMA, NVLink in turn"}
+BOTH_SCHEDULE = "dispatch, then combine"
+
+
+def set_as_built(op: dict, as_built_s: float | None, rdma_gbps: float, schedule: str) -> dict:
+    """Fills op's as-built time, how it was scheduled, and the true cross-node GB/s and the
+    line-rate fraction it implies."""
+    rdma = op["bytes_per_rank_max"]["rdma"]
+    gbps = rdma / as_built_s / 1e9 if as_built_s and rdma else None
+    op.update(as_built_s=as_built_s, as_built_schedule=schedule, rdma_true_gbps_as_built=gbps,
+              line_rate_fraction_as_built=gbps / rdma_gbps if gbps else None)
+    return op
+
+
 def modeled_op(nvlink_bytes: int, rdma_bytes: int, metadata_bytes: int, *, nvlink_gbps: float,
-               rdma_gbps: float, target: float = presets.SEED["target_line_fraction"]) -> dict:
+               rdma_gbps: float, target: float = presets.SEED["target_line_fraction"],
+               links_overlap: bool = True) -> dict:
     """One op on the modeled hardware: floors, bound, and the true cross-node GB/s at the floor.
 
     metadata_bytes is reported beside the payload, not in the floor (it is < 1% at H >= 1024).
     time_for_target_s: the time at which the true cross-node bytes would move at `target` x line
     rate; the floor is later than that when NVLink bounds the op (then the target is out of reach
-    for this routing on this hardware).
+    for this routing on this hardware). links_overlap: False when the path as built moves the
+    NVLink and the RDMA bytes one after the other (as_built_s is then the sum of the floors).
     """
     f = floors(dict(nvlink=nvlink_bytes, rdma=rdma_bytes),
                dict(nvlink=nvlink_gbps, rdma=rdma_gbps))
     true_gbps = rdma_bytes / f["floor_s"] / 1e9 if f["floor_s"] and rdma_bytes else None
-    return dict(bytes_per_rank_max=dict(nvlink=int(nvlink_bytes), rdma=int(rdma_bytes),
-                                        rdma_metadata=int(metadata_bytes)),
-                floors_s=f["floors_s"], bound_by=f["bound_by"], floor_s=f["floor_s"],
-                rdma_true_gbps_at_floor=true_gbps,
-                line_rate_fraction_at_floor=true_gbps / rdma_gbps if true_gbps else None,
-                time_for_target_s=rdma_bytes / (target * rdma_gbps * 1e9) if rdma_bytes else None,
-                target_line_fraction=target)
+    op = dict(bytes_per_rank_max=dict(nvlink=int(nvlink_bytes), rdma=int(rdma_bytes),
+                                      rdma_metadata=int(metadata_bytes)),
+              floors_s=f["floors_s"], bound_by=f["bound_by"], floor_s=f["floor_s"],
+              rdma_true_gbps_at_floor=true_gbps,
+              line_rate_fraction_at_floor=true_gbps / rdma_gbps if true_gbps else None,
+              time_for_target_s=rdma_bytes / (target * rdma_gbps * 1e9) if rdma_bytes else None,
+              target_line_fraction=target)
+    as_built = f["floor_s"] if links_overlap else (sum(f["floors_s"].values()) or None)
+    return set_as_built(op, as_built, rdma_gbps, SCHEDULES[links_overlap])
 
 
 def seed_reading(nvl_logical: int, rdma_logical: int, rdma_true: int, uniform_ratio: float,

@@ -304,7 +304,11 @@ def _model(bc, tr, parts, meta, logical, R, G):
         m = meta if op != "combine" else None
         ops[op] = model.modeled_op(int(sum(p["nvlink"]["per_rank"] for p in ps).max()),
                                    int(sum(p["rdma"]["per_rank"] for p in ps).max()),
-                                   int(m["max"]) if m else 0, **peak)
+                                   int(m["max"]) if m else 0,
+                                   links_overlap=model.LINKS_OVERLAP.get(op, True), **peak)
+    if "both" in ops:  # dispatch, then combine
+        model.set_as_built(ops["both"], ops["dispatch"]["as_built_s"] + ops["combine"]["as_built_s"],
+                           peak["rdma_gbps"], model.BOTH_SCHEDULE)
     H = bc.hidden
     fp8_row = H + 4 * -(-H // 128)  # e4m3 + one f32 scale per 128 channels
     fp8 = accounting.link_bytes(tr.dispatch, fp8_row)
