@@ -306,9 +306,9 @@ def _model(bc, tr, parts, meta, logical, R, G):
                                    int(sum(p["rdma"]["per_rank"] for p in ps).max()),
                                    int(m["max"]) if m else 0,
                                    links_overlap=model.LINKS_OVERLAP.get(op, True), **peak)
-    if "both" in ops:  # dispatch, then combine
-        model.set_as_built(ops["both"], ops["dispatch"]["as_built_s"] + ops["combine"]["as_built_s"],
-                           peak["rdma_gbps"], model.BOTH_SCHEDULE)
+    d_s, c_s = (ops[k]["as_built_s"] if k in ops else None for k in ("dispatch", "combine"))
+    if "both" in ops and d_s and c_s:  # dispatch, then combine
+        model.set_as_built(ops["both"], d_s + c_s, peak["rdma_gbps"], model.BOTH_SCHEDULE)
     H = bc.hidden
     fp8_row = H + 4 * -(-H // 128)  # e4m3 + one f32 scale per 128 channels
     fp8 = accounting.link_bytes(tr.dispatch, fp8_row)
