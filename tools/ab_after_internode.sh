@@ -1,22 +1,12 @@
 #!/usr/bin/env bash
 # AFTER_CMD for tools/gpu_ab.sh when the A/B changes the internode path (session 11, call 2):
 #   AFTER_CMD="bash tools/ab_after_internode.sh" bash tools/gpu_ab.sh
-# Runs in the AFTER tree: the internode GPU cases of tests/gpu/test_multirank.py (every node layout
-# and both killed-peer cases, ~125 s), then the 2x4 bf16-wire phase table (JAXEP_PHASE_TIMES=1,
-# ~30 s each) of the BEFORE tree (/tmp/jaxep_before, unpacked by gpu_ab.sh) and of this tree, each
-# built by gpu_ab.sh. The tables print last (rank 0's steps); the logs stay under $OUT/phase_*.
+# Runs from the AFTER tree, on the modules gpu_ab.sh built (BUILD=0), tools/gpu_next.sh's own
+# steps: `mrn` (every node layout and both killed-peer cases, ~125 s) and `phase8_64g4` (the 2x4
+# bf16-wire phase table, ~30 s) here, then `phase8_64g4` in the BEFORE tree (/tmp/jaxep_before,
+# unpacked by gpu_ab.sh). Each summary (phase table included) prints; logs in $OUT/{after,before}_steps.
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxep_ab}
-python3 -m pytest -q -p no:cacheprovider tests/gpu/test_multirank.py \
-  -k "x4 or x2 or x1 or x8 or killed" 2>&1 | tail -15
-for d in /tmp/jaxep_before "$PWD"; do
-  t=$(basename "$d")
-  (cd "$d" && PYTHONPATH="$d" JAXEP_PHASE_TIMES=1 timeout 120 python3 tools/bench_multirank.py \
-     --nproc 8 --experts 64 --iters 5 --ranks_per_node 4 --no-plot --outdir "$OUT/phase_$t" \
-     -- --combine_wire_dtype=payload > "$OUT/phase_$t.txt" 2>&1; echo "phase $t rc=$?")
-done
-for d in /tmp/jaxep_before "$PWD"; do
-  t=$(basename "$d")
-  echo "== phase table, $t"
-  grep -hE "^\[rank 0\] (phase times|  [a-z_]+/)" "$OUT"/phase_"$t"/bench_n*.log | sed 's/^\[rank 0\] //'
-done
+BUILD=0 STEPS="mrn phase8_64g4" OUT="$OUT/after_steps" bash tools/gpu_next.sh
+(cd /tmp/jaxep_before && PYTHONPATH=/tmp/jaxep_before BUILD=0 STEPS="phase8_64g4" \
+  OUT="$OUT/before_steps" bash tools/gpu_next.sh)
