@@ -36,13 +36,19 @@ SCHEDULES = {True: "the links overlap", False: "NVLink, RDMA, NVLink in turn"}
 BOTH_SCHEDULE = "dispatch, then combine"
 
 
+def _true_rate(rdma_bytes: int, time_s: float | None, rdma_gbps: float) -> tuple:
+    """(GB/s, fraction of line rate) of the true cross-node bytes moved in time_s; Nones without
+    bytes or time."""
+    gbps = rdma_bytes / time_s / 1e9 if time_s and rdma_bytes else None
+    return gbps, gbps / rdma_gbps if gbps else None
+
+
 def set_as_built(op: dict, as_built_s: float | None, rdma_gbps: float, schedule: str) -> dict:
     """Fills op's as-built time, how it was scheduled, and the true cross-node GB/s and the
     line-rate fraction it implies."""
-    rdma = op["bytes_per_rank_max"]["rdma"]
-    gbps = rdma / as_built_s / 1e9 if as_built_s and rdma else None
+    gbps, frac = _true_rate(op["bytes_per_rank_max"]["rdma"], as_built_s, rdma_gbps)
     op.update(as_built_s=as_built_s, as_built_schedule=schedule, rdma_true_gbps_as_built=gbps,
-              line_rate_fraction_as_built=gbps / rdma_gbps if gbps else None)
+              line_rate_fraction_as_built=frac)
     return op
 
 
@@ -59,12 +65,12 @@ def modeled_op(nvlink_bytes: int, rdma_bytes: int, metadata_bytes: int, *, nvlin
     """
     f = floors(dict(nvlink=nvlink_bytes, rdma=rdma_bytes),
                dict(nvlink=nvlink_gbps, rdma=rdma_gbps))
-    true_gbps = rdma_bytes / f["floor_s"] / 1e9 if f["floor_s"] and rdma_bytes else None
+    true_gbps, frac = _true_rate(rdma_bytes, f["floor_s"], rdma_gbps)
     op = dict(bytes_per_rank_max=dict(nvlink=int(nvlink_bytes), rdma=int(rdma_bytes),
                                       rdma_metadata=int(metadata_bytes)),
               floors_s=f["floors_s"], bound_by=f["bound_by"], floor_s=f["floor_s"],
               rdma_true_gbps_at_floor=true_gbps,
-              line_rate_fraction_at_floor=true_gbps / rdma_gbps if true_gbps else None,
+              line_rate_fraction_at_floor=frac,
               time_for_target_s=rdma_bytes / (target * rdma_gbps * 1e9) if rdma_bytes else None,
               target_line_fraction=target)
     as_built = f["floor_s"] if links_overlap else (sum(f["floors_s"].values()) or None)
