@@ -104,8 +104,9 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
                     mr::LaunchStageRows(ex.team(), rows, row_bytes, recv_slot.typed_data(),
                                         y.untyped_data(), ex.team().lay.stage, max_blocks, stream));
   };
-  // Several nodes: reduce what the other nodes' tokens need from this node, return it, then the
-  // source pull adds the returned partials in node order (ffi/cuda/internode.h step 5).
+  // Several nodes: reduce what the other nodes' tokens need from this node and return it (one
+  // kernel), wait for my own tokens' partials, then the source pull adds them in node order
+  // (ffi/cuda/internode.h step 5).
   auto pull = [&](int32_t /*set: every source, combine sends no rows*/) {
     return WithPayloadType(kCombineTarget, "y", y.element_type(), [&](auto v) {
       using T = decltype(v);
@@ -116,9 +117,8 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
             e.failure()) {
           return e;
         }
-        const int64_t wire_bytes = hidden * (wire_f32 ? 4 : static_cast<int64_t>(sizeof(T)));
-        ex.Mark("reduce");
-        if (ffi::Error e = ex.Return(wire_bytes, max_blocks); e.failure()) return e;
+        ex.Mark("reduce");  // and the return puts, which the reducer issues row by row
+        if (ffi::Error e = ex.AwaitReturns(); e.failure()) return e;
       }
       return ex.Check("pull", mr::LaunchCombinePull<T>(ex.team(), tokens, topk, experts, rows,
                                                        hidden, send_row.typed_data(),

@@ -6,6 +6,7 @@
 
 #include "combine.h"
 #include "fixed_order_sum.cuh"
+#include "internode.cuh"
 #include "team.cuh"
 
 namespace jaxep::cuda {
@@ -290,13 +291,18 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
+// Three resident blocks per SM (<= 85 registers): what kReduceBatch bought; the inlined return
+// put would otherwise take the bf16 reducer from 79 to 98 registers.
+constexpr int kReduceBlocksPerSm = 3;
+
 // Internode reducer (forwarder side): for every other node n and every token t of peer n (rank
 // (n, my local index)) that needs this node, P_mine[t] over this node's ranks from peer n's
 // handle in my region n (send_row in its slot_order field, topk_idx in its slot_expert field),
-// rounded once to W and written to region n's out area at t's position (then LaunchReturnPuts puts
-// it to peer n). Warp per (n, t).
+// rounded once to W and written to region n's out area at t's position, then put to peer n by the
+// same warp (PutReturnWarp: the return of row j overlaps the reduction of the next ones, and the
+// put reads the row the warp just wrote, from L2). Warp per (n, t).
 template <typename T, typename W, int VEC>
-__global__ void __launch_bounds__(kCombineThreads)
+__global__ void __launch_bounds__(kCombineThreads, kReduceBlocksPerSm)
     CombineReduceKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
                         int64_t units_per_row) {
   if (Aborted(team)) return;
@@ -335,8 +341,10 @@ __global__ void __launch_bounds__(kCombineThreads)
       for (int v = 0; v < VEC; ++v) o.v[v] = Convert<W>::FromF32(p[v]);
       dst[u] = o;  // one aligned store per unit (region rows 256-byte aligned, hidden % VEC == 0)
     }
-    __syncwarp();
+    __syncwarp();  // the row is written (and the list may be rewritten for the next item)
+    PutReturnWarp(team, n, j, units_per_row * VEC * static_cast<int64_t>(sizeof(W)));
   }
+  QuietPuts();
 }
 
 template <typename T, typename W>

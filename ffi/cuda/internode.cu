@@ -12,6 +12,7 @@
 // kernel is; a writer's puts of one call are therefore complete before any put of its next call.
 #include <algorithm>
 
+#include "internode.cuh"
 #include "internode.h"
 #include "team.cuh"
 
@@ -33,9 +34,6 @@ __device__ __forceinline__ uint64_t* Word(const Team& t, size_t off, int n) {
 // The same word at its symmetric address (what NVSHMEM calls take for a signal on a peer).
 __device__ __forceinline__ uint64_t* SymWord(const Team& t, size_t off, int n) {
   return reinterpret_cast<uint64_t*>(t.sym + off) + n;
-}
-__device__ __forceinline__ int PeerOn(const Team& t, int n) {
-  return n * t.node_size + t.rank % t.node_size;
 }
 
 // pos[t] = index of token t among the tokens that need node n, -1 when it needs none; returns the
@@ -184,25 +182,19 @@ __global__ void AwaitCountsKernel(Team team, size_t counts_off, int32_t phase, u
   }
 }
 
-// 5, puts: grid (blocks, nodes); warp per result j < region_count[n].
+// 5, puts (gather_back; combine's reducer returns its own rows): grid (blocks, nodes); warp per
+// result j < region_count[n].
 __global__ void __launch_bounds__(kThreads) ReturnKernel(Team team, int64_t bytes) {
   if (Aborted(team)) return;
   const int n = blockIdx.y, mine = NodeOf(team, team.rank);
   if (n != mine) {
-    const int pe = PeerOn(team, n);
     const int32_t count =
         reinterpret_cast<const int32_t*>(team.peer[team.rank] + team.lay.region_count)[n];
-    const char* src = team.sym + RegionOffset(team.lay, n, mine) + team.lay.region_out;
-    char* dst = team.sym + RegionOffset(team.lay, mine, n) + team.lay.region_rows;  // on peer n
     const int64_t warp = static_cast<int64_t>(blockIdx.x) * kPutWarps + threadIdx.x / kWarpSize;
     const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kPutWarps;
-    for (int64_t j = warp; j < count; j += nwarps) {
-      nvshmemx_putmem_signal_nbi_warp(dst + j * bytes, src + j * bytes, bytes,
-                                      SymWord(team, team.lay.rin_rows, mine), 1,
-                                      NVSHMEM_SIGNAL_ADD, pe);
-    }
+    for (int64_t j = warp; j < count; j += nwarps) PutReturnWarp(team, n, j, bytes);
   }
-  nvshmem_quiet();
+  QuietPuts();
 }
 
 #endif  // JAXEP_HAVE_NVSHMEM

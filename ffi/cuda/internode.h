@@ -1,5 +1,6 @@
 // The internode transport every cross-rank op shares (hierarchical, like DeepEP / HybridEP):
-// every NVSHMEM put of jaxep is in internode.cu. Plain C++ interface: no XLA, JAX or NVSHMEM types.
+// every NVSHMEM put of the normal mode is in internode.cu or internode.cuh (the low-latency ones:
+// low_latency.cuh). Plain C++ interface: no XLA, JAX or NVSHMEM types.
 //
 // Node layout: rank = node * G + local index (Team::node_size = G). A rank exchanges with other
 // nodes only through its "peers" there: rank (n, my local index) of each other node n. Peer n
@@ -50,9 +51,11 @@
 //                  earlier grid's pending blocks before a later grid's: the spinning pull is
 //                  launched after the send kernel it waits for);
 //   5  RETURN  combine, gather_back: the op's kernel wrote, into region n's out area, the result
-//              of each of peer n's tokens that need my node; LaunchReturnPuts puts them to peer n
-//              (signal rin_rows += 1 each); WAIT-RETURNS (LaunchAwaitReturns): rin_rows[n] >= my
-//              out_count[n].
+//              of each of peer n's tokens that need my node, and each goes to peer n by one put
+//              (signal rin_rows += 1 each; internode.cuh PutReturnWarp): gather_back's by
+//              LaunchReturnPuts after its kernel, combine's by its reducer as soon as a warp wrote
+//              the row (the return overlaps the reduction); WAIT-RETURNS (LaunchAwaitReturns):
+//              rin_rows[n] >= my out_count[n].
 // Flow control: a writer puts into a region only after the host granted this call (3b waits the
 // credit), and a host grants only after its node's readers signalled free for the last call
 // (step 2), so regions sized from the Config never overflow or get overwritten while read, for
