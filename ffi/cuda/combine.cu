@@ -292,57 +292,85 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // Three resident blocks per SM (<= 85 registers): what kReduceBatch bought; the inlined return
-// put would otherwise take the bf16 reducer from 79 to 98 registers.
+// put would otherwise take the bf16 reducer above 90 registers.
 constexpr int kReduceBlocksPerSm = 3;
 
 // Internode reducer (forwarder side): for every other node n and every token t of peer n (rank
 // (n, my local index)) that needs this node, P_mine[t] over this node's ranks from peer n's
 // handle in my region n (send_row in its slot_order field, topk_idx in its slot_expert field),
-// rounded once to W and written to region n's out area at t's position, then put to peer n by the
-// same warp (PutReturnWarp: the return of row j overlaps the reduction of the next ones, and the
-// put reads the row the warp just wrote, from L2). Warp per (n, t).
+// rounded once to W and written to region n's out area at t's position j, then returned to peer n
+// by the block that wrote it. Warp per (n, t); the block's 8 items per round are 8 consecutive
+// tokens of one node (or two, at a node's end), whose rows j are consecutive among the tokens
+// that need this node, so a round usually ends in ONE block put of 8 rows with one signal (a run
+// breaks where a token needs nothing here or the node changes). The return of a round overlaps
+// the reduction of the other blocks; the put reads rows the block just wrote, from L2.
 template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kCombineThreads, kReduceBlocksPerSm)
     CombineReduceKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
                         int64_t units_per_row) {
-  if (Aborted(team)) return;
   using P = Pack<T, VEC>;
   __shared__ SlotList<P> list;
   __shared__ const char* s_rows[kMaxRanks];
-  LoadSrcRows(team, s_rows);
+  __shared__ int s_abort;  // read once: the block put needs every thread of the block
+  __shared__ int s_node[kWarps];
+  __shared__ int32_t s_row[kWarps];  // the round's row j of each warp, -1: nothing to return
+  if (threadIdx.x == 0) s_abort = Aborted(team) ? 1 : 0;
+  LoadSrcRows(team, s_rows);  // ends with __syncthreads: s_abort is published too
+  if (s_abort) return;
   const int lane = threadIdx.x % kWarpSize;
   const int wib = threadIdx.x / kWarpSize;
-  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int mine = NodeOf(team, team.rank), nodes = Nodes(team);
-  char* me = team.peer[team.rank];
-  for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + wib;
-       it < static_cast<int64_t>(nodes) * tokens; it += nwarps) {
-    const int n = static_cast<int>(it / tokens);
-    const int64_t t = it - static_cast<int64_t>(n) * tokens;
-    if (n == mine) continue;  // uniform across the warp
-    char* region = me + RegionOffset(team.lay, n, mine);
-    const int32_t j = reinterpret_cast<const int32_t*>(region + team.lay.region_pos)[t];
-    if (j < 0) continue;
-    const char* meta = region - team.lay.counts;
-    const int len = ListNodeSlots(
-        team, s_rows, list, wib, lane,
-        reinterpret_cast<const int32_t*>(meta + team.lay.slot_expert) + t * topk,
-        reinterpret_cast<const int32_t*>(meta + team.lay.slot_order) + t * topk, topk, experts,
-        rows, units_per_row);
-    Pack<W, VEC>* dst = reinterpret_cast<Pack<W, VEC>*>(region + team.lay.region_out) +
-                        j * units_per_row;
-    for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
-      FixedOrderSum<VEC> sum;
-      SumList<P, VEC, kReduceBatch>(list, wib, len, u, sum);
-      float p[VEC];
-      sum.Total(p);
-      Pack<W, VEC> o;
+  const int mine = NodeOf(team, team.rank);
+  const int64_t items = static_cast<int64_t>(Nodes(team) - 1) * tokens;  // the other nodes only
+  const int64_t row_bytes = units_per_row * VEC * static_cast<int64_t>(sizeof(W));
+  char* me = team.peer[team.rank];  // == team.sym (nvshmem_ptr of the own PE), as the put reads
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kWarps; base < items;
+       base += static_cast<int64_t>(gridDim.x) * kWarps) {  // uniform across the block
+    const int64_t it = base + wib;
+    int n = -1;
+    int32_t j = -1;
+    if (it < items) {
+      const int other = static_cast<int>(it / tokens);
+      const int64_t t = it - static_cast<int64_t>(other) * tokens;
+      n = other < mine ? other : other + 1;
+      char* region = me + RegionOffset(team.lay, n, mine);
+      j = reinterpret_cast<const int32_t*>(region + team.lay.region_pos)[t];
+      if (j >= 0) {  // uniform across the warp
+        const char* meta = region - team.lay.counts;
+        const int len = ListNodeSlots(
+            team, s_rows, list, wib, lane,
+            reinterpret_cast<const int32_t*>(meta + team.lay.slot_expert) + t * topk,
+            reinterpret_cast<const int32_t*>(meta + team.lay.slot_order) + t * topk, topk,
+            experts, rows, units_per_row);
+        Pack<W, VEC>* dst = reinterpret_cast<Pack<W, VEC>*>(region + team.lay.region_out) +
+                            j * units_per_row;
+        for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
+          FixedOrderSum<VEC> sum;
+          SumList<P, VEC, kReduceBatch>(list, wib, len, u, sum);
+          float p[VEC];
+          sum.Total(p);
+          Pack<W, VEC> o;
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) o.v[v] = Convert<W>::FromF32(p[v]);
-      dst[u] = o;  // one aligned store per unit (region rows 256-byte aligned, hidden % VEC == 0)
+          for (int v = 0; v < VEC; ++v) o.v[v] = Convert<W>::FromF32(p[v]);
+          dst[u] = o;  // one aligned store per unit (rows 256-byte aligned, hidden % VEC == 0)
+        }
+      }
     }
-    __syncwarp();  // the row is written (and the list may be rewritten for the next item)
-    PutReturnWarp(team, n, j, units_per_row * VEC * static_cast<int64_t>(sizeof(W)));
+    if (lane == 0) {
+      s_node[wib] = n;
+      s_row[wib] = j;
+    }
+    __syncthreads();  // the round's rows are written, and s_node / s_row with them
+    for (int w = 0; w < kWarps;) {  // runs of consecutive rows of one node: one put each
+      if (s_row[w] < 0) {
+        ++w;
+        continue;
+      }
+      int e = w + 1;
+      while (e < kWarps && s_node[e] == s_node[w] && s_row[e] == s_row[e - 1] + 1) ++e;
+      PutReturnBlock(team, s_node[w], s_row[w], e - w, row_bytes);
+      w = e;
+    }
+    __syncthreads();  // s_node / s_row and the warps' lists are rewritten next round
   }
   QuietPuts();
 }
@@ -391,7 +419,7 @@ cudaError_t LaunchCombineReduceAs(const Team& team, int32_t tokens, int32_t topk
   if (Nodes(team) < 2 || tokens <= 0 || hidden <= 0) return cudaSuccess;
   if (topk > kMaxWarpTopk) return cudaErrorInvalidValue;  // jaxep/_ffi.py refuses it at trace time
   constexpr int kVec = 16 / sizeof(T);
-  const int64_t items = static_cast<int64_t>(Nodes(team)) * tokens;
+  const int64_t items = static_cast<int64_t>(Nodes(team) - 1) * tokens;  // the other nodes
   const unsigned grid = static_cast<unsigned>(
       CapBlocks(std::min(CeilDiv(items, kWarps), kMaxCombineBlocks), max_blocks));
   // Staged rows are 256-byte aligned, so only the row size decides the pack.

@@ -53,7 +53,7 @@
 //   5  RETURN  combine, gather_back: the op's kernel wrote, into region n's out area, the result
 //              of each of peer n's tokens that need my node, and each goes to peer n by one put
 //              (signal rin_rows += 1 each; internode.cuh PutReturnWarp): gather_back's by
-//              LaunchReturnPuts after its kernel, combine's by its reducer as soon as a warp wrote
+//              LaunchReturnPuts after its kernel, combine's by its reducer as soon as a block wrote
 //              the row (the return overlaps the reduction); WAIT-RETURNS (LaunchAwaitReturns):
 //              rin_rows[n] >= my out_count[n].
 // Flow control: a writer puts into a region only after the host granted this call (3b waits the
