@@ -105,20 +105,19 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
                                         y.untyped_data(), ex.team().lay.stage, max_blocks, stream));
   };
   // Several nodes: reduce what the other nodes' tokens need from this node and return it (one
-  // kernel), wait for my own tokens' partials, then the source pull adds them in node order
-  // (ffi/cuda/internode.h step 5).
+  // kernel, a put per chunk of tokens), then the source pull adds my tokens' partials in node
+  // order, each chunk as soon as its flag says it landed (ffi/cuda/internode.h step 5).
   auto pull = [&](int32_t /*set: every source, combine sends no rows*/) {
     return WithPayloadType(kCombineTarget, "y", y.element_type(), [&](auto v) {
       using T = decltype(v);
       if (ex.internode()) {
         if (ffi::Error e = ex.Check("reduce", mr::LaunchCombineReduce<T>(
                                                   ex.team(), tokens, topk, experts, rows, hidden,
-                                                  wire_f32, max_blocks, stream));
+                                                  wire_f32, ex.seq(), max_blocks, stream));
             e.failure()) {
           return e;
         }
-        ex.Mark("reduce");  // and the return puts, which the reducer issues row by row
-        if (ffi::Error e = ex.AwaitReturns(); e.failure()) return e;
+        ex.Mark("reduce");  // and the return puts, which the reducer issues chunk by chunk
       }
       return ex.Check("pull", mr::LaunchCombinePull<T>(ex.team(), tokens, topk, experts, rows,
                                                        hidden, send_row.typed_data(),

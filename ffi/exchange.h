@@ -153,10 +153,6 @@ class Exchange {
       return e;
     }
     Mark("return");
-    return AwaitReturns();
-  }
-  // The second half alone, for an op whose own kernel put the returns (combine's reducer).
-  ffi::Error AwaitReturns() const {
     ffi::Error e = Check("wait returns", cuda::mr::LaunchAwaitReturns(*team_, seq_, op_, stream_));
     Mark("wait returns");
     return e;

@@ -62,7 +62,8 @@ _PHASE_TEXT = {
                    "peer puts into its forwarder on this node, the rank with the peer's local "
                    "index: flag = the row's last call seq)",
     "return": "internode return (waiting for the peer's node's partials / values for this rank's "
-              "tokens: flag = results arrived)",
+              "tokens: flag = results arrived (gather_back), or the last call seq of one chunk of "
+              "8 tokens' partials (combine))",
     # Low-latency kernels (ffi/cuda/low_latency.h): flag and want are the op's device seq.
     "ll_counts": "low-latency dispatch counts (waiting for the source's counts message of this "
                  "call)",

@@ -172,10 +172,13 @@ __global__ void __launch_bounds__(kCombineThreads)
   P* out_packs = reinterpret_cast<P*>(out);
   const int64_t total = static_cast<int64_t>(tokens) * units_per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const bool nodes = Nodes(team) > 1;
+  const uint64_t seq = nodes ? PullSeq(team) : 0;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += stride) {
     const int64_t t = i / units_per_row;
     const int64_t u = i - t * units_per_row;
+    if (nodes && !AwaitReturnChunks(team, t, seq)) return;  // t's partials from the other nodes
     FixedOrderSum<VEC> sum;
     for (int r = first; r < last; ++r) {
       const P* y = reinterpret_cast<const P*>(s_rows[r]);
@@ -278,7 +281,12 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int wib = threadIdx.x / kWarpSize;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
   P* out_packs = reinterpret_cast<P*>(out);
+  const bool nodes = Nodes(team) > 1;
+  const uint64_t seq = nodes ? PullSeq(team) : 0;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + wib; t < tokens; t += nwarps) {
+    // t's partials from the other nodes (streamed in by their reducers' chunk puts): the whole
+    // warp waits, so every lane reads them after the flags.
+    if (nodes && !__all_sync(kFullMask, AwaitReturnChunks(team, t, seq))) return;
     const int n = ListNodeSlots(team, s_rows, list, wib, lane, topk_idx + t * topk,
                                 send_row + t * topk, topk, experts, rows, units_per_row);
     for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
@@ -299,20 +307,20 @@ constexpr int kReduceBlocksPerSm = 3;
 // (n, my local index)) that needs this node, P_mine[t] over this node's ranks from peer n's
 // handle in my region n (send_row in its slot_order field, topk_idx in its slot_expert field),
 // rounded once to W and written to region n's out area at t's position j, then returned to peer n
-// by the block that wrote it. Warp per (n, t); the block's 8 items per round are 8 consecutive
-// tokens of one node (or two, at a node's end), whose rows j are consecutive among the tokens
-// that need this node, so a round usually ends in ONE block put of 8 rows with one signal (a run
-// breaks where a token needs nothing here or the node changes). The return of a round overlaps
-// the reduction of the other blocks; the put reads rows the block just wrote, from L2.
+// by the block that wrote it. Warp per (n, t); a block round is one chunk of kReturnChunk (= the
+// block's warps) consecutive tokens of one node (the token range is padded to whole chunks, so a
+// round never straddles two nodes), whose rows are consecutive: ONE put per round, which sets the
+// chunk's flag on peer n (internode.cuh PutReturnChunk). The returns stream out while the other
+// blocks still reduce, and the put reads rows the block just wrote, from L2.
+static_assert(kWarps == kReturnChunk, "a reducer round is one return chunk");
 template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kCombineThreads, kReduceBlocksPerSm)
     CombineReduceKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t rows,
-                        int64_t units_per_row) {
+                        int64_t units_per_row, uint64_t seq) {
   using P = Pack<T, VEC>;
   __shared__ SlotList<P> list;
   __shared__ const char* s_rows[kMaxRanks];
-  __shared__ int s_abort;  // read once: the block put needs every thread of the block
-  __shared__ int s_node[kWarps];
+  __shared__ int s_abort;            // read once: the block put needs every thread of the block
   __shared__ int32_t s_row[kWarps];  // the round's row j of each warp, -1: nothing to return
   if (threadIdx.x == 0) s_abort = Aborted(team) ? 1 : 0;
   LoadSrcRows(team, s_rows);  // ends with __syncthreads: s_abort is published too
@@ -320,57 +328,50 @@ __global__ void __launch_bounds__(kCombineThreads, kReduceBlocksPerSm)
   const int lane = threadIdx.x % kWarpSize;
   const int wib = threadIdx.x / kWarpSize;
   const int mine = NodeOf(team, team.rank);
-  const int64_t items = static_cast<int64_t>(Nodes(team) - 1) * tokens;  // the other nodes only
+  const int64_t padded = CeilDiv(tokens, kReturnChunk) * kReturnChunk;
+  const int64_t items = static_cast<int64_t>(Nodes(team) - 1) * padded;  // the other nodes only
   const int64_t row_bytes = units_per_row * VEC * static_cast<int64_t>(sizeof(W));
   char* me = team.peer[team.rank];  // == team.sym (nvshmem_ptr of the own PE), as the put reads
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kWarps; base < items;
        base += static_cast<int64_t>(gridDim.x) * kWarps) {  // uniform across the block
-    const int64_t it = base + wib;
-    int n = -1;
+    const int other = static_cast<int>(base / padded);    // so are other, n and t0
+    const int64_t t0 = base - static_cast<int64_t>(other) * padded;
+    const int n = other < mine ? other : other + 1;
+    char* region = me + RegionOffset(team.lay, n, mine);
+    const int64_t t = t0 + wib;
     int32_t j = -1;
-    if (it < items) {
-      const int other = static_cast<int>(it / tokens);
-      const int64_t t = it - static_cast<int64_t>(other) * tokens;
-      n = other < mine ? other : other + 1;
-      char* region = me + RegionOffset(team.lay, n, mine);
-      j = reinterpret_cast<const int32_t*>(region + team.lay.region_pos)[t];
-      if (j >= 0) {  // uniform across the warp
-        const char* meta = region - team.lay.counts;
-        const int len = ListNodeSlots(
-            team, s_rows, list, wib, lane,
-            reinterpret_cast<const int32_t*>(meta + team.lay.slot_expert) + t * topk,
-            reinterpret_cast<const int32_t*>(meta + team.lay.slot_order) + t * topk, topk,
-            experts, rows, units_per_row);
-        Pack<W, VEC>* dst = reinterpret_cast<Pack<W, VEC>*>(region + team.lay.region_out) +
-                            j * units_per_row;
-        for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
-          FixedOrderSum<VEC> sum;
-          SumList<P, VEC, kReduceBatch>(list, wib, len, u, sum);
-          float p[VEC];
-          sum.Total(p);
-          Pack<W, VEC> o;
+    if (t < tokens) j = reinterpret_cast<const int32_t*>(region + team.lay.region_pos)[t];
+    if (j >= 0) {  // uniform across the warp
+      const char* meta = region - team.lay.counts;
+      const int len = ListNodeSlots(
+          team, s_rows, list, wib, lane,
+          reinterpret_cast<const int32_t*>(meta + team.lay.slot_expert) + t * topk,
+          reinterpret_cast<const int32_t*>(meta + team.lay.slot_order) + t * topk, topk,
+          experts, rows, units_per_row);
+      Pack<W, VEC>* dst = reinterpret_cast<Pack<W, VEC>*>(region + team.lay.region_out) +
+                          j * units_per_row;
+      for (int64_t u = lane; u < units_per_row; u += kWarpSize) {
+        FixedOrderSum<VEC> sum;
+        SumList<P, VEC, kReduceBatch>(list, wib, len, u, sum);
+        float p[VEC];
+        sum.Total(p);
+        Pack<W, VEC> o;
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) o.v[v] = Convert<W>::FromF32(p[v]);
-          dst[u] = o;  // one aligned store per unit (rows 256-byte aligned, hidden % VEC == 0)
-        }
+        for (int v = 0; v < VEC; ++v) o.v[v] = Convert<W>::FromF32(p[v]);
+        dst[u] = o;  // one aligned store per unit (rows 256-byte aligned, hidden % VEC == 0)
       }
     }
-    if (lane == 0) {
-      s_node[wib] = n;
-      s_row[wib] = j;
+    if (lane == 0) s_row[wib] = j;
+    __syncthreads();  // the round's rows are written, and s_row with them
+    // The chunk's rows: those of its tokens that need this node, consecutive from the first.
+    int32_t j0 = -1, count = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      if (s_row[w] < 0) continue;
+      if (j0 < 0) j0 = s_row[w];
+      ++count;
     }
-    __syncthreads();  // the round's rows are written, and s_node / s_row with them
-    for (int w = 0; w < kWarps;) {  // runs of consecutive rows of one node: one put each
-      if (s_row[w] < 0) {
-        ++w;
-        continue;
-      }
-      int e = w + 1;
-      while (e < kWarps && s_node[e] == s_node[w] && s_row[e] == s_row[e - 1] + 1) ++e;
-      PutReturnBlock(team, s_node[w], s_row[w], e - w, row_bytes);
-      w = e;
-    }
-    __syncthreads();  // s_node / s_row and the warps' lists are rewritten next round
+    if (count > 0) PutReturnChunk(team, n, j0, count, row_bytes, t0 / kReturnChunk, seq);
+    __syncthreads();  // s_row and the warps' lists are rewritten next round
   }
   QuietPuts();
 }
@@ -414,21 +415,22 @@ cudaError_t LaunchCombinePullAs(const Team& team, int32_t tokens, int32_t topk, 
 
 template <typename T, typename W>
 cudaError_t LaunchCombineReduceAs(const Team& team, int32_t tokens, int32_t topk,
-                                  int32_t experts, int32_t rows, int64_t hidden,
+                                  int32_t experts, int32_t rows, int64_t hidden, uint64_t seq,
                                   int64_t max_blocks, cudaStream_t stream) {
   if (Nodes(team) < 2 || tokens <= 0 || hidden <= 0) return cudaSuccess;
   if (topk > kMaxWarpTopk) return cudaErrorInvalidValue;  // jaxep/_ffi.py refuses it at trace time
   constexpr int kVec = 16 / sizeof(T);
-  const int64_t items = static_cast<int64_t>(Nodes(team) - 1) * tokens;  // the other nodes
+  const int64_t items =  // the other nodes' tokens, padded to whole return chunks (the kernel)
+      static_cast<int64_t>(Nodes(team) - 1) * CeilDiv(tokens, kReturnChunk) * kReturnChunk;
   const unsigned grid = static_cast<unsigned>(
       CapBlocks(std::min(CeilDiv(items, kWarps), kMaxCombineBlocks), max_blocks));
   // Staged rows are 256-byte aligned, so only the row size decides the pack.
   if (hidden % kVec == 0) {
     CombineReduceKernel<T, W, kVec><<<grid, kCombineThreads, 0, stream>>>(
-        team, tokens, topk, experts, rows, hidden / kVec);
+        team, tokens, topk, experts, rows, hidden / kVec, seq);
   } else {
-    CombineReduceKernel<T, W, 1><<<grid, kCombineThreads, 0, stream>>>(team, tokens, topk,
-                                                                        experts, rows, hidden);
+    CombineReduceKernel<T, W, 1><<<grid, kCombineThreads, 0, stream>>>(
+        team, tokens, topk, experts, rows, hidden, seq);
   }
   return cudaGetLastError();
 }
@@ -466,13 +468,13 @@ cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, in
 
 template <typename T>
 cudaError_t LaunchCombineReduce(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
-                                int32_t rows, int64_t hidden, bool wire_f32, int64_t max_blocks,
-                                cudaStream_t stream) {
+                                int32_t rows, int64_t hidden, bool wire_f32, uint64_t seq,
+                                int64_t max_blocks, cudaStream_t stream) {
   if (wire_f32) {
-    return LaunchCombineReduceAs<T, float>(team, tokens, topk, experts, rows, hidden, max_blocks,
-                                           stream);
+    return LaunchCombineReduceAs<T, float>(team, tokens, topk, experts, rows, hidden, seq,
+                                           max_blocks, stream);
   }
-  return LaunchCombineReduceAs<T, T>(team, tokens, topk, experts, rows, hidden, max_blocks,
+  return LaunchCombineReduceAs<T, T>(team, tokens, topk, experts, rows, hidden, seq, max_blocks,
                                      stream);
 }
 
@@ -481,7 +483,7 @@ cudaError_t LaunchCombineReduce(const Team& team, int32_t tokens, int32_t topk, 
                                             int64_t, const int32_t*, const int32_t*, T*,        \
                                             CombineKernel, bool, int64_t, cudaStream_t);        \
   template cudaError_t LaunchCombineReduce<T>(const Team&, int32_t, int32_t, int32_t, int32_t,  \
-                                              int64_t, bool, int64_t, cudaStream_t)
+                                              int64_t, bool, uint64_t, int64_t, cudaStream_t)
 JAXEP_INSTANTIATE_COMBINE_PULL(float);
 JAXEP_INSTANTIATE_COMBINE_PULL(__nv_bfloat16);
 JAXEP_INSTANTIATE_COMBINE_PULL(__half);

@@ -58,11 +58,11 @@ cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, in
 // Internode reducer (several nodes; topk <= 32): for every other node's peer (the rank there with
 // my local index) and each of its tokens that needs this node (internode.h ARRIVE), this node's
 // P over its ranks, rounded once to the wire dtype, into the region's out area, and put back to
-// that peer by the block that wrote it (internode.h step 5: the return puts are this kernel's;
-// the caller then only waits for its own returns, LaunchAwaitReturns).
+// that peer by the block that wrote it, a chunk of tokens per put with its flag (internode.h
+// step 5); `seq` is the call's. The combine pull then waits for each of its tokens' chunks.
 template <typename T>
 cudaError_t LaunchCombineReduce(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
-                                int32_t rows, int64_t hidden, bool wire_f32, int64_t max_blocks,
-                                cudaStream_t stream);
+                                int32_t rows, int64_t hidden, bool wire_f32, uint64_t seq,
+                                int64_t max_blocks, cudaStream_t stream);
 
 }  // namespace jaxep::cuda::mr

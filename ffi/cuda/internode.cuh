@@ -1,6 +1,8 @@
 // Device side of internode.h's step 5 (RETURN): internode.cu's ReturnKernel (gather_back) puts a
-// row per warp; combine.cu's reducer returns each block's rows as soon as the block wrote them (the
-// return overlaps the reduction, and the put reads the rows while they are still in L2).
+// row per warp and the owner waits for the count; combine.cu's reducer returns each block's rows
+// as soon as the block wrote them, one chunk of tokens per put with its own flag, and the owner's
+// final pull waits per chunk: the returns overlap the reduction and the final pull (streaming),
+// and the put reads the rows while they are still in L2.
 // Without NVSHMEM the runtime never starts, so a team never has several nodes and these are never
 // reached.
 #pragma once
@@ -38,23 +40,50 @@ __device__ __forceinline__ void PutReturnWarp(const Team& team, int n, int64_t j
 #endif
 }
 
-// Results j0 .. j0 + count - 1 of my region n's out area in one put (they are contiguous there and
-// in the region I own on peer n), signalling rin_rows[my node] += count. The whole block calls it
-// with uniform arguments, after the __syncthreads that follows its writes of the rows (the barrier
-// orders them before every thread's part of the put; NVSHMEM orders a put's data before its
-// signal). The kernel must end with QuietPuts() in every thread.
-__device__ __forceinline__ void PutReturnBlock(const Team& team, int n, int64_t j0, int64_t count,
-                                               int64_t bytes) {
+// Combine's returns travel in chunks of kReturnChunk consecutive tokens of their owner (the
+// reducer's block rounds, one token per warp): chunk c = tokens [c * kReturnChunk, (c + 1) *
+// kReturnChunk) of the owner. The rows of a chunk's tokens that need the writer's node are
+// consecutive in the owner's region (its positions count them in token order), so a chunk is ONE
+// put, whose signal SETs the owner's rin_seq[writer node][c] = seq (the words dispatch uses as row
+// flags; both are written by the same peer and only ever hold the seq of its latest call).
+constexpr int kReturnChunk = 8;
+
+// Results j0 .. j0 + count - 1 of my region n's out area (chunk c of peer n's tokens) into the
+// region I own on peer n, one put whose signal sets rin_seq[my node][c] = seq there. The whole
+// block calls it with uniform arguments, after the __syncthreads that follows its writes of the
+// rows (the barrier orders them before every thread's part of the put; NVSHMEM delivers the data
+// before the signal). The kernel must end with QuietPuts() in every thread.
+__device__ __forceinline__ void PutReturnChunk(const Team& team, int n, int64_t j0, int64_t count,
+                                               int64_t bytes, int64_t c, uint64_t seq) {
 #ifdef JAXEP_HAVE_NVSHMEM
   const int mine = NodeOf(team, team.rank);
   const char* src = team.sym + RegionOffset(team.lay, n, mine) + team.lay.region_out;
   char* dst = team.sym + RegionOffset(team.lay, mine, n) + team.lay.region_rows;  // on peer n
   nvshmemx_putmem_signal_nbi_block(dst + j0 * bytes, src + j0 * bytes,
                                    static_cast<size_t>(count * bytes),
-                                   reinterpret_cast<uint64_t*>(team.sym + team.lay.rin_rows) + mine,
-                                   static_cast<uint64_t>(count), NVSHMEM_SIGNAL_ADD,
-                                   PeerOn(team, n));
+                                   reinterpret_cast<uint64_t*>(team.sym +
+                                                               RowSeqOffset(team.lay, mine, c)),
+                                   seq, NVSHMEM_SIGNAL_SET, PeerOn(team, n));
 #endif
+}
+
+// Source side of combine: waits until every other node returned the chunk of my token t, for the
+// nodes where t has a partial (out_pos >= 0). Bounded; false: this rank aborted.
+__device__ inline bool AwaitReturnChunks(const Team& team, int64_t t, uint64_t seq) {
+  const int mine = NodeOf(team, team.rank), nodes = Nodes(team);
+  const char* me = team.peer[team.rank];
+  for (int n = 0; n < nodes; ++n) {
+    if (n == mine) continue;
+    const int32_t j = reinterpret_cast<const int32_t*>(me + team.lay.out_pos)[
+        static_cast<int64_t>(n) * team.lay.max_tokens + t];
+    if (j < 0) continue;
+    const uint64_t* flag =
+        reinterpret_cast<const uint64_t*>(me + RowSeqOffset(team.lay, n, t / kReturnChunk));
+    if (!WaitAtLeast(team, flag, seq, kPhaseReturn, kOpCombine, PeerOn(team, n), seq)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Every put this thread issued is complete (its source may be rewritten); every thread of a

@@ -50,12 +50,19 @@
 //                  several ranks on one GPU this also relies on the block scheduler serving an
 //                  earlier grid's pending blocks before a later grid's: the spinning pull is
 //                  launched after the send kernel it waits for);
-//   5  RETURN  combine, gather_back: the op's kernel wrote, into region n's out area, the result
-//              of each of peer n's tokens that need my node, and each goes to peer n by one put
-//              (signal rin_rows += 1 each; internode.cuh PutReturnWarp): gather_back's by
-//              LaunchReturnPuts after its kernel, combine's by its reducer as soon as a block wrote
-//              the row (the return overlaps the reduction); WAIT-RETURNS (LaunchAwaitReturns):
-//              rin_rows[n] >= my out_count[n].
+//   5  RETURN  combine, gather_back: what my node computes for each of peer n's tokens that need
+//              it goes back to peer n by put, into the region I own there.
+//              gather_back: its kernel writes region n's out area, LaunchReturnPuts puts one
+//              result per warp (signal rin_rows += 1 each), and WAIT-RETURNS
+//              (LaunchAwaitReturns) waits rin_rows[n] >= my out_count[n].
+//              combine (streaming): the reducer's block that wrote a chunk of kReturnChunk
+//              consecutive tokens' partials puts them at once, one put whose signal SETs
+//              rin_seq[my node][chunk] = seq on peer n (internode.cuh PutReturnChunk), and my
+//              final pull waits, per token, for the chunk flags of the nodes that hold its
+//              partials (AwaitReturnChunks) before adding them: the returns overlap the reduction
+//              and the final pull, and there is no count wait. The chunk words are the rin_seq
+//              words dispatch uses as row flags: the same peer writes both, only ever its
+//              latest call's seq, and its calls are ordered (quiet at each kernel's end; credit).
 // Flow control: a writer puts into a region only after the host granted this call (3b waits the
 // credit), and a host grants only after its node's readers signalled free for the last call
 // (step 2), so regions sized from the Config never overflow or get overwritten while read, for

@@ -113,7 +113,9 @@ struct Diag {
 //   rin_seq[nodes][Tmax] u64 rin_seq[n][j] = last seq whose row j (dispatch, dispatch_rows) peer n
 //                            put into my region n (NVSHMEM_SIGNAL_SET seq with the row's put;
 //                            never reset: a writer's calls are ordered, so it only grows; read by
-//                            every rank of my node, RowSeqOffset)
+//                            every rank of my node, RowSeqOffset); combine reuses the first
+//                            ceil(Tmax / 8) words per node as its return chunk flags
+//                            (internode.cuh PutReturnChunk: same writer, same seq rule)
 //   out_pos[nodes][Tmax] i32 source side: token t's index among my tokens that need node n, -1 if
 //                            none of its kept / valid slots is on node n
 //   out_count[nodes]    i32  how many tokens need node n
