@@ -6,12 +6,15 @@ rdma_bytes / floor per GPU: the NIC's line rate when RDMA bounds the op, less wh
 The issue's target is >= 90% of line rate in those true cross-node bytes.
 
 The floor assumes the two links overlap. `as_built_s` is the same bytes on jaxep's path as built
-(docs/design.md, ffi/cuda/internode.h): dispatch overlaps them (its rows are put while the own
-node's sources are pulled, and each remote row is forwarded over NVLink as soon as it landed), so
-there it is the floor; combine takes them in turn (the reducer's NVLink reads, then the return of
-the partials over RDMA, then the final pull's NVLink reads), so there it is their sum; dispatch +
-combine ("both") is the two ops one after the other. The true cross-node GB/s and the fraction of
-line rate are given at both times.
+(docs/design.md, ffi/cuda/internode.h), and both ops overlap them: dispatch puts its rows while
+the own node's sources are pulled and forwards each remote row over NVLink as soon as it landed;
+combine's reducer puts each finished chunk of 8 tokens' partials while its other blocks still read
+over NVLink, and the final pull adds each token's returned partials as soon as their chunk landed
+(streamed returns, session 12). So for each op it is the floor (the fill and drain of those
+pipelines, one row or one chunk, is not modeled); dispatch + combine ("both") is the two ops one
+after the other. The true cross-node GB/s and the fraction of line rate are given at both times.
+Until session 11 combine took its links in turn (reduce, then return, then final pull): its
+as-built time was the sum of the floors; `links_overlap=False` still models that schedule.
 
 `seed_reading` explains the seed's "NVL 149 GB/s, RDMA 44 GB/s" (presets.SEED): both are
 DeepEP-style logical bytes / one time, so their ratio is the routing's byte ratio.
@@ -31,7 +34,7 @@ def floors(bytes_by_link: dict, peaks_gbps: dict) -> dict:
 
 
 # Whether an op's NVLink and RDMA transfers overlap on jaxep's path as built (module docstring).
-LINKS_OVERLAP = {"dispatch": True, "combine": False}
+LINKS_OVERLAP = {"dispatch": True, "combine": True}
 SCHEDULES = {True: "the links overlap", False: "NVLink, RDMA, NVLink in turn"}
 BOTH_SCHEDULE = "dispatch, then combine"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 
 from rich import box
 from rich.console import Console
@@ -225,12 +226,13 @@ def model_lines(r: dict) -> list[str]:
             line += (f"; true cross-node {fmt(o['rdma_true_gbps_at_floor'])} GB/s per GPU at the floor = "
                      f"{_pct(o['line_rate_fraction_at_floor'])} of line rate (target >= "
                      f"{_pct(o['target_line_fraction'])}: <= {_t(o['time_for_target_s'])})")
-        if o.get("as_built_s") and o["as_built_s"] != o["floor_s"]:
+        # (the same time up to rounding: "both" adds two floors that one link bounds)
+        if o.get("as_built_s") and not math.isclose(o["as_built_s"], o["floor_s"], rel_tol=1e-9):
             line += (f"; as built ({o['as_built_schedule']}): {_t(o['as_built_s'])}, true cross-node "
                      f"{fmt(o['rdma_true_gbps_as_built'])} GB/s per GPU = "
                      f"{_pct(o['line_rate_fraction_as_built'])} of line rate")
         elif o.get("as_built_s"):
-            line += f"; as built {o['as_built_schedule']}: the floor"
+            line += f"; as built ({o['as_built_schedule']}): the floor"
         if "note" in o:
             line += f" [{o['note']}, rows {o['row_bytes']:,} B]"
         lines.append(line)
