@@ -242,7 +242,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   s.ep_size = ep_size;
   s.ranks_per_node = ranks_per_node;
   s.max_blocks = cuda::MaxBlocksForSms(num_sms);
-  if (ffi::Error e = PayloadRowBytes(kDispatchTarget, "x", x.element_type(), s.hidden, &s.row_bytes);
+  if (ffi::Error e = DispatchRowBytes(kDispatchTarget, "x", x.element_type(), s.hidden,
+                                      &s.row_bytes);
       e.failure()) {
     return e;
   }

@@ -24,6 +24,8 @@ BUILT_MODES = ("normal", "low_latency")
 # FP8_MAX (SPEC section 3; jaxep.reference.fp8_quantize).
 FP8_BLOCK = 128
 FP8_MAX = 448.0
+# The normal-mode dispatch wire in fp8 (Config.dispatch_wire_dtype): the same quantization.
+FP8_WIRE = "float8_e4m3fn"
 # Kernel variants (same bits, different speed; docs/design.md). The first of each is the default.
 DISPATCH_KERNELS = ("token", "row")    # multi-rank dispatch pull: warp per (source, token) | per row
 COMBINE_KERNELS = ("warp", "thread")   # multi-rank combine pull: warp per token | thread per 16 B
@@ -70,6 +72,17 @@ def _choice(cfg, name: str, choices: tuple) -> None:
     if not isinstance(value, str) or str(value) not in choices:
         raise ValueError(f"jaxep.Config: {name} must be one of {choices}, got {value!r}")
     _set(cfg, name, str(value))
+
+
+def _dtype_name(value):
+    """A dtype's name from any spelling numpy knows ('f4', np.float32, jnp.bfloat16,
+    jnp.float8_e4m3fn); other values (None, unknown strings) come back as they are."""
+    if value is None:
+        return None
+    try:
+        return np.dtype(value).name
+    except (TypeError, ValueError):
+        return value
 
 
 def _dtype(cfg) -> None:
@@ -141,6 +154,14 @@ class Config:
         e.g. 8 ranks sharing one GPU as 2 nodes x 4, 16 as the seed's 2 x 8; the EP size must be a
         multiple of it. Decides the combine's reduction order (docs/design.md) on every backend,
         and on the CUDA backend which peers are reached over NVLink and which over the network.
+      dispatch_wire_dtype: normal mode only: the dtype dispatch's rows cross the links in. None
+        (default) = the payload dtype. "float8_e4m3fn": each source quantizes its tokens once
+        (fp8_dispatch's rule, SPEC section 3: e4m3 codes and one f32 scale per 128 channels,
+        H + H/32 bytes a row instead of H x itemsize) and every destination dequantizes the rows
+        it receives to the payload dtype (f32(code) x scale, cast once), so x_rows keep their
+        dtype and shape and feed ragged_dot as before, on every backend alike. Gradients pass
+        straight through the quantization: dx is the payload-dtype combine of the rows'
+        cotangents, as without it. Needs hidden % 128 == 0; mode="low_latency" has fp8_dispatch.
       combine_wire_dtype: the dtype the per-(token, node) combine partials cross the network in:
         "float32" (default) or the payload dtype (half the bytes on the scarcest link for bf16 /
         f16; each partial of another node is then rounded to it once, on every backend alike).
@@ -184,6 +205,7 @@ class Config:
     rows_per_expert: int | None = None
     fp8_dispatch: bool = False
     ranks_per_node: int | None = None
+    dispatch_wire_dtype: str | None = None
     combine_wire_dtype: str = "float32"
     num_sms: int | None = None
     dispatch_kernel: str = DISPATCH_KERNELS[0]
@@ -225,12 +247,8 @@ class Config:
         self._check_low_latency()
         if self.ranks_per_node is not None:
             _int(self, "ranks_per_node", 1)
-        wire = self.combine_wire_dtype
-        if wire is not None:  # any dtype spelling, like `dtype` ('f4', np.float32, jnp.bfloat16)
-            try:
-                wire = np.dtype(wire).name
-            except (TypeError, ValueError):
-                pass
+        self._check_dispatch_wire()
+        wire = _dtype_name(self.combine_wire_dtype)  # any dtype spelling, like `dtype`
         if wire not in ("float32", self.dtype):
             raise ValueError(f"jaxep.Config: combine_wire_dtype must be 'float32' or the payload "
                              f"dtype {self.dtype!r}, got {self.combine_wire_dtype!r}")
@@ -243,6 +261,26 @@ class Config:
         t = _number(self, "timeout_s")
         if not 0 < t < 86400:
             raise ValueError(f"jaxep.Config: timeout_s must be in (0, 86400), got {t!r}")
+
+    def _check_dispatch_wire(self) -> None:
+        """dispatch_wire_dtype: None (the payload dtype; that dtype spelled out is stored as None)
+        or FP8_WIRE, normal mode, hidden % FP8_BLOCK == 0."""
+        wire = _dtype_name(self.dispatch_wire_dtype)
+        if wire in (None, self.dtype):
+            _set(self, "dispatch_wire_dtype", None)
+            return
+        if wire != FP8_WIRE:
+            raise ValueError(f"jaxep.Config: dispatch_wire_dtype must be None (the payload dtype "
+                             f"{self.dtype!r}) or {FP8_WIRE!r}, got {self.dispatch_wire_dtype!r}")
+        if self.mode != "normal":
+            raise ValueError(f"jaxep.Config: dispatch_wire_dtype is a mode='normal' setting: "
+                             f"expected None with mode={self.mode!r} (set fp8_dispatch=True), "
+                             f"got {self.dispatch_wire_dtype!r}")
+        if self.hidden % FP8_BLOCK:
+            raise ValueError(f"jaxep.Config: dispatch_wire_dtype={FP8_WIRE!r} needs hidden to be "
+                             f"a multiple of {FP8_BLOCK} (one scale per {FP8_BLOCK} channels): "
+                             f"expected a multiple of {FP8_BLOCK}, got hidden={self.hidden}")
+        _set(self, "dispatch_wire_dtype", FP8_WIRE)
 
     def _check_low_latency(self) -> None:
         """rows_per_expert and fp8_dispatch: low_latency settings, refused with another mode."""

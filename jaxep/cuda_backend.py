@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxep import _ffi, runtime
+from jaxep import _ffi, fp8, runtime
 from jaxep import reference as _reference  # EP size 1 of the low-latency mode (below)
 # Custom-call results carry no varying axes inside shard_map: marked like the reference's outputs.
 from jaxep.reference import varying as _varying
@@ -50,9 +50,15 @@ def check_limits(config) -> None:
 def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
     ep = _ep_size(axis_name)
     check_limits(config)
-    return _varying(tuple(_ffi.dispatch(x, topk_idx, topk_weights, config=config,
-                                        capacity=capacity, ep_size=ep,
-                                        ranks_per_node=_node_size(config, ep))), axis_name)
+    # fp8 wire (Config.dispatch_wire_dtype): the source quantizes once (jaxep_fp8_quantize, the
+    # reference's bits), the kernels move the packed uint8 rows, the destination dequantizes.
+    wire = config.dispatch_wire_dtype is not None
+    sent = fp8.pack_wire_rows(*_ffi.fp8_quantize(x)) if wire else x
+    out = _ffi.dispatch(sent, topk_idx, topk_weights, config=config, capacity=capacity,
+                        ep_size=ep, ranks_per_node=_node_size(config, ep))
+    if wire:
+        out = (fp8.unpack_wire_rows(out[0], x.shape[1], x.dtype),) + tuple(out[1:])
+    return _varying(tuple(out), axis_name)
 
 
 def dispatch_rows(x, recv_slot, send_row, topk_idx, *, axis_name, config):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxep import runtime
+from jaxep import fp8, runtime
 from jaxep._numerics import exact_f32, round_f32_to
 from jaxep.config import FP8_BLOCK, FP8_MAX
 
@@ -121,13 +121,16 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
     idx = jnp.where(invalid | (topk_idx < 0), -1, topk_idx).astype(jnp.int32)
     idx_all = _all_gather(idx, axis_name)  # [R,T,K]
     w_all = _all_gather(topk_weights, axis_name)
-    x_all = _all_gather(x, axis_name)  # [R,T,H]
+    wire = config.dispatch_wire_dtype is not None  # fp8: quantized here, dequantized there
+    x_all = _all_gather(fp8.pack_wire_rows(*fp8_quantize(x)) if wire else x, axis_name)  # [R,T,H]
     send_row_all, recv_slot, counts = _layout(idx_all, E, capacity, me)
     my_counts = jax.lax.dynamic_slice(counts, (me * L,), (L,))
     starts = jnp.cumsum(my_counts) - my_counts
     group_sizes = jnp.clip(capacity - starts, 0, my_counts).astype(jnp.int32)
     valid = recv_slot >= 0
     rows = _rows_from_slots(x_all, recv_slot, idx.shape[1])
+    if wire:
+        rows = fp8.unpack_wire_rows(rows, x.shape[1], x.dtype)
     weights = _take(w_all.reshape(-1), recv_slot, valid).astype(jnp.float32)
     dropped = jnp.sum(my_counts) - jnp.sum(group_sizes)
     stats = jnp.stack([dropped, jnp.sum(invalid)]).astype(jnp.int32)

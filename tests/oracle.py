@@ -163,6 +163,21 @@ def fp8_quantize(x):
     return codes, scales
 
 
+def fp8_dequantize(codes, scales, dtype):
+    """codes [T,H] uint8 e4m3fn, scales [T,H/128] f32 -> [T,H] dtype: the code's value (sign bit
+    0x80, -0.0 included) times its block's scale, one f32 product, cast once."""
+    codes = np.asarray(codes, np.uint8)
+    mag = E4M3[codes & 0x7F].astype(np.float32)  # exact: every e4m3 value is an f32
+    v32 = np.where(codes & 0x80, -mag, mag).astype(np.float32)
+    return cast(v32 * np.repeat(np.asarray(scales, np.float32), 128, axis=1), dtype)
+
+
+def fp8_wire(xs, dtype):
+    """Config.dispatch_wire_dtype="float8_e4m3fn": each rank's x as its destinations see it,
+    quantized at the source and dequantized to the payload dtype."""
+    return [fp8_dequantize(*fp8_quantize(x), dtype) for x in xs]
+
+
 def ll_dispatch(xs, idxs, ws, *, num_experts, rows, fp8=False):
     """Per-rank lists: x [L,M,H] (uint8 e4m3 codes when fp8), scales [L,M,H/128] (fp8), counts
     [L], weights [L,M], send_row [T,K] (flat row l*M+m on the destination, -1 if not kept),

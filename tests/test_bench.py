@@ -362,6 +362,35 @@ def test_bench_multirank_names_each_setup_apart():
     assert f32 == ("token/warp 2x4", "_g4"), f32
     assert bf16 == ("token/warp 2x4 w:payload", "_g4_combine-wire-dtype-payload"), bf16
     assert bm.run_label(bm.parse_args([]))[1] == ""
+    fp8 = bm.run_label(bm.parse_args(["--", "--dispatch_wire_dtype=float8_e4m3fn"]))
+    assert fp8 == ("token/warp d:fp8", "_dispatch-wire-dtype-float8-e4m3fn"), fp8
+
+
+def test_dispatch_over_the_fp8_wire_on_cpu(tmp_path):
+    """--dispatch_wire_dtype=float8_e4m3fn: bitwise against the host oracle's quantized tokens;
+    dispatch's link bytes count H + H/32 bytes a row, combine's stay the payload's."""
+    def run(*extra):
+        out = tmp_path / f"b{len(extra)}.json"
+        p = subprocess.run([sys.executable, "-m", "jaxep.bench", "--backend=reference",
+                            "--cpu_devices=4", "--ranks_per_node=2", "--tokens=16", "--hidden=256",
+                            "--topk=2", "--experts=8", "--iters=1", "--warmup=1", "--inner=1",
+                            *extra, f"--json={out}"], capture_output=True, text=True, timeout=300,
+                           env=_bench_env(), cwd=os.path.join(os.path.dirname(__file__), ".."))
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "correctness: OK" in p.stdout, p.stdout[:2000]
+        return p.stdout, json.loads(out.read_text())
+    text, doc = run("--dispatch_wire_dtype=float8_e4m3fn")
+    _, plain = run()
+    assert "dispatch_wire_dtype=float8_e4m3fn" in text
+    assert doc["config"]["jaxep_config"]["dispatch_wire_dtype"] == "float8_e4m3fn"
+    assert plain["config"]["jaxep_config"]["dispatch_wire_dtype"] is None
+    assert doc["routing"]["row_bytes_dispatch"] == 256 + 8 and plain["routing"]["row_bytes_dispatch"] == 512
+    for link in ("nvlink", "rdma"):
+        a = doc["ops"]["dispatch"]["links"][link]["bytes_per_rank"]
+        b = plain["ops"]["dispatch"]["links"][link]["bytes_per_rank"]
+        assert [x * 512 for x in a] == [y * 264 for y in b] and sum(b) > 0, link
+        assert (doc["ops"]["combine"]["links"][link]["bytes_per_rank"]
+                == plain["ops"]["combine"]["links"][link]["bytes_per_rank"])
 
 
 def test_sweep_points_cover_num_sms_and_kernels(monkeypatch):
@@ -453,7 +482,7 @@ def test_preset_seed_2x8_on_cpu(tmp_path):
     assert "correctness: OK" in text and "EP=16 as 2 node(s) x 8 device(s)" in text, text[:800]
     for want in ("inter-node (emulated): true cross-node", "RDMA logical (DeepEP/HybridEP count)",
                  "NVL logical (DeepEP count)", "RDMA metadata", "link model (B300 NVLink",
-                 "fp8 dispatch:", "model only: fp8 dispatch is not built",
+                 "fp8 dispatch:", "the fp8 wire: --dispatch_wire_dtype=float8_e4m3fn runs it",
                  'seed: "NVL 149 GB/s, RDMA 44 GB/s" are DeepEP-style bytes / one time, so '
                  "RDMA/NVL = 44/149 = 0.295 is the routing's byte ratio (uniform model at 2x8 "
                  "E=128 K=8: 0.302", "of a 100 GB/s NIC (the seed's HybridEP run: ~22 GB/s)",

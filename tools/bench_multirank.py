@@ -157,6 +157,8 @@ def run_label(a: argparse.Namespace) -> tuple[str, str]:
         tag += "_" + "".join(c if c.isalnum() else "-" for c in extra.lstrip("-"))
         if extra.startswith("--combine_wire_dtype="):
             kernels += " w:" + extra.split("=", 1)[1]
+        elif extra == "--dispatch_wire_dtype=float8_e4m3fn":
+            kernels += " d:fp8"
         elif extra == "--mode=low_latency":
             kernels += f" LL T={a.tokens}"
         elif extra == "--fp8_dispatch":

@@ -19,6 +19,8 @@
 #              bench8_64 and bench8_64g4w (bf16 wire): where each op's time goes, 1x8 beside 2x4
 #   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
 #   bench8_64g4wa  2 x 4 bf16 wire with the thread-per-unit combine pull (combine_kernel="thread")
+#   fp8, bench8_64f, bench8_64g4wf   the fp8 dispatch wire: its GPU cases; bench8_64 and
+#              bench8_64g4w with --dispatch_wire_dtype=float8_e4m3fn
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
 #              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
 #   bench8_64a the same with the alternative kernels (Config dispatch_kernel="row",
@@ -99,6 +101,10 @@ bench() {  # name nproc experts cap [dispatch kernel] [combine kernel] [more fla
 step mr 420 120 "$LOGS/mr.log" python3 -m pytest -v -rs -p no:cacheprovider tests/gpu/test_multirank.py
 step mrn 300 120 "$LOGS/mrn.log" python3 -m pytest -v -rs -p no:cacheprovider \
   tests/gpu/test_multirank.py -k "x4 or x2 or x1 or x8 or killed"
+# fp8: the fp8 dispatch wire (Config.dispatch_wire_dtype) bitwise on the kernels: 4 ranks, 2 x 4
+# (mr runs them too) and EP size 1, ~100 s.
+step fp8 300 90 "$LOGS/fp8.log" python3 -m pytest -v -rs -p no:cacheprovider \
+  tests/gpu/test_multirank.py tests/gpu/test_cuda_ep1.py -k "fp8wire or fp8_wire"
 # mode="low_latency" on the CUDA backend (4 and 8 ranks, one node and 2 x 4; mr runs it too).
 step ll 400 90 "$LOGS/ll.log" python3 -m pytest -v -rsP -p no:cacheprovider \
   tests/gpu/test_multirank.py -k low_latency
@@ -109,6 +115,10 @@ bench bench8_64g4 8 64 150 token warp "--ranks_per_node 4"
 bench bench8_64g4w 8 64 150 token warp "--ranks_per_node 4 -- --combine_wire_dtype=payload"
 # bench8_64g4wa: the same with the thread-per-unit combine pull (Config combine_kernel="thread").
 bench bench8_64g4wa 8 64 150 token thread "--ranks_per_node 4 -- --combine_wire_dtype=payload"
+# bench8_64f, bench8_64g4wf: bench8_64 and bench8_64g4w with dispatch's rows on the fp8 wire.
+bench bench8_64f 8 64 150 token warp "-- --dispatch_wire_dtype=float8_e4m3fn"
+bench bench8_64g4wf 8 64 150 token warp \
+  "--ranks_per_node 4 -- --combine_wire_dtype=payload --dispatch_wire_dtype=float8_e4m3fn"
 step bench16seed 240 120 "$LOGS/bench16seed.log" \
   python3 tools/bench_multirank.py --nproc 16 --experts 128 --ranks_per_node 8 --iters 10 \
   --timeout 220 --outdir "$LOGS" --summary_json "$LOGS/bench16seed.rows.json" -- \

@@ -51,18 +51,46 @@ def against_layout(lay: Layout, group_sizes: dict, dropped: dict, invalid: dict)
                       lay.invalid[r:r + 1])
 
 
-def oracle_rows(lay: Layout, idx_all, w_all, rank, capacity, hidden, dtype, seed):
-    """Expected (x_rows [C,H], weights [C]) on destination `rank` (docs/design.md layout)."""
+def oracle_rows(lay: Layout, idx_all, w_all, rank, capacity, hidden, dtype, seed,
+                dispatch_wire_dtype=None):
+    """Expected (x_rows [C,H], weights [C]) on destination `rank` (docs/design.md layout), the
+    sources' tokens seen through `dispatch_wire_dtype` (wire_tokens)."""
     s, t, k = np.nonzero(lay.kept & (lay.dest == rank))  # in (s, t, k) order
     order = np.argsort(idx_all[s, t, k], kind="stable")  # then by expert: the layout order
     s, t, k = s[order], t[order], k[order]
     rows = np.zeros((capacity, hidden), dtype)
     for src in np.unique(s):
-        x = routing.tokens_for_rank(int(src), idx_all.shape[1], hidden, dtype, seed=seed)
+        x = wire_tokens(routing.tokens_for_rank(int(src), idx_all.shape[1], hidden, dtype,
+                                                seed=seed), dtype, dispatch_wire_dtype)
         rows[np.nonzero(s == src)[0]] = x[t[s == src]]
     weights = np.zeros(capacity, np.float32)
     weights[: s.size] = w_all[s, t, k]
     return rows, weights
+
+
+def fp8_quantize(x):
+    """Host FP8 quantization of one rank's tokens (SPEC section 3): NumPy f32 divisions are IEEE
+    and ml_dtypes' cast to float8_e4m3fn rounds to nearest even. -> (codes uint8, scales f32)."""
+    import ml_dtypes  # pylint: disable=g-import-not-at-top
+    T, H = x.shape
+    x32 = x.astype(np.float32).reshape(T, H // 128, 128)
+    amax = np.abs(x32).max(-1)
+    scales = np.where(amax == 0, np.float32(1), (amax / np.float32(448)).astype(np.float32))
+    q = np.clip((x32 / scales[..., None]).astype(np.float32), -448, 448)
+    return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(T, H), scales.astype(np.float32)
+
+
+def dequantize(codes, scales, dtype):
+    """jaxep.dequantize_fp8 on the host: f32(code) * its block's scale, cast once."""
+    import ml_dtypes  # pylint: disable=g-import-not-at-top
+    c32 = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return (c32 * np.repeat(scales, 128, axis=-1)).astype(np.float32).astype(dtype)
+
+
+def wire_tokens(x, dtype, dispatch_wire_dtype):
+    """A source's tokens as its destinations see them: x, or over the fp8 wire
+    (Config.dispatch_wire_dtype) quantized there and dequantized to `dtype` here."""
+    return x if dispatch_wire_dtype is None else dequantize(*fp8_quantize(x), dtype)
 
 
 def _round_to(a32: np.ndarray, dtype) -> np.ndarray:

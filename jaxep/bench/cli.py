@@ -72,6 +72,10 @@ RANKS_PER_GPU = flags.DEFINE_integer("ranks_per_gpu", 0, "Ranks sharing one phys
                                      "links are emulated); 0 = auto: all processes under "
                                      "jaxep.launch --share-gpu (CUDA MPS), else 1.",
                                      lower_bound=0, upper_bound=64)
+DISPATCH_WIRE_DTYPE = flags.DEFINE_enum(
+    "dispatch_wire_dtype", "payload", ["payload", "float8_e4m3fn"],
+    "jaxep.Config.dispatch_wire_dtype (mode=normal): the dtype dispatch's rows cross the links in; "
+    "float8_e4m3fn: quantized at the source (H + H/32 bytes a row), dequantized at the destination")
 COMBINE_WIRE_DTYPE = flags.DEFINE_enum("combine_wire_dtype", "float32", ["float32", "payload"],
                                        "jaxep.Config.combine_wire_dtype: the dtype combine's "
                                        "per-(token, node) partials cross the network in.")
@@ -112,6 +116,7 @@ def bench_config():
         warmup=WARMUP.value, iters=ITERS.value, inner=INNER.value, ep_size=nz(EP_SIZE.value),
         ranks_per_node=nz(RANKS_PER_NODE.value), gpus_per_node=nz(GPUS_PER_NODE.value),
         ranks_per_gpu=nz(RANKS_PER_GPU.value), combine_wire_dtype=COMBINE_WIRE_DTYPE.value,
+        dispatch_wire_dtype=DISPATCH_WIRE_DTYPE.value,
         nvlink_gbps=nz(NVLINK_GBPS.value), rdma_gbps=nz(RDMA_GBPS.value), hbm_gbps=nz(HBM_GBPS.value),
         check=CHECK.value, timeout_s=TIMEOUT_S.value, sweep=SWEEP.value,
         rows_per_expert=nz(ROWS_PER_EXPERT.value), fp8_dispatch=FP8_DISPATCH.value,

@@ -52,25 +52,6 @@ def config(bc, R: int) -> jaxep.Config:
                            rows_per_expert=rows_per_expert(bc, R), fp8_dispatch=bc.fp8_dispatch)
 
 
-def fp8_quantize(x):
-    """Host FP8 quantization of one rank's tokens (SPEC section 3): NumPy f32 divisions are IEEE
-    and ml_dtypes' cast to float8_e4m3fn rounds to nearest even. -> (codes uint8, scales f32)."""
-    import ml_dtypes  # pylint: disable=g-import-not-at-top
-    T, H = x.shape
-    x32 = x.astype(np.float32).reshape(T, H // 128, 128)
-    amax = np.abs(x32).max(-1)
-    scales = np.where(amax == 0, np.float32(1), (amax / np.float32(448)).astype(np.float32))
-    q = np.clip((x32 / scales[..., None]).astype(np.float32), -448, 448)
-    return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(T, H), scales.astype(np.float32)
-
-
-def dequantize(codes, scales, dtype):
-    """jaxep.dequantize_fp8 on the host: f32(code) * its block's scale, cast once."""
-    import ml_dtypes  # pylint: disable=g-import-not-at-top
-    c32 = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    return (c32 * np.repeat(scales, 128, axis=-1)).astype(np.float32).astype(dtype)
-
-
 def oracle(idx_all, xs, E: int, M: int, d: int):
     """Host oracle for destination rank d: x [L,M,...] from the per-rank token rows `xs` (rows in
     (source, t, k) order per expert, the first M kept, zeros after), counts [L], and the
@@ -225,7 +206,7 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
         jaxep.check()
         sh = check.local_shards
         gx, gs, gc, go = sh(got_x, L), sh(got_s, L), sh(got_counts, L), sh(got_out, T)
-        q = [fp8_quantize(v) for v in xs] if cfg.fp8_dispatch else None
+        q = [check.fp8_quantize(v) for v in xs] if cfg.fp8_dispatch else None
         wire = np.dtype(jnp.dtype(cfg.combine_wire_dtype))
         try:
             for r in gx:
@@ -239,7 +220,7 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
                     check.bitwise_equal("fp8 codes vs host oracle", r,
                                         np.asarray(gx[r]).view(np.uint8), want_x)
                     check.bitwise_equal("fp8 scales vs host oracle", r, gs[r], want_s)
-                    y_r = dequantize(*q[r], dt)
+                    y_r = check.dequantize(*q[r], dt)
                 check.bitwise_equal("counts vs host oracle", r, gc[r], want_c)
                 check.bitwise_equal("combine(x) vs host oracle", r, go[r],
                                     oracle_combine(idx_all, w_all, kept, y_r, E, r, dt, G, wire))

@@ -13,8 +13,8 @@ wins (jaxep/bench/cli.py). Its modeled hardware gives the link model's peaks (do
 from __future__ import annotations
 
 # BenchConfig fields each preset sets. seed_2x8: T=4096 per rank, H=7168, top-8 of 128 experts =
-# 8 local experts per rank at EP 16, bf16 (fp8 dispatch is not built: the report prints its
-# bytes as a model line only), 2 nodes x 8 ranks.
+# 8 local experts per rank at EP 16, bf16 (the report adds a model line for fp8 dispatch rows;
+# --dispatch_wire_dtype=float8_e4m3fn runs them), 2 nodes x 8 ranks.
 PRESETS = {
     "seed_2x8": dict(tokens=4096, hidden=7168, topk=8, experts=128, dtype="bfloat16", ep_size=16,
                      ranks_per_node=8),

@@ -123,6 +123,8 @@ def _knobs(jc, t) -> str:
         return ""
     zc = "off" if not jc["zero_copy"] else ("on" if t.get("zero_copy_enabled") else "unused")
     wire = f" combine_wire_dtype={jc['combine_wire_dtype']}" if "combine_wire_dtype" in jc else ""
+    if jc.get("dispatch_wire_dtype"):  # None (the payload dtype) is not shown
+        wire = f" dispatch_wire_dtype={jc['dispatch_wire_dtype']}" + wire
     return (f" num_sms={jc['num_sms'] or 'no-cap'} kernels={jc['dispatch_kernel']}/"
             f"{jc['combine_kernel']} zero_copy={zc}{wire}")
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxep
-from jaxep import runtime
+from jaxep import fp8, runtime
 from jaxep.bench import accounting, check, model, peaks, presets, routing, timing
 from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS
 from jaxep.runtime import select_backend
@@ -65,6 +65,7 @@ class BenchConfig:
     gpus_per_node: int | None = None        # the older spelling of ranks_per_node (1 rank per GPU)
     ranks_per_gpu: int | None = None        # physical: None = all processes when they share one GPU (MPS), else 1
     combine_wire_dtype: str = "float32"     # jaxep.Config.combine_wire_dtype; "payload" = dtype
+    dispatch_wire_dtype: str = "payload"    # jaxep.Config.dispatch_wire_dtype ("payload" = None)
     preset: str | None = None               # presets.NAMES: its modeled hardware and seed reading
     nvlink_gbps: float | None = None
     rdma_gbps: float | None = None
@@ -83,7 +84,9 @@ class BenchConfig:
         kw = dict(num_experts=self.experts, topk=self.topk, hidden=self.hidden,
                   max_tokens_per_rank=self.tokens, capacity_factor=self.capacity_factor,
                   dtype=self.dtype, mode=self.mode, num_sms=self.num_sms, timeout_s=self.timeout_s,
-                  ranks_per_node=self.node_override(), combine_wire_dtype=self.wire_dtype())
+                  ranks_per_node=self.node_override(), combine_wire_dtype=self.wire_dtype(),
+                  dispatch_wire_dtype=(None if self.dispatch_wire_dtype == "payload"
+                                       else self.dispatch_wire_dtype))
         kw.update({k: getattr(self, k) for k in ("dispatch_kernel", "combine_kernel", "zero_copy")
                    if getattr(self, k) is not None})
         kw.update(override)
@@ -213,10 +216,12 @@ def _correctness_local(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all
         dt = np.dtype(jnp.dtype(bc.dtype))
         rows, wts, outs = sh(res.x, capacity), sh(res.weights, capacity), sh(out, T)
         for r in rows:
-            want_rows, want_w = check.oracle_rows(lay, idx_all, w_all, r, capacity, H, dt, bc.seed)
+            wire = cfg.dispatch_wire_dtype
+            want_rows, want_w = check.oracle_rows(lay, idx_all, w_all, r, capacity, H, dt, bc.seed,
+                                                  wire)
             check.bitwise_equal("dispatch x vs host oracle", r, rows[r], want_rows)
             check.bitwise_equal("dispatch weights vs host oracle", r, wts[r], want_w)
-            x_r = routing.tokens_for_rank(r, T, H, dt, seed=bc.seed)
+            x_r = check.wire_tokens(routing.tokens_for_rank(r, T, H, dt, seed=bc.seed), dt, wire)
             check.bitwise_equal("combine(dispatched rows) vs host oracle", r, outs[r],
                                 check.oracle_combine_of_rows(lay, w_all, r, x_r, G,
                                                              jnp.dtype(cfg.combine_wire_dtype)))
@@ -310,10 +315,12 @@ def _model(bc, tr, parts, meta, logical, R, G):
     if "both" in ops and d_s and c_s:  # dispatch, then combine
         model.set_as_built(ops["both"], d_s + c_s, peak["rdma_gbps"], model.BOTH_SCHEDULE)
     H = bc.hidden
-    fp8_row = H + 4 * -(-H // 128)  # e4m3 + one f32 scale per 128 channels
-    fp8 = accounting.link_bytes(tr.dispatch, fp8_row)
-    fp8_op = model.modeled_op(fp8["nvlink"]["max"], fp8["rdma"]["max"], meta["max"], **peak)
-    fp8_op.update(row_bytes=fp8_row, note="model only: fp8 dispatch is not built")
+    fp8_row = H + 4 * -(-H // 128)  # e4m3 + one f32 scale per 128 channels (any H, as a model)
+    fp8_bytes = accounting.link_bytes(tr.dispatch, fp8_row)
+    fp8_op = model.modeled_op(fp8_bytes["nvlink"]["max"], fp8_bytes["rdma"]["max"], meta["max"],
+                              **peak)
+    fp8_op.update(row_bytes=fp8_row, note="the fp8 wire: --dispatch_wire_dtype=float8_e4m3fn "
+                  "runs it" if bc.dispatch_wire_dtype == "payload" else "this run's dispatch wire")
     u = accounting.uniform_expectations(R // G, G, bc.experts, bc.topk)
     s = presets.SEED
     seed_u = accounting.uniform_expectations(s["nodes"], s["ranks_per_node"], s["experts"], s["topk"])
@@ -535,11 +542,15 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     # Combine: y rows (payload dtype) per kept slot over NVLink, one partial per (token, remote
     # node) over RDMA in the wire dtype (accounting's docstring).
     row_wire = H * jnp.dtype(cfg.combine_wire_dtype).itemsize
-    dbytes = accounting.link_bytes(tr.dispatch, row_d)
+    # Dispatch's rows cross the links in Config.dispatch_wire_dtype (fp8: codes + scales).
+    row_dw = fp8.wire_row_bytes(H) if cfg.dispatch_wire_dtype is not None else row_d
+    dbytes = accounting.link_bytes(tr.dispatch, row_dw)
     cbytes = accounting.link_bytes(tr.combine, row_d, row_wire)
     meta = accounting.metadata(tr, T, K, bc.experts) if topo.num_nodes > 1 else None
     parts = {"dispatch": [dbytes], "combine": [cbytes], "both": [dbytes, cbytes]}
-    one = accounting.deepep_algbw_bytes(tr, row_d)  # DeepEP's combine counts the same bytes
+    # DeepEP's logical count: one dispatch row size for both ops (its combine counts the same
+    # bytes), in the dispatch wire's row size.
+    one = accounting.deepep_algbw_bytes(tr, row_dw)
     logical = {op: {k: v * len(parts[op]) for k, v in one.items()} for op in OPS}
     out_ops = {}
     for op in OPS:
@@ -587,7 +598,7 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
         correctness=dict(checked=checked, passed=bool(checked) or None),
         routing=dict(rows_per_rank=lay.rows.tolist(), dropped_rows=lay.dropped.tolist(),
                      invalid_ids=lay.invalid.tolist(),
-                     tokens_to_rank=tr.pairs.sum(0).tolist(), row_bytes_dispatch=row_d,
+                     tokens_to_rank=tr.pairs.sum(0).tolist(), row_bytes_dispatch=row_dw,
                      row_bytes_combine=row_wire, row_bytes_combine_nvlink=row_d,
                      row_bytes_metadata=(accounting.metadata_bytes_per_pair(T, K, bc.experts)
                                          if meta is not None else 0)),

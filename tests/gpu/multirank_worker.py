@@ -46,6 +46,9 @@ SPEC = NamedSharding(MESH, P("ep"))
 RESULTS: list[tuple[str, bool, str]] = []
 G = R  # ranks per node of the run (--ranks_per_node; set in run_all / run_killed)
 WIRE = "float32"  # --wire: "payload" = each case's combine_wire_dtype is its payload dtype
+# --dispatch_wire: "float8_e4m3fn" = each case whose H is a multiple of 128 dispatches over the
+# fp8 wire (Config.dispatch_wire_dtype; the oracle's rows are then its fp8_wire tokens').
+DISPATCH_WIRE = "payload"
 
 
 def report(case: str, ok: bool, detail: str = "") -> None:
@@ -178,8 +181,10 @@ def case_ops(name, cfg, *, T, H, K, E, C, dtype, routing, bad_frac=0.0, seed=0):
     # a payload wire dtype is this case's dtype.
     name_dt = np.dtype(dtype).name
     wire = name_dt if WIRE == "payload" else "float32"
+    fp8_wire = DISPATCH_WIRE != "payload" and H % 128 == 0
     ecfg = dataclasses.replace(cfg, num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
-                               dtype=name_dt, combine_wire_dtype=wire)
+                               dtype=name_dt, combine_wire_dtype=wire,
+                               dispatch_wire_dtype=DISPATCH_WIRE if fp8_wire else None)
 
     be = reference if EMULATE else cuda_backend
 
@@ -196,7 +201,8 @@ def case_ops(name, cfg, *, T, H, K, E, C, dtype, routing, bad_frac=0.0, seed=0):
     jax.block_until_ready(res)
     jaxep.check()
     got = [mine(a) for a in res]
-    o = oracle.dispatch(xs, idxs, ws, num_experts=E, capacity=C)
+    o = oracle.dispatch(oracle.fp8_wire(xs, dtype) if fp8_wire else xs, idxs, ws, num_experts=E,
+                        capacity=C)
     sanitized = np.where((idxs[ME] >= 0) & (idxs[ME] < E), idxs[ME], -1).astype(np.int32)
     want_out = oracle.combine(ys, o["weights"], o["send_row"], idxs, num_experts=E,
                               ranks_per_node=G, wire_dtype=wire)[ME]
@@ -335,8 +341,8 @@ def case_peer_table():
 
 
 def run_all(args) -> int:
-    global G, WIRE
-    WIRE = args.wire
+    global G, WIRE, DISPATCH_WIRE
+    WIRE, DISPATCH_WIRE = args.wire, args.dispatch_wire
     K, H, T = 4, 256, 64
     E = 8 * R
     cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
@@ -346,7 +352,8 @@ def run_all(args) -> int:
     G = jaxep.runtime.node_size(cfg, R)
     if ME == 0:
         print("runtime", jaxep._ffi.runtime_info(), flush=True)
-        print(f"LAYOUT {R // G}x{G} wire={args.wire}", flush=True)
+        print(f"LAYOUT {R // G}x{G} wire={args.wire} dispatch_wire={args.dispatch_wire}",
+              flush=True)
         print(f"KNOBS num_sms={cfg.num_sms} dispatch_kernel={cfg.dispatch_kernel} "
               f"combine_kernel={cfg.combine_kernel} zero_copy={cfg.zero_copy}", flush=True)
     # The zero-copy and staged cases of tests/gpu/test_multirank.py grep this and ZERO_COPY_CALLS.
@@ -433,6 +440,8 @@ def main() -> int:
                    help="Config.ranks_per_node (the node layout); 0 = from the machine")
     p.add_argument("--wire", default="float32", choices=("float32", "payload"),
                    help="Config.combine_wire_dtype: float32, or each case's payload dtype")
+    p.add_argument("--dispatch_wire", default="payload", choices=("payload", "float8_e4m3fn"),
+                   help="Config.dispatch_wire_dtype of the cases with H % 128 == 0")
     args = p.parse_args()
     import logging
     logging.basicConfig(level=logging.INFO if ME == 0 else logging.WARNING,

@@ -407,3 +407,33 @@ def test_low_latency_ep1_bitwise_vs_oracle(fp8):
   want = oracle.combine([y.reshape(E * M, H)], [o["weights"][0].reshape(-1)], o["send_row"],
                         [idx], num_experts=E)[0]
   assert_bitwise("ll/combine", out, want)
+
+
+_FP8_CASES = [c for c in CASES if c[4] % 128 == 0]
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("case", _FP8_CASES, ids=[c[0] for c in _FP8_CASES])
+def test_dispatch_over_the_fp8_wire_bitwise(case, dtype_name):
+  """Config.dispatch_wire_dtype="float8_e4m3fn" at EP size 1 (jaxep_fp8_quantize, the packed
+  uint8 rows through jaxep_dispatch, the dequantize): x_rows are the oracle's dispatch of the
+  quantized-then-dequantized tokens (tests/oracle.py), the other outputs the plain dispatch's."""
+  import os
+  import sys
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  import oracle  # pylint: disable=g-import-not-at-top
+  from jaxep import cuda_backend  # pylint: disable=g-import-not-at-top
+  name, t, k, e, h, cap, routing = case
+  c = t * k + 3 if cap is None else cap
+  dtype = DTYPES[dtype_name]
+  x, idx, w = make_inputs(0, t, k, e, h, dtype, routing)
+  conf = jaxep.Config(num_experts=e, topk=k, hidden=h, max_tokens_per_rank=max(t, 1),
+                      dtype=jnp.dtype(dtype).name, dispatch_wire_dtype="float8_e4m3fn")
+  got = jax.jit(lambda a, b, d: cuda_backend.dispatch(
+      a, b, d, axis_name="ep", config=conf, capacity=c))(jnp.asarray(x), jnp.asarray(idx),
+                                                          jnp.asarray(w))
+  want = oracle_dispatch(oracle.fp8_wire([x], np.dtype(x.dtype))[0] if t else x, idx, w,
+                         num_experts=e, capacity=c)
+  assert got[0].dtype == x.dtype and got[0].shape == (c, h)
+  for n, g, wnt in zip(OUT_NAMES, got, want):
+    assert_bitwise(f"{name}/{dtype_name}/fp8wire/{n}", g, wnt)

@@ -58,7 +58,11 @@ _FLAGS = {"default": (), "zero-copy": (), "alternative": _ALT_KERNELS,
           "2x4-alternative": ("--ranks_per_node", "4", *_ALT_KERNELS),
           "4x2-staged": ("--ranks_per_node", "2", "--no-zero_copy"),
           "8x1": ("--ranks_per_node", "1", "--wire", "payload"),
-          "2x8-wire": ("--ranks_per_node", "8", "--wire", "payload")}
+          "2x8-wire": ("--ranks_per_node", "8", "--wire", "payload"),
+          # The fp8 dispatch wire (Config.dispatch_wire_dtype): packed uint8 rows through the
+          # same kernels, one node and two.
+          "fp8wire": ("--dispatch_wire", "float8_e4m3fn"),
+          "2x4-fp8wire": ("--ranks_per_node", "4", "--dispatch_wire", "float8_e4m3fn")}
 _LOG = {"JAXEP_LOG_LEVEL": "INFO"}  # INFO: "jaxep zero-copy: on|off: <why>" in the output
 
 
@@ -66,7 +70,8 @@ _LOG = {"JAXEP_LOG_LEVEL": "INFO"}  # INFO: "jaxep zero-copy: on|off: <why>" in 
                                            (2, "alternative"), (2, "staged"), (8, "staged"),
                                            (4, "num_sms"), (8, "2x4"), (8, "2x4-wire"),
                                            (8, "2x4-alternative"), (8, "4x2-staged"), (8, "8x1"),
-                                           (16, "2x8-wire")])
+                                           (16, "2x8-wire"), (4, "fp8wire"),
+                                           (8, "2x4-fp8wire")])
 def test_multirank_bitwise(nproc, kernels):
     rc, out, secs = _launch(nproc, "--case", "all", *_FLAGS[kernels], timeout=300, env_extra=_LOG)
     calls = re.findall(r"^(?:\[rank \d+\] )?ZERO_COPY_CALLS (\d+) (\d+)$", out, re.M)
