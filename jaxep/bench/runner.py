@@ -214,9 +214,9 @@ def _correctness_local(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all
         done.append("dispatch rows/weights and combine output bitwise == reference backend")
     else:
         dt = np.dtype(jnp.dtype(bc.dtype))
+        wire = cfg.dispatch_wire_dtype  # the sources' tokens as the destinations see them
         rows, wts, outs = sh(res.x, capacity), sh(res.weights, capacity), sh(out, T)
         for r in rows:
-            wire = cfg.dispatch_wire_dtype
             want_rows, want_w = check.oracle_rows(lay, idx_all, w_all, r, capacity, H, dt, bc.seed,
                                                   wire)
             check.bitwise_equal("dispatch x vs host oracle", r, rows[r], want_rows)
