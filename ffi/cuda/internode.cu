@@ -28,12 +28,10 @@ constexpr int kThreads = 256;
 constexpr int kPutWarps = kThreads / kWarpSize;
 constexpr int64_t kMaxPutBlocks = 1024;
 
+// Word n of the u64 array at `off` of my block, through my peer pointer (local loads and stores;
+// its symmetric address, for NVSHMEM signals: internode.cuh SymWord).
 __device__ __forceinline__ uint64_t* Word(const Team& t, size_t off, int n) {
   return reinterpret_cast<uint64_t*>(t.peer[t.rank] + off) + n;
-}
-// The same word at its symmetric address (what NVSHMEM calls take for a signal on a peer).
-__device__ __forceinline__ uint64_t* SymWord(const Team& t, size_t off, int n) {
-  return reinterpret_cast<uint64_t*>(t.sym + off) + n;
 }
 
 // pos[t] = index of token t among the tokens that need node n, -1 when it needs none; returns the
@@ -134,8 +132,7 @@ __global__ void __launch_bounds__(kThreads) PutKernel(Team team, SendArgs a, uin
         if (j < 0) continue;  // uniform across the warp
         nvshmemx_putmem_signal_nbi_warp(
             region + team.lay.region_rows + j * a.row_bytes, rows + t * a.row_bytes, a.row_bytes,
-            reinterpret_cast<uint64_t*>(team.sym + RowSeqOffset(team.lay, mine, j)), seq,
-            NVSHMEM_SIGNAL_SET, pe);
+            SymRowFlag(team, mine, j), seq, NVSHMEM_SIGNAL_SET, pe);
       }
     }
   }

@@ -23,6 +23,25 @@ __device__ __forceinline__ int PeerOn(const Team& t, int n) {
   return n * t.node_size + t.rank % t.node_size;
 }
 
+// Word n of the u64 array at `off` of my symmetric block, at its symmetric address (what NVSHMEM
+// calls take for a signal on a peer).
+__device__ __forceinline__ uint64_t* SymWord(const Team& t, size_t off, int n) {
+  return reinterpret_cast<uint64_t*>(t.sym + off) + n;
+}
+// The flag word rin_seq[node][i] (a dispatch row's, or a combine return chunk's), at its
+// symmetric address.
+__device__ __forceinline__ uint64_t* SymRowFlag(const Team& t, int node, int64_t i) {
+  return reinterpret_cast<uint64_t*>(t.sym + RowSeqOffset(t.lay, node, i));
+}
+// Step 5's two ends for node n: my region n's out area (the results peer n's tokens need from my
+// node) and, at its symmetric address, the rows of the region I own on peer n (where they land).
+__device__ __forceinline__ const char* ReturnSrc(const Team& t, int n) {
+  return t.sym + RegionOffset(t.lay, n, NodeOf(t, t.rank)) + t.lay.region_out;
+}
+__device__ __forceinline__ char* ReturnDst(const Team& t, int n) {
+  return t.sym + RegionOffset(t.lay, NodeOf(t, t.rank), n) + t.lay.region_rows;
+}
+
 // Result j (`bytes`) of my region n's out area (the region peer n's tokens use on my node) to the
 // region I own on peer n, signalling rin_rows[my node] += 1 there (NVSHMEM delivers the data
 // before the signal; LaunchAwaitReturns on peer n counts them). The whole warp calls it with
@@ -31,12 +50,10 @@ __device__ __forceinline__ int PeerOn(const Team& t, int n) {
 // The kernel must end with QuietPuts() in every thread.
 __device__ __forceinline__ void PutReturnWarp(const Team& team, int n, int64_t j, int64_t bytes) {
 #ifdef JAXEP_HAVE_NVSHMEM
-  const int mine = NodeOf(team, team.rank);
-  const char* src = team.sym + RegionOffset(team.lay, n, mine) + team.lay.region_out;
-  char* dst = team.sym + RegionOffset(team.lay, mine, n) + team.lay.region_rows;  // on peer n
-  nvshmemx_putmem_signal_nbi_warp(dst + j * bytes, src + j * bytes, static_cast<size_t>(bytes),
-                                  reinterpret_cast<uint64_t*>(team.sym + team.lay.rin_rows) + mine,
-                                  1, NVSHMEM_SIGNAL_ADD, PeerOn(team, n));
+  nvshmemx_putmem_signal_nbi_warp(ReturnDst(team, n) + j * bytes, ReturnSrc(team, n) + j * bytes,
+                                  static_cast<size_t>(bytes),
+                                  SymWord(team, team.lay.rin_rows, NodeOf(team, team.rank)), 1,
+                                  NVSHMEM_SIGNAL_ADD, PeerOn(team, n));
 #endif
 }
 
@@ -56,14 +73,11 @@ constexpr int kReturnChunk = 8;
 __device__ __forceinline__ void PutReturnChunk(const Team& team, int n, int64_t j0, int64_t count,
                                                int64_t bytes, int64_t c, uint64_t seq) {
 #ifdef JAXEP_HAVE_NVSHMEM
-  const int mine = NodeOf(team, team.rank);
-  const char* src = team.sym + RegionOffset(team.lay, n, mine) + team.lay.region_out;
-  char* dst = team.sym + RegionOffset(team.lay, mine, n) + team.lay.region_rows;  // on peer n
-  nvshmemx_putmem_signal_nbi_block(dst + j0 * bytes, src + j0 * bytes,
+  nvshmemx_putmem_signal_nbi_block(ReturnDst(team, n) + j0 * bytes,
+                                   ReturnSrc(team, n) + j0 * bytes,
                                    static_cast<size_t>(count * bytes),
-                                   reinterpret_cast<uint64_t*>(team.sym +
-                                                               RowSeqOffset(team.lay, mine, c)),
-                                   seq, NVSHMEM_SIGNAL_SET, PeerOn(team, n));
+                                   SymRowFlag(team, NodeOf(team, team.rank), c), seq,
+                                   NVSHMEM_SIGNAL_SET, PeerOn(team, n));
 #endif
 }
 
