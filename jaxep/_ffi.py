@@ -434,12 +434,6 @@ def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, 
             "configs)", got)
 
 
-def _fp8_row_bytes(hidden: int) -> int:
-  """An fp8 row as the low-latency kernels move it: H e4m3 codes, then one f32 scale per 128
-  channels (ffi/cuda/fp8.h Fp8RowBytes)."""
-  return hidden + hidden // _config.FP8_BLOCK * 4
-
-
 def _ll_attrs(config, ep_size, ranks_per_node) -> dict:
   return dict(num_experts=_i64(config.num_experts), ep_size=_i64(ep_size),
               ranks_per_node=_i64(ranks_per_node))
@@ -457,7 +451,7 @@ def ll_dispatch_send(x, topk_idx, topk_weights, *, config, ep_size: int, ranks_p
   t, h = x.shape
   k = topk_idx.shape[1]
   m = config.expert_rows(ep_size)
-  row = _fp8_row_bytes(h) if config.fp8_dispatch else h * np.dtype(x.dtype).itemsize
+  row = _config.fp8_row_bytes(h) if config.fp8_dispatch else h * np.dtype(x.dtype).itemsize
   _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=t * k,
                  cap=min(m, t * k), row_bytes=row, topk=k)
   out_types = (jax.ShapeDtypeStruct((t, k), np.int32), jax.ShapeDtypeStruct((1,), np.int32))
@@ -479,7 +473,7 @@ def ll_dispatch_recv(topk_idx, pos, invalid, *, config, dtype, ep_size: int,
   t, k = topk_idx.shape
   l, m, h = config.num_experts // ep_size, config.expert_rows(ep_size), config.hidden
   fp8 = config.fp8_dispatch
-  tail = _fp8_row_bytes(h) - h if fp8 else 0  # the scales' bytes
+  tail = _config.fp8_row_bytes(h) - h if fp8 else 0  # the scales' bytes
   row = h + tail if fp8 else h * np.dtype(dtype).itemsize
   _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=t * k,
                  cap=min(m, t * k), row_bytes=row, topk=k)

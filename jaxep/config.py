@@ -26,6 +26,13 @@ FP8_BLOCK = 128
 FP8_MAX = 448.0
 # The normal-mode dispatch wire in fp8 (Config.dispatch_wire_dtype): the same quantization.
 FP8_WIRE = "float8_e4m3fn"
+
+
+def fp8_row_bytes(hidden: int) -> int:
+    """Bytes of one fp8 row as every fp8 path moves it (the low-latency kernels' rows,
+    ffi/cuda/fp8.h Fp8RowBytes, and the fp8 wire's, jaxep/fp8.py): H e4m3 codes, then one f32
+    scale per FP8_BLOCK channels."""
+    return hidden + hidden // FP8_BLOCK * 4
 # Kernel variants (same bits, different speed; docs/design.md). The first of each is the default.
 DISPATCH_KERNELS = ("token", "row")    # multi-rank dispatch pull: warp per (source, token) | per row
 COMBINE_KERNELS = ("warp", "thread")   # multi-rank combine pull: warp per token | thread per 16 B

@@ -1,7 +1,7 @@
 """`jaxep.dequantize_fp8`: the rows of an fp8 low-latency dispatch back in a float dtype; and the
 fp8 wire of normal-mode dispatch (`Config.dispatch_wire_dtype="float8_e4m3fn"`): `pack_wire_rows`
 / `unpack_wire_rows`, the row format both backends move (H e4m3 codes, then the H/128 f32 scales'
-bytes: `wire_row_bytes(H)` = H + H/32 bytes).
+bytes: `jaxep.config.fp8_row_bytes(H)` = H + H/32 bytes).
 
 With `Config(mode="low_latency", fp8_dispatch=True)`, dispatch returns x [L, M, H] float8_e4m3fn
 and scales [L, M, H/128] f32 (SPEC section 3; `jaxep.reference.fp8_quantize`). Feeding the expert
@@ -39,14 +39,9 @@ def dequantize_fp8(x_fp8, scales, dtype=jnp.bfloat16):
     return (x32 * jnp.repeat(scales.astype(jnp.float32), FP8_BLOCK, axis=-1)).astype(dtype)
 
 
-def wire_row_bytes(hidden: int) -> int:
-    """Bytes of one fp8 wire row: H e4m3 codes, then one f32 scale per 128 channels."""
-    return hidden + hidden // FP8_BLOCK * 4
-
-
 def pack_wire_rows(codes, scales):
     """codes [T, H] (float8_e4m3fn or their uint8 bytes), scales [T, H/128] f32 ->
-    [T, wire_row_bytes(H)] uint8: each row's codes, then its scales' bytes (little endian)."""
+    [T, fp8_row_bytes(H)] uint8: each row's codes, then its scales' bytes (little endian)."""
     if codes.dtype != jnp.uint8:
         codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
     s8 = jax.lax.bitcast_convert_type(scales.astype(jnp.float32), jnp.uint8)  # [T, H/128, 4]
@@ -54,7 +49,7 @@ def pack_wire_rows(codes, scales):
 
 
 def unpack_wire_rows(rows, hidden: int, dtype):
-    """[C, wire_row_bytes(H)] uint8 -> [C, H] `dtype` (dequantize_fp8: f32(code) x its block's
+    """[C, fp8_row_bytes(H)] uint8 -> [C, H] `dtype` (dequantize_fp8: f32(code) x its block's
     scale, cast once). All-zero rows (empty capacity) give +0.0."""
     C = rows.shape[0]
     codes = jax.lax.bitcast_convert_type(rows[:, :hidden], jnp.float8_e4m3fn)

@@ -22,6 +22,7 @@ import harness
 import jaxep
 import oracle
 from jaxep import cuda_backend, fp8
+from jaxep.config import fp8_row_bytes
 from test_hlo import cuda_lowering  # noqa: F401  (the fixture)
 
 R, T, H, K, E = 4, 5, 256, 3, 8
@@ -98,14 +99,14 @@ def test_pack_and_unpack_are_the_oracles_rows():
     x = rng.standard_normal((6, H)).astype(np.float32).astype(ml_dtypes.bfloat16)
     codes, scales = oracle.fp8_quantize(x)
     packed = np.asarray(fp8.pack_wire_rows(jnp.asarray(codes), jnp.asarray(scales)))
-    assert packed.dtype == np.uint8 and packed.shape == (6, fp8.wire_row_bytes(H)) == (6, H + H // 32)
+    assert packed.dtype == np.uint8 and packed.shape == (6, fp8_row_bytes(H)) == (6, H + H // 32)
     np.testing.assert_array_equal(packed[:, :H], codes)
     np.testing.assert_array_equal(packed[:, H:].view(np.float32), scales)
     got = fp8.unpack_wire_rows(jnp.asarray(packed), H, jnp.bfloat16)
     np.testing.assert_array_equal(_bits(got), _bits(oracle.fp8_dequantize(codes, scales,
                                                                           ml_dtypes.bfloat16)))
-    assert fp8.wire_row_bytes(7168) == 7392  # the seed's rows: 0.516 of bf16's 14336 bytes
-    zero = fp8.unpack_wire_rows(jnp.zeros((2, fp8.wire_row_bytes(H)), jnp.uint8), H, jnp.bfloat16)
+    assert fp8_row_bytes(7168) == 7392  # the seed's rows: 0.516 of bf16's 14336 bytes
+    zero = fp8.unpack_wire_rows(jnp.zeros((2, fp8_row_bytes(H)), jnp.uint8), H, jnp.bfloat16)
     assert not np.signbit(np.asarray(zero, np.float32)).any() and not np.asarray(zero).any()
 
 
@@ -169,7 +170,7 @@ def test_cuda_path_moves_packed_rows(cuda_lowering):  # noqa: F811
     assert traced.out_info.shape == (cfg.capacity(1), H) and traced.out_info.dtype == jnp.bfloat16
     hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("custom_call @jaxep_fp8_quantize") == 1, hlo
-    W = fp8.wire_row_bytes(H)
+    W = fp8_row_bytes(H)
     call = [line for line in hlo.splitlines() if "custom_call @jaxep_dispatch" in line]
     assert len(call) == 1 and f"tensor<{T}x{W}xui8>" in call[0], call
     plain = jax.jit(lambda x, i, w: cuda_backend.dispatch(

@@ -25,9 +25,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxep
-from jaxep import fp8, runtime
+from jaxep import runtime
 from jaxep.bench import accounting, check, model, peaks, presets, routing, timing
-from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS
+from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS, fp8_row_bytes
 from jaxep.runtime import select_backend
 
 SCHEMA_VERSION = 1
@@ -543,7 +543,7 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     # node) over RDMA in the wire dtype (accounting's docstring).
     row_wire = H * jnp.dtype(cfg.combine_wire_dtype).itemsize
     # Dispatch's rows cross the links in Config.dispatch_wire_dtype (fp8: codes + scales).
-    row_dw = fp8.wire_row_bytes(H) if cfg.dispatch_wire_dtype is not None else row_d
+    row_dw = fp8_row_bytes(H) if cfg.dispatch_wire_dtype is not None else row_d
     dbytes = accounting.link_bytes(tr.dispatch, row_dw)
     cbytes = accounting.link_bytes(tr.combine, row_d, row_wire)
     meta = accounting.metadata(tr, T, K, bc.experts) if topo.num_nodes > 1 else None
