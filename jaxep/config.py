@@ -95,14 +95,9 @@ def _dtype_name(value):
 def _dtype(cfg) -> None:
     """dtype: any spelling of a payload dtype ('float32', np.dtype, jnp.float32, ...) -> its name."""
     value = cfg.dtype
-    name = value if isinstance(value, str) else None
-    if name not in PAYLOAD_DTYPES and value is not None:  # np.dtype(None) would be float64
-        try:
-            name = np.dtype(value).name
-        except (TypeError, ValueError):
-            name = None
+    name = _dtype_name(value)  # None stays None (np.dtype(None) would be float64)
     if name not in PAYLOAD_DTYPES:
-        shown = repr(value) if isinstance(value, str) or name is None else name
+        shown = name if isinstance(name, str) and not isinstance(value, str) else repr(value)
         raise ValueError(f"jaxep.Config: dtype must be one of {PAYLOAD_DTYPES}, got {shown}")
     _set(cfg, "dtype", name)
 
