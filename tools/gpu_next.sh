@@ -18,6 +18,7 @@
 #              benchll128 (XLA command buffers off, so the low-latency handlers are timed),
 #              bench8_64 and bench8_64g4w (bf16 wire): where each op's time goes, 1x8 beside 2x4
 #   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
+#   bench16seedf   bench16seed with dispatch's rows on the fp8 wire
 #   bench8_64g4wa  2 x 4 bf16 wire with the thread-per-unit combine pull (combine_kernel="thread")
 #   fp8, bench8_64f, bench8_64g4wf   the fp8 dispatch wire: its GPU cases; bench8_64 and
 #              bench8_64g4w with --dispatch_wire_dtype=float8_e4m3fn
@@ -99,7 +100,7 @@ bench() {  # name nproc experts cap [dispatch kernel] [combine kernel] [more fla
 # The multi-rank driver alone (STEPS=mr; gputier below runs it too); mrn: its internode cases only
 # (2 x 4, 4 x 2, 8 x 1, 2 x 8 layouts, the killed peer on the other node).
 step mr 420 120 "$LOGS/mr.log" python3 -m pytest -v -rs -p no:cacheprovider tests/gpu/test_multirank.py
-step mrn 300 120 "$LOGS/mrn.log" python3 -m pytest -v -rs -p no:cacheprovider \
+step mrn 300 120 "$LOGS/mrn.log" python3 -m pytest -v -rsP -p no:cacheprovider \
   tests/gpu/test_multirank.py -k "x4 or x2 or x1 or x8 or killed"
 # fp8: the fp8 dispatch wire (Config.dispatch_wire_dtype) bitwise on the kernels: 4 ranks, 2 x 4
 # (mr runs them too) and EP size 1, ~100 s.
@@ -123,6 +124,11 @@ step bench16seed 240 120 "$LOGS/bench16seed.log" \
   python3 tools/bench_multirank.py --nproc 16 --experts 128 --ranks_per_node 8 --iters 10 \
   --timeout 220 --outdir "$LOGS" --summary_json "$LOGS/bench16seed.rows.json" -- \
   --preset=seed_2x8 --combine_wire_dtype=payload
+# bench16seedf: the same with dispatch's rows on the fp8 wire (the preset's "bf16 and fp8").
+step bench16seedf 240 120 "$LOGS/bench16seedf.log" \
+  python3 tools/bench_multirank.py --nproc 16 --experts 128 --ranks_per_node 8 --iters 10 \
+  --timeout 220 --outdir "$LOGS" --summary_json "$LOGS/bench16seedf.rows.json" -- \
+  --preset=seed_2x8 --combine_wire_dtype=payload --dispatch_wire_dtype=float8_e4m3fn
 # mode="low_latency" (jaxep-bench --mode=low_latency): 8 ranks, E=256, H=7168, K=8, bf16 and
 # FP8 dispatch, at T = 1, 8, 32, 128 per rank (one launch each; ops vs the same-run sync floor and
 # payload copy).

@@ -13,8 +13,10 @@ The kernel variants and zero-copy are Config fields, chosen by flags (`--dispatc
 --combine_kernel thread`, `--no-zero_copy`): every case runs with the knobs of that Config.
 
 Prints `RESULT <rank> <case> ok|FAIL <detail>` lines and `SUMMARY <rank> <passed>/<total>`;
-exits 1 on any failure. `--case killed`: the last rank exits right after initialize; the others
-must get jaxep.TimeoutError from jaxep.check() within the timeout (prints `KILLED ...`).
+exits 1 on any failure. `--case killed`: the last rank exits right after initialize (or, with
+`--kill_at combine`, after every rank's dispatch finished); the others must get
+jaxep.TimeoutError from jaxep.check() within the timeout (prints `KILLED ...`); `--dispatch_wire`
+applies to it too.
 """
 from __future__ import annotations
 
@@ -382,24 +384,44 @@ def run_all(args) -> int:
 
 
 def run_killed(args) -> int:
+    """The last rank dies: before dispatch (`--kill_at dispatch`), or after a dispatch every rank
+    finished, before combine (`--kill_at combine`: the survivors' combine waits on it, e.g. the
+    2 x 4 final pull for the returns the victim's node never sends)."""
+    fp8 = args.dispatch_wire != "payload"
     cfg = jaxep.Config(num_experts=4 * R, topk=2, hidden=128, max_tokens_per_rank=32,
                        capacity_factor=None, dtype="bfloat16", timeout_s=args.timeout_s,
-                       ranks_per_node=args.ranks_per_node or None)
+                       ranks_per_node=args.ranks_per_node or None,
+                       dispatch_wire_dtype=args.dispatch_wire if fp8 else None)
     jaxep.initialize(cfg)
     victim = R - 1
-    if ME == victim:
+    if ME == victim and args.kill_at == "dispatch":
         print(f"KILLED victim {ME} exits before dispatch", flush=True)
         os._exit(0)  # no finalize, no jax.distributed shutdown: like a crash
     xs, idxs, ws = make_inputs(3, 32, 128, 2, 4 * R, jnp.bfloat16, "uniform")
+    args_g = tuple(glob(a) for a in (xs, idxs, ws))
 
     def body(x, idx, w):
         res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, backend=BACKEND)
         return res.x, jaxep.combine(res.x, res.handle, axis_name="ep")
 
-    f = smap(body, 3, 2)
     t0 = time.time()
-    out = f(*(glob(a) for a in (xs, idxs, ws)))
-    jax.block_until_ready(out)
+    if args.kill_at == "dispatch":
+        jax.block_until_ready(smap(body, 3, 2)(*args_g))
+    else:
+        def first(x, idx, w):
+            res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, backend=BACKEND)
+            return res.x, res.handle
+
+        rows, handle = jax.block_until_ready(smap(first, 3, 2)(*args_g))
+        jaxep.check()  # every rank's dispatch finished without a timeout
+        from jaxep.bench.timing import barrier
+        barrier(60_000)  # no rank has a dispatch kernel still reading the victim's rows
+        if ME == victim:
+            print(f"KILLED victim {ME} exits after dispatch, before combine", flush=True)
+            os._exit(0)
+        t0 = time.time()
+        second = smap(lambda y, h: jaxep.combine(y, h, axis_name="ep"), 2, 1)
+        jax.block_until_ready(second(rows, handle))
     t1 = time.time()
     try:
         jaxep.check()
@@ -431,6 +453,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--case", default="all", choices=("all", "killed"))
     p.add_argument("--timeout_s", type=float, default=60.0)
+    p.add_argument("--kill_at", default="dispatch", choices=("dispatch", "combine"),
+                   help="--case killed: the victim exits before dispatch, or before combine")
     p.add_argument("--dispatch_kernel", default=None, choices=DISPATCH_KERNELS)
     p.add_argument("--combine_kernel", default=None, choices=COMBINE_KERNELS)
     p.add_argument("--zero_copy", default=None, action=argparse.BooleanOptionalAction,

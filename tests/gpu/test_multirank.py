@@ -150,14 +150,25 @@ def test_low_latency_killed_peer_during_replay():
     assert re.search(r"timed out in ll_(dispatch|combine)", out), out[-3000:]
 
 
-@pytest.mark.parametrize("nproc,layout", [(4, ()), (8, ("--ranks_per_node", "4"))])
-def test_killed_peer_times_out(nproc, layout):
-    """The last rank dies after initialize; with 2 x 4 it is on the other node than rank 0."""
+G4 = ("--ranks_per_node", "4")
+FP8 = ("--dispatch_wire", "float8_e4m3fn")
+
+
+@pytest.mark.parametrize("nproc,layout,kill_at", [
+    (4, (), "dispatch"), (8, G4, "dispatch"), (8, G4 + FP8, "dispatch"),
+    (4, (), "combine"), (8, G4, "combine")],
+    ids=["4-dispatch", "2x4-dispatch", "2x4-fp8wire-dispatch", "4-combine", "2x4-combine"])
+def test_killed_peer_times_out(nproc, layout, kill_at):
+    """The last rank dies after initialize (kill_at="dispatch") or after a dispatch every rank
+    finished (kill_at="combine"); with 2 x 4 it is on the other node than rank 0. Every survivor
+    gets jaxep.TimeoutError naming the op it waited in."""
     timeout_s = 5.0
-    rc, out, secs = _launch(nproc, "--case", "killed", "--timeout_s", str(timeout_s), *layout,
-                            timeout=180)
+    rc, out, secs = _launch(nproc, "--case", "killed", "--timeout_s", str(timeout_s),
+                            "--kill_at", kill_at, *layout, timeout=180)
     oks = re.findall(r"^(?:\[rank \d+\] )?KILLED (\d+) ok TimeoutError after ([\d.]+)s", out, re.M)
     assert len(oks) == nproc - 1, f"rc={rc} after {secs:.0f}s\n--- output tail ---\n{out[-6000:]}"
     for _, waited in oks:
         assert float(waited) < timeout_s + 30, out[-3000:]
-    assert "timed out in dispatch" in out, out[-3000:]
+    assert f"timed out in {kill_at}" in out, out[-3000:]
+    # Which wait each survivor timed out in (for the log: pytest -rP).
+    print(sorted(set(re.findall(r"timed out in \w+ \(call #\d+\), phase [^,]+", out))))
