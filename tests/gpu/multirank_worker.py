@@ -420,7 +420,7 @@ def run_killed(args) -> int:
             print(f"KILLED victim {ME} exits after dispatch, before combine", flush=True)
             os._exit(0)
         t0 = time.time()
-        second = smap(lambda y, h: jaxep.combine(y, h, axis_name="ep"), 2, 1)
+        second = smap(lambda y, h: (jaxep.combine(y, h, axis_name="ep"),), 2, 1)
         jax.block_until_ready(second(rows, handle))
     t1 = time.time()
     try:
