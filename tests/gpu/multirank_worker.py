@@ -350,7 +350,9 @@ def run_all(args) -> int:
     cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
                        capacity_factor=None, dtype="float32", timeout_s=args.timeout_s,
                        **knobs(args))
-    jaxep.initialize(cfg)
+    # The buffers are sized for H = 512 too (the wide_rows case: packed fp8 rows of H + H/32 =
+    # 528 bytes, a multiple of 16, take the pull's 16-code units; H = 256's 264 take 8).
+    jaxep.initialize([cfg, dataclasses.replace(cfg, hidden=2 * H)])
     G = jaxep.runtime.node_size(cfg, R)
     if ME == 0:
         print("runtime", jaxep._ffi.runtime_info(), flush=True)
@@ -368,6 +370,7 @@ def run_all(args) -> int:
         ("f32_bad_ids", dict(T=T, H=H, K=K, E=E, C=T * K, dtype=jnp.float32, routing="uniform", bad_frac=0.2)),
         ("bf16_one_expert", dict(T=T, H=H, K=K, E=E, C=T * R // 2, dtype=jnp.bfloat16, routing="one_expert")),
         ("bf16_odd_shapes", dict(T=37, H=250, K=3, E=E, C=300, dtype=jnp.bfloat16, routing="uniform", bad_frac=0.1)),
+        ("bf16_wide_rows", dict(T=T // 2, H=2 * H, K=K, E=E, C=T * K // 2, dtype=jnp.bfloat16, routing="skewed", bad_frac=0.05)),
     ]
     for name, kw in cases:
         run_case(name, case_ops, name, cfg, **kw)
