@@ -78,7 +78,40 @@ struct DispatchOut {
 
 struct DispatchSizes {
   int64_t tokens, hidden, topk, experts, capacity, row_bytes, ep_size, ranks_per_node, max_blocks;
+  // kNone: x_rows are x's rows as they are; else x holds the fp8 wire's packed rows (uint8,
+  // row_bytes = H + H/32) and x_rows [C, H] get them dequantized to their dtype.
+  cuda::Fp8Out fp8_out = cuda::Fp8Out::kNone;
 };
+
+// The fp8 wire (Config.dispatch_wire_dtype; jaxep/_ffi.py dispatch): x uint8 [T, H + H/32]
+// packed rows and x_rows [C, H] in a payload dtype, H % 128 == 0. Anything else with a uint8 x
+// is a plain byte dispatch (x_rows uint8 of x's width).
+ffi::Error Fp8OutOf(ffi::DataType x, int64_t x_width, ffi::DataType rows, int64_t rows_width,
+                    cuda::Fp8Out* out) {
+  *out = cuda::Fp8Out::kNone;
+  if (x != ffi::DataType::U8 || rows == ffi::DataType::U8) {
+    if (rows != x || rows_width != x_width) {
+      return ffi::Error::InvalidArgument(StrCat(kDispatchTarget, ": x_rows must have x's dtype ",
+                                                "and width, got ", DataTypeName(rows), " [", rows_width,
+                                                "] for x ", DataTypeName(x), " [", x_width, "]"));
+    }
+    return ffi::Error::Success();
+  }
+  switch (rows) {
+    case ffi::DataType::BF16: *out = cuda::Fp8Out::kBf16; break;
+    case ffi::DataType::F16: *out = cuda::Fp8Out::kF16; break;
+    case ffi::DataType::F32: *out = cuda::Fp8Out::kF32; break;
+    default:
+      return ffi::Error::InvalidArgument(StrCat(kDispatchTarget, ": x_rows of the fp8 wire must be ",
+                                                "bf16, f16 or f32, got ", DataTypeName(rows)));
+  }
+  if (rows_width % 128 != 0 || x_width != rows_width + rows_width / 32) {
+    return ffi::Error::InvalidArgument(StrCat(
+        kDispatchTarget, ": the fp8 wire needs x [T, H + H/32] uint8 for x_rows [C, H] with ",
+        "H % 128 == 0, got x width ", x_width, " and H = ", rows_width));
+  }
+  return ffi::Error::Success();
+}
 
 // The layout kernels' arguments: over all E experts with `capacity` rows (C on one rank; T*K,
 // unbounded, for a source's local layout of a cross-rank dispatch).
@@ -123,7 +156,7 @@ ffi::Error SingleRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratc
   return FromCuda(kDispatchTarget, "row copy kernel",
                   cuda::LaunchGatherRows(x, s.tokens, s.row_bytes, o.recv_slot, s.capacity,
                                          static_cast<int32_t>(s.topk), o.x_rows, s.max_blocks,
-                                         stream));
+                                         stream, s.fp8_out));
 }
 
 // Cross-rank: this source's local layout (unbounded capacity) into scratch, then the exchange:
@@ -206,7 +239,8 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
                                 ex.team(), static_cast<int32_t>(s.tokens),
                                 static_cast<int32_t>(s.topk), static_cast<int32_t>(s.experts),
                                 static_cast<int32_t>(s.capacity), s.row_bytes, meta, o.x_rows,
-                                o.weights, o.recv_slot, kernel, set, s.max_blocks, stream));
+                                o.weights, o.recv_slot, kernel, set, s.max_blocks, stream,
+                                s.fp8_out));
   };
   // Other nodes get every layout array (their meta kernels need my counts) and my rows that
   // need them (ffi/cuda/internode.h).
@@ -244,6 +278,11 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   s.max_blocks = cuda::MaxBlocksForSms(num_sms);
   if (ffi::Error e = DispatchRowBytes(kDispatchTarget, "x", x.element_type(), s.hidden,
                                       &s.row_bytes);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = Fp8OutOf(x.element_type(), s.hidden, x_rows->element_type(),
+                              x_rows->dimensions()[1], &s.fp8_out);
       e.failure()) {
     return e;
   }

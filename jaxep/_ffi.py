@@ -282,8 +282,12 @@ def _nbytes(a) -> int:
 
 
 def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int = 1,
-             ranks_per_node: int = 1):
+             ranks_per_node: int = 1, rows_dtype=None):
   """``jaxep_dispatch``: x[T,H], topk_idx[T,K] int32, topk_weights[T,K] f32.
+
+  rows_dtype (the fp8 wire, Config.dispatch_wire_dtype): x is uint8 [T, H + H/32], the packed
+  rows of jaxep.fp8.pack_wire_rows, and x_rows come back [C, H] in rows_dtype, dequantized by
+  the row kernels (ffi/cuda/row_format.cuh Fp8Row).
 
   Attributes: num_experts, capacity, ep_size, ranks_per_node, num_sms (int64); dispatch_kernel (str);
   zero_copy (bool). Returns ``(x_rows[C,H], weights[C] f32, group_sizes[L] i32, send_row[T,K] i32,
@@ -301,8 +305,9 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
   _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=k, slots=t * k,
               experts=config.num_experts, rows=c, staged_bytes=_nbytes(x))
   i32, f32 = jnp.int32, jnp.float32
+  rows_h = h if rows_dtype is None else h * 32 // 33  # the fp8 wire: H + H/32 bytes -> H
   out_types = (
-      jax.ShapeDtypeStruct((c, h), x.dtype),  # x_rows
+      jax.ShapeDtypeStruct((c, rows_h), rows_dtype or x.dtype),  # x_rows
       jax.ShapeDtypeStruct((c,), f32),        # weights
       jax.ShapeDtypeStruct((l,), i32),        # group_sizes
       jax.ShapeDtypeStruct((t, k), i32),      # send_row

@@ -51,13 +51,13 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
     ep = _ep_size(axis_name)
     check_limits(config)
     # fp8 wire (Config.dispatch_wire_dtype): the source quantizes once (jaxep_fp8_quantize, the
-    # reference's bits), the kernels move the packed uint8 rows, the destination dequantizes.
+    # reference's bits) and packs; the kernels move the packed uint8 rows and the destination's
+    # pull writes them dequantized (row_format.cuh Fp8Row: fp8.unpack_wire_rows' bits).
     wire = config.dispatch_wire_dtype is not None
     sent = fp8.pack_wire_rows(*_ffi.fp8_quantize(x)) if wire else x
     out = _ffi.dispatch(sent, topk_idx, topk_weights, config=config, capacity=capacity,
-                        ep_size=ep, ranks_per_node=_node_size(config, ep))
-    if wire:
-        out = (fp8.unpack_wire_rows(out[0], x.shape[1], x.dtype),) + tuple(out[1:])
+                        ep_size=ep, ranks_per_node=_node_size(config, ep),
+                        rows_dtype=x.dtype if wire else None)
     return _varying(tuple(out), axis_name)
 
 

@@ -173,6 +173,8 @@ def test_cuda_path_moves_packed_rows(cuda_lowering):  # noqa: F811
     W = fp8_row_bytes(H)
     call = [line for line in hlo.splitlines() if "custom_call @jaxep_dispatch" in line]
     assert len(call) == 1 and f"tensor<{T}x{W}xui8>" in call[0], call
+    # The pull writes the rows dequantized (ffi/cuda/row_format.cuh): bf16 [C, H] out of the call.
+    assert f"tensor<{cfg.capacity(1)}x{H}xbf16>" in call[0], call
     plain = jax.jit(lambda x, i, w: cuda_backend.dispatch(
         x, i, w, axis_name="ep", config=_cfg(wire=None), capacity=cfg.capacity(1))[0]).trace(
         x, idx, w).lower(lowering_platforms=("cuda",)).as_text()

@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "dispatch.h"
+#include "row_format.cuh"
 #include "team.cuh"
 
 namespace jaxep::cuda {
@@ -158,26 +159,26 @@ __global__ void __launch_bounds__(kChunk)
   }
 }
 
-// One warp per row (grid-stride), Unit from WithRowUnit.
-template <typename Unit>
+// One warp per row (grid-stride); Row from WithRowFormat (row_format.cuh).
+template <typename Row>
 __global__ void __launch_bounds__(kRowThreads)
-    GatherRowsKernel(const Unit* __restrict__ x, int64_t num_slots, int64_t units_per_row,
+    GatherRowsKernel(const char* __restrict__ x, int64_t num_slots, Row fmt,
                      const int32_t* __restrict__ recv_slot, int64_t num_rows, int32_t topk,
-                     Unit* __restrict__ x_rows) {
+                     char* __restrict__ x_rows) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps_per_block = blockDim.x / kWarpSize;
   const int64_t num_warps = gridDim.x * warps_per_block;
   for (int64_t row = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize; row < num_rows;
        row += num_warps) {
     const int32_t slot = recv_slot[row];
-    Unit* dst = x_rows + row * units_per_row;
+    char* dst = x_rows + row * fmt.dst_bytes();
     if (slot >= 0 && slot < num_slots) {
-      const Unit* src = x + static_cast<int64_t>(slot / topk) * units_per_row;
+      const char* src = x + static_cast<int64_t>(slot / topk) * fmt.src_bytes();
 #pragma unroll 4
-      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
+      for (int64_t u = lane; u < fmt.units; u += kWarpSize) fmt.Store(dst, u, fmt.Load(src, u));
     } else {
 #pragma unroll 4
-      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+      for (int64_t u = lane; u < fmt.units; u += kWarpSize) fmt.Store(dst, u, fmt.Zero());
     }
   }
 }
@@ -217,19 +218,18 @@ cudaError_t LaunchDispatchLayout(const DispatchLayoutArgs& a, cudaStream_t strea
 
 cudaError_t LaunchGatherRows(const void* x, int64_t num_tokens, int64_t row_bytes,
                              const int32_t* recv_slot, int64_t num_rows, int32_t topk,
-                             void* x_rows, int64_t max_blocks, cudaStream_t stream) {
+                             void* x_rows, int64_t max_blocks, cudaStream_t stream,
+                             Fp8Out fp8_out) {
   if (num_rows <= 0 || row_bytes <= 0) return cudaSuccess;
   // Single-rank gathers kept their own cap of 2048 blocks (8 warps each).
   const unsigned grid =
       static_cast<unsigned>(CapBlocks(std::min<int64_t>(RowBlocks(num_rows, 0), 2048), max_blocks));
-  WithRowUnit(reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(x_rows), row_bytes,
-              [&](auto unit) {
-                using U = decltype(unit);
-                GatherRowsKernel<U><<<grid, kRowThreads, 0, stream>>>(
-                    static_cast<const U*>(x), num_tokens * topk,
-                    row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot, num_rows, topk,
-                    static_cast<U*>(x_rows));
-              });
+  WithRowFormat(reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(x_rows), row_bytes,
+                fp8_out, [&](auto fmt) {
+                  GatherRowsKernel<<<grid, kRowThreads, 0, stream>>>(
+                      static_cast<const char*>(x), num_tokens * topk, fmt, recv_slot, num_rows,
+                      topk, static_cast<char*>(x_rows));
+                });
   return cudaGetLastError();
 }
 
@@ -332,11 +332,11 @@ __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, Di
   }
 }
 
-// Destination side of dispatch: warp per row p of [0, C).
-template <typename Unit>
+// Destination side of dispatch: warp per row p of [0, C). Row: the row format (row_format.cuh).
+template <typename Row>
 __global__ void __launch_bounds__(kRowThreads)
     DispatchPullKernel(Team team, int32_t tokens, int32_t topk, int32_t experts, int32_t capacity,
-                       int64_t units_per_row, const void* meta_scratch, Unit* __restrict__ x_rows,
+                       Row fmt, const void* meta_scratch, char* __restrict__ x_rows,
                        float* __restrict__ weights, int32_t* __restrict__ recv_slot, int32_t set) {
   if (Aborted(team)) return;
   __shared__ Source s_src[kMaxRanks];  // where every source's arrays and rows are (team.cuh)
@@ -351,10 +351,10 @@ __global__ void __launch_bounds__(kRowThreads)
   const int64_t nwarps = gridDim.x * wpb;
   const int64_t slots_per_rank = static_cast<int64_t>(tokens) * topk;
   for (int64_t p = blockIdx.x * wpb + threadIdx.x / kWarpSize; p < capacity; p += nwarps) {
-    Unit* dst = x_rows + p * units_per_row;
+    char* dst = x_rows + p * fmt.dst_bytes();
     if (p >= kept) {
       if (set == kOtherNodeSources) continue;  // zeroed by the first pass
-      for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+      for (int64_t u = lane; u < fmt.units; u += kWarpSize) fmt.Store(dst, u, fmt.Zero());
       if (lane == 0) {
         weights[p] = 0.0f;
         recv_slot[p] = -1;
@@ -376,9 +376,9 @@ __global__ void __launch_bounds__(kRowThreads)
     const int64_t t = slot / topk;
     const int64_t i = from.pos == nullptr ? t : from.pos[t];
     if (from.pos != nullptr && !AwaitRemoteRow(team, s, i, seq, kOpDispatch)) return;
-    const Unit* src = reinterpret_cast<const Unit*>(from.rows) + i * units_per_row;
+    const char* src = reinterpret_cast<const char*>(from.rows) + i * fmt.src_bytes();
 #pragma unroll 4
-    for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = src[u];
+    for (int64_t u = lane; u < fmt.units; u += kWarpSize) fmt.Store(dst, u, fmt.Load(src, u));
     if (lane == 0) {
       weights[p] = reinterpret_cast<const float*>(src_base + team.lay.sorted_w)[idx];
       recv_slot[p] = static_cast<int32_t>(s * slots_per_rank + slot);
@@ -395,11 +395,11 @@ __global__ void __launch_bounds__(kRowThreads)
 constexpr int kMaxTokenTopk = 32;
 constexpr int kTokenBatch = 4;  // 16-byte units loaded per lane before storing them
 
-template <typename Unit>
+template <typename Row>
 __global__ void __launch_bounds__(kRowThreads)
     DispatchPullTokenKernel(Team team, int32_t tokens, int32_t topk, int32_t experts,
-                            int32_t capacity, int64_t units_per_row, const void* meta_scratch,
-                            Unit* __restrict__ x_rows, float* __restrict__ weights,
+                            int32_t capacity, Row fmt, const void* meta_scratch,
+                            char* __restrict__ x_rows, float* __restrict__ weights,
                             int32_t* __restrict__ recv_slot, int32_t set) {
   if (Aborted(team)) return;
   constexpr int kWarps = kRowThreads / kWarpSize;
@@ -448,30 +448,30 @@ __global__ void __launch_bounds__(kRowThreads)
     // (read once it landed on its forwarder).
     const int64_t row_t = from.pos == nullptr ? t : from.pos[t];
     if (from.pos != nullptr && !AwaitRemoteRow(team, s, row_t, seq, kOpDispatch)) return;
-    const Unit* src = reinterpret_cast<const Unit*>(from.rows) + row_t * units_per_row;
+    const char* src = reinterpret_cast<const char*>(from.rows) + row_t * fmt.src_bytes();
     // kTokenBatch loads in flight per lane before the stores (the compiler cannot hoist a load
-    // above stores that might alias it).
-    for (int64_t u0 = lane; u0 < units_per_row; u0 += kWarpSize * kTokenBatch) {
-      Unit v[kTokenBatch];
+    // above stores that might alias it); an fp8 row is dequantized here, once per token.
+    for (int64_t u0 = lane; u0 < fmt.units; u0 += kWarpSize * kTokenBatch) {
+      typename Row::Value v[kTokenBatch];
 #pragma unroll
       for (int i = 0; i < kTokenBatch; ++i) {
         const int64_t u = u0 + i * kWarpSize;
-        if (u < units_per_row) v[i] = src[u];
+        if (u < fmt.units) v[i] = fmt.Load(src, u);
       }
       for (int j = 0; j < n; ++j) {
-        Unit* dst = x_rows + static_cast<int64_t>(s_dst[wib][j]) * units_per_row;
+        char* dst = x_rows + static_cast<int64_t>(s_dst[wib][j]) * fmt.dst_bytes();
 #pragma unroll
         for (int i = 0; i < kTokenBatch; ++i) {
           const int64_t u = u0 + i * kWarpSize;
-          if (u < units_per_row) dst[u] = v[i];
+          if (u < fmt.units) fmt.Store(dst, u, v[i]);
         }
       }
     }
     __syncwarp();  // s_dst is rewritten for the next item
   }
   for (int64_t p = kept + gw; p < capacity && set != kOtherNodeSources; p += nwarps) {
-    Unit* dst = x_rows + p * units_per_row;
-    for (int64_t u = lane; u < units_per_row; u += kWarpSize) dst[u] = Unit{};
+    char* dst = x_rows + p * fmt.dst_bytes();
+    for (int64_t u = lane; u < fmt.units; u += kWarpSize) fmt.Store(dst, u, fmt.Zero());
     if (lane == 0) {
       weights[p] = 0.0f;
       recv_slot[p] = -1;
@@ -527,21 +527,19 @@ cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, i
                                int32_t capacity, int64_t row_bytes, const void* meta_scratch,
                                void* x_rows, float* weights, int32_t* recv_slot,
                                DispatchKernel kernel, int32_t set, int64_t max_blocks,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, Fp8Out fp8_out) {
   if (capacity <= 0) return cudaSuccess;
   const bool by_token = kernel == DispatchKernel::kToken && topk <= kMaxTokenTopk;
   const unsigned grid = static_cast<unsigned>(
       RowBlocks(by_token ? static_cast<int64_t>(tokens) * team.size : capacity, max_blocks));
-  WithRowUnit(reinterpret_cast<uintptr_t>(x_rows), row_bytes, [&](auto unit) {
-    using U = decltype(unit);
-    const int64_t units = row_bytes / static_cast<int64_t>(sizeof(U));
+  WithRowFormat(reinterpret_cast<uintptr_t>(x_rows), row_bytes, fp8_out, [&](auto fmt) {
     if (by_token) {
-      DispatchPullTokenKernel<U><<<grid, kRowThreads, 0, stream>>>(
-          team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
+      DispatchPullTokenKernel<<<grid, kRowThreads, 0, stream>>>(
+          team, tokens, topk, experts, capacity, fmt, meta_scratch, static_cast<char*>(x_rows),
           weights, recv_slot, set);
     } else {
-      DispatchPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
-          team, tokens, topk, experts, capacity, units, meta_scratch, static_cast<U*>(x_rows),
+      DispatchPullKernel<<<grid, kRowThreads, 0, stream>>>(
+          team, tokens, topk, experts, capacity, fmt, meta_scratch, static_cast<char*>(x_rows),
           weights, recv_slot, set);
     }
   });

@@ -26,6 +26,11 @@
 
 namespace jaxep::cuda {
 
+// What the row kernels write: the source rows' bytes (kNone), or the fp8 wire's packed rows
+// (Config.dispatch_wire_dtype: H e4m3 codes, then H/128 f32 scales) dequantized to that payload
+// dtype (row_format.cuh Fp8Row).
+enum class Fp8Out : int32_t { kNone = 0, kBf16, kF16, kF32 };
+
 // Largest expert count the layout kernels support (per-block shared histogram of E int32);
 // exported to Python by ffi/module.cc constants().
 constexpr int32_t kMaxExperts = 8192;
@@ -64,9 +69,12 @@ cudaError_t LaunchDispatchLayout(const DispatchLayoutArgs& args, cudaStream_t st
 // Row copy: for each row c < num_rows, x_rows[c] = x[recv_slot[c] / topk] when
 // 0 <= recv_slot[c] < num_tokens * topk, else a row of zeros. Rows are `row_bytes` bytes; the copy
 // is byte-exact and dtype agnostic (16-byte vectors when row_bytes and both pointers allow it).
+// fp8_out != kNone: x holds the fp8 wire's packed rows (row_bytes = H + H/32 each) and x_rows
+// gets them dequantized to that payload dtype (row_format.cuh Fp8Row), zero rows alike.
 cudaError_t LaunchGatherRows(const void* x, int64_t num_tokens, int64_t row_bytes,
                              const int32_t* recv_slot, int64_t num_rows, int32_t topk,
-                             void* x_rows, int64_t max_blocks, cudaStream_t stream);
+                             void* x_rows, int64_t max_blocks, cudaStream_t stream,
+                             Fp8Out fp8_out = Fp8Out::kNone);
 
 }  // namespace jaxep::cuda
 
@@ -105,11 +113,13 @@ constexpr const char* kDispatchKernelNames[] = {"token", "row"};  // by enum val
 // zero rows after; weights and recv_slot alike. Uses the scratch written by LaunchDispatchMeta.
 // `set` (SourceSet, sync.h): only the rows of those sources; the zero rows with kAllSources and
 // kOwnNodeSources.
+// fp8_out as for LaunchGatherRows: the sources' rows are the fp8 wire's (row_bytes each) and
+// x_rows are written dequantized.
 cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, int32_t experts,
                                int32_t capacity, int64_t row_bytes, const void* meta_scratch,
                                void* x_rows, float* weights, int32_t* recv_slot,
                                DispatchKernel kernel, int32_t set, int64_t max_blocks,
-                               cudaStream_t stream);
+                               cudaStream_t stream, Fp8Out fp8_out = Fp8Out::kNone);
 
 // dispatch_rows pull: x_rows[c] = stage row t of source s, slot = recv_slot[c] = s*T*K + t*K + k;
 // zero rows where recv_slot is outside [0, R*T*K).
