@@ -307,7 +307,7 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
   i32, f32 = jnp.int32, jnp.float32
   rows_h = h if rows_dtype is None else h * 32 // 33  # the fp8 wire: H + H/32 bytes -> H
   out_types = (
-      jax.ShapeDtypeStruct((c, rows_h), rows_dtype or x.dtype),  # x_rows
+      jax.ShapeDtypeStruct((c, rows_h), x.dtype if rows_dtype is None else rows_dtype),  # x_rows
       jax.ShapeDtypeStruct((c,), f32),        # weights
       jax.ShapeDtypeStruct((l,), i32),        # group_sizes
       jax.ShapeDtypeStruct((t, k), i32),      # send_row
