@@ -27,6 +27,7 @@ constexpr std::string_view kDispatchRowsTarget = "jaxep_dispatch_rows";
 constexpr std::string_view kCombineTarget = "jaxep_combine";
 constexpr std::string_view kGatherBackTarget = "jaxep_gather_back";
 constexpr std::string_view kFp8QuantizeTarget = "jaxep_fp8_quantize";
+constexpr std::string_view kFp8QuantizeRowsTarget = "jaxep_fp8_quantize_rows";
 // mode="low_latency", ep_size > 1 (ffi/dispatch_ll.cc, ffi/combine_ll.cc).
 constexpr std::string_view kLLDispatchSendTarget = "jaxep_ll_dispatch_send";
 constexpr std::string_view kLLDispatchRecvTarget = "jaxep_ll_dispatch_recv";

@@ -30,6 +30,23 @@ ffi::Error Fp8QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x,
   });
 }
 
+// The normal-mode fp8 wire's packed rows (jaxep/fp8.py pack_wire_rows): rows [T, H + H/32].
+ffi::Error Fp8QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                               ffi::ResultBuffer<ffi::U8, 2> rows) {
+  const int64_t tokens = x.dimensions()[0], hidden = x.dimensions()[1];
+  if (rows->dimensions()[1] != cuda::Fp8RowBytes(hidden)) {
+    return ffi::Error::InvalidArgument(StrCat(kFp8QuantizeRowsTarget, ": rows must be [T, ",
+                                              cuda::Fp8RowBytes(hidden), "] for x [T, ", hidden,
+                                              "], got width ", rows->dimensions()[1]));
+  }
+  return WithPayloadType(kFp8QuantizeRowsTarget, "x", x.element_type(), [&](auto v) {
+    using T = decltype(v);
+    return FromCuda(kFp8QuantizeRowsTarget, "quantize kernel",
+                    cuda::LaunchFp8QuantizeRows<T>(static_cast<const T*>(x.untyped_data()), tokens,
+                                                   hidden, rows->typed_data(), stream));
+  });
+}
+
 }  // namespace
 }  // namespace jaxep
 
@@ -40,4 +57,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                        // x [T, H] bf16|f16|f32
         .Ret<jaxep::U8Mat>()                               // codes [T, H] e4m3fn bytes
         .Ret<jaxep::F32Mat>(),                             // scales [T, H/128]
+    {xla::ffi::Traits::kCmdBufferCompatible});             // local, no per-call host state
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxepFp8QuantizeRows, jaxep::Fp8QuantizeRowsImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()     // XLA's compute stream
+        .Arg<xla::ffi::AnyBuffer>()                        // x [T, H] bf16|f16|f32
+        .Ret<jaxep::U8Mat>(),                              // rows [T, H + H/32]: codes, scales
     {xla::ffi::Traits::kCmdBufferCompatible});             // local, no per-call host state

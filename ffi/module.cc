@@ -28,6 +28,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepDispatchRows);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepCombine);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepGatherBack);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepFp8Quantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepFp8QuantizeRows);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepLLDispatchSend);  // dispatch_ll.cc, combine_ll.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepLLDispatchRecv);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxepLLCombineSend);
@@ -78,6 +79,7 @@ NB_MODULE(_jaxep_cuda, m) {
         d[Str(jaxep::kCombineTarget)] = Capsule(JaxepCombine);
         d[Str(jaxep::kGatherBackTarget)] = Capsule(JaxepGatherBack);
         d[Str(jaxep::kFp8QuantizeTarget)] = Capsule(JaxepFp8Quantize);
+        d[Str(jaxep::kFp8QuantizeRowsTarget)] = Capsule(JaxepFp8QuantizeRows);
         d[Str(jaxep::kLLDispatchSendTarget)] = Capsule(JaxepLLDispatchSend);
         d[Str(jaxep::kLLDispatchRecvTarget)] = Capsule(JaxepLLDispatchRecv);
         d[Str(jaxep::kLLCombineSendTarget)] = Capsule(JaxepLLCombineSend);
@@ -105,6 +107,7 @@ NB_MODULE(_jaxep_cuda, m) {
         d["targets"] = nb::make_tuple(Str(jaxep::kDispatchTarget), Str(jaxep::kDispatchRowsTarget),
                                       Str(jaxep::kCombineTarget), Str(jaxep::kGatherBackTarget),
                                       Str(jaxep::kFp8QuantizeTarget),
+                                      Str(jaxep::kFp8QuantizeRowsTarget),
                                       Str(jaxep::kLLDispatchSendTarget),
                                       Str(jaxep::kLLDispatchRecvTarget),
                                       Str(jaxep::kLLCombineSendTarget),

@@ -43,8 +43,8 @@ from jaxep import config as _config
 
 # The custom-call targets this module emits; the extension's constants()["targets"] must match.
 TARGETS = ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine", "jaxep_gather_back",
-           "jaxep_fp8_quantize", "jaxep_ll_dispatch_send", "jaxep_ll_dispatch_recv",
-           "jaxep_ll_combine_send", "jaxep_ll_combine_recv")
+           "jaxep_fp8_quantize", "jaxep_fp8_quantize_rows", "jaxep_ll_dispatch_send",
+           "jaxep_ll_dispatch_recv", "jaxep_ll_combine_send", "jaxep_ll_combine_recv")
 
 _module: Any = None
 _constants: dict | None = None  # the extension's constants(), normalized; None until loaded
@@ -403,6 +403,22 @@ def fp8_quantize(x):
                jax.ShapeDtypeStruct((t, h // _config.FP8_BLOCK), np.float32))
   call = jax.ffi.ffi_call("jaxep_fp8_quantize", out_types, vmap_method="sequential")
   return tuple(call(x))
+
+
+def fp8_quantize_rows(x):
+  """``jaxep_fp8_quantize_rows`` (local): x[T,H] bf16|f16|f32, H % 128 == 0 -> the fp8 wire's
+  packed rows ``[T, H + H/32] uint8`` (each row's codes, then its scales' bytes): fp8_quantize's
+  bits in jaxep.fp8.pack_wire_rows' format, in one pass (Config.dispatch_wire_dtype)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  op = "fp8_quantize_rows"
+  _require(op)
+  t, h = x.shape
+  if h % _config.FP8_BLOCK:
+    _fail(op, "x.shape[1]", f"a multiple of {_config.FP8_BLOCK}", h)
+  out_types = (jax.ShapeDtypeStruct((t, _config.fp8_row_bytes(h)), np.uint8),)
+  call = jax.ffi.ffi_call("jaxep_fp8_quantize_rows", out_types, vmap_method="sequential")
+  return call(x)[0]
 
 
 # ---- mode="low_latency", ep_size > 1 (ffi/dispatch_ll.cc, ffi/combine_ll.cc; protocol: ffi/cuda/low_latency.h) ----

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxep import _ffi, fp8, runtime
+from jaxep import _ffi, runtime
 from jaxep import reference as _reference  # EP size 1 of the low-latency mode (below)
 # Custom-call results carry no varying axes inside shard_map: marked like the reference's outputs.
 from jaxep.reference import varying as _varying
@@ -50,11 +50,12 @@ def check_limits(config) -> None:
 def dispatch(x, topk_idx, topk_weights, *, axis_name, config, capacity):
     ep = _ep_size(axis_name)
     check_limits(config)
-    # fp8 wire (Config.dispatch_wire_dtype): the source quantizes once (jaxep_fp8_quantize, the
-    # reference's bits) and packs; the kernels move the packed uint8 rows and the destination's
-    # pull writes them dequantized (row_format.cuh Fp8Row: fp8.unpack_wire_rows' bits).
+    # fp8 wire (Config.dispatch_wire_dtype): the source quantizes once into packed rows
+    # (jaxep_fp8_quantize_rows: the reference's bits in fp8.pack_wire_rows' format), the kernels
+    # move them and the destination's pull writes them dequantized (row_format.cuh Fp8Row:
+    # fp8.unpack_wire_rows' bits).
     wire = config.dispatch_wire_dtype is not None
-    sent = fp8.pack_wire_rows(*_ffi.fp8_quantize(x)) if wire else x
+    sent = _ffi.fp8_quantize_rows(x) if wire else x  # = fp8.pack_wire_rows(*fp8_quantize(x))
     out = _ffi.dispatch(sent, topk_idx, topk_weights, config=config, capacity=capacity,
                         ep_size=ep, ranks_per_node=_node_size(config, ep),
                         rows_dtype=x.dtype if wire else None)

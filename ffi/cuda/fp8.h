@@ -24,4 +24,10 @@ template <typename T>
 cudaError_t LaunchFp8Quantize(const T* x, int64_t tokens, int64_t hidden, uint8_t* codes,
                               float* scales, cudaStream_t stream);
 
+// The same quantization into packed rows (the normal-mode fp8 wire, jaxep/fp8.py
+// pack_wire_rows): rows [T, Fp8RowBytes(H)], each row's H codes, then its H/128 scales.
+template <typename T>
+cudaError_t LaunchFp8QuantizeRows(const T* x, int64_t tokens, int64_t hidden, uint8_t* rows,
+                                  cudaStream_t stream);
+
 }  // namespace jaxep::cuda
