@@ -105,7 +105,7 @@ step mrn 300 120 "$LOGS/mrn.log" python3 -m pytest -v -rsP -p no:cacheprovider \
 # fp8: the fp8 dispatch wire (Config.dispatch_wire_dtype) bitwise on the kernels: 4 ranks, 2 x 4
 # (mr runs them too) and EP size 1, ~100 s.
 step fp8 300 90 "$LOGS/fp8.log" python3 -m pytest -v -rs -p no:cacheprovider \
-  tests/gpu/test_multirank.py tests/gpu/test_cuda_ep1.py -k "fp8wire or fp8_wire"
+  tests/gpu/test_multirank.py tests/gpu/test_cuda_ep1.py -k "fp8wire or fp8_wire or quantize_rows"
 # mode="low_latency" on the CUDA backend (4 and 8 ranks, one node and 2 x 4; mr runs it too).
 step ll 400 90 "$LOGS/ll.log" python3 -m pytest -v -rsP -p no:cacheprovider \
   tests/gpu/test_multirank.py -k low_latency

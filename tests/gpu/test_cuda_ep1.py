@@ -437,3 +437,19 @@ def test_dispatch_over_the_fp8_wire_bitwise(case, dtype_name):
   assert got[0].dtype == x.dtype and got[0].shape == (c, h)
   for n, g, wnt in zip(OUT_NAMES, got, want):
     assert_bitwise(f"{name}/{dtype_name}/fp8wire/{n}", g, wnt)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_fp8_quantize_rows_is_the_packed_quantize(dtype_name):
+  """jaxep_fp8_quantize_rows == jaxep.fp8.pack_wire_rows(*jaxep_fp8_quantize(x)), bit for bit
+  (the fp8 wire's one-pass source), including an all-zero block and signed zeros."""
+  from jaxep import fp8  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((37, 384)).astype(np.float32)
+  x[1, :128] = 0.0
+  x[2, 5] = -0.0
+  xj = jnp.asarray(x.astype(DTYPES[dtype_name]))
+  got = jax.jit(_ffi.fp8_quantize_rows)(xj)
+  want = jax.jit(lambda a: fp8.pack_wire_rows(*_ffi.fp8_quantize(a)))(xj)
+  assert got.shape == (37, 384 + 12) and got.dtype == jnp.uint8
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
