@@ -19,6 +19,7 @@
 
 #include "common.cuh"
 #include "dispatch.h"
+#include "fp8.h"
 
 namespace jaxep::cuda {
 
@@ -37,8 +38,7 @@ struct CopyRow {
   __device__ __forceinline__ Value Zero() const { return Unit{}; }
 };
 
-constexpr int kFp8RowVec = 8;           // values per unit (8 codes = two 4-byte words)
-constexpr int kFp8RowBlock = 128;       // channels per scale (jaxep.config.FP8_BLOCK)
+constexpr int kFp8RowVec = 8;  // values per unit (8 codes = two 4-byte words)
 
 // The value of one e4m3fn code (exact in f32; 0x7f / 0xff are NaN, never written by the quantizer).
 __device__ __forceinline__ float Fp8CodeToF32(uint32_t code) {
@@ -51,7 +51,7 @@ struct Fp8Row {
   using Value = Pack<T, kFp8RowVec>;
   int64_t units;  // H / 8
   __host__ __device__ int64_t hidden() const { return units * kFp8RowVec; }
-  __host__ __device__ int64_t src_bytes() const { return hidden() + hidden() / kFp8RowBlock * 4; }
+  __host__ __device__ int64_t src_bytes() const { return Fp8RowBytes(hidden()); }
   __host__ __device__ int64_t dst_bytes() const {
     return hidden() * static_cast<int64_t>(sizeof(T));
   }
@@ -59,7 +59,7 @@ struct Fp8Row {
     const uint32_t* codes = reinterpret_cast<const uint32_t*>(src) + 2 * u;
     const uint32_t w[2] = {codes[0], codes[1]};
     const float scale = reinterpret_cast<const float*>(src + hidden())[
-        u * kFp8RowVec / kFp8RowBlock];
+        u * kFp8RowVec / kFp8Block];
     Value v;
 #pragma unroll
     for (int k = 0; k < kFp8RowVec; ++k) {
