@@ -1,7 +1,8 @@
-// The FP8 quantization kernel (fp8.h): a warp per (token, 128-channel block), the bits of
-// fp8.cuh's QuantizeFp8Block.
+// The FP8 quantization kernel (fp8.h): a warp per (token, 128-channel block), kBlocksPerWarp
+// blocks in flight per warp, the bits of fp8.cuh's QuantizeFp8Lane.
 #include <algorithm>
 
+#include "common.cuh"
 #include "fp8.cuh"
 
 namespace jaxep::cuda {
@@ -10,8 +11,21 @@ namespace {
 constexpr int kFp8Threads = 256;
 constexpr int kLanes = 32;
 
-// Codes of token t at codes + t * code_stride (bytes), its scales at scales + t * scale_stride
-// (floats): the two arrays of jaxep_fp8_quantize, or one packed row per token.
+// A lane's 4 values of a block, loaded as one vector (8 bytes for bf16 / f16, 16 for f32): the
+// block starts at a multiple of 128 elements of x, so the vector is aligned.
+template <typename T>
+__device__ __forceinline__ void LoadLane(const T* src, float (&v)[kFp8PerLane]) {
+  const Pack<T, kFp8PerLane> p = *reinterpret_cast<const Pack<T, kFp8PerLane>*>(src);
+#pragma unroll
+  for (int i = 0; i < kFp8PerLane; ++i) v[i] = Fp8ToF32(p.v[i]);
+}
+
+constexpr int kBlocksPerWarp = 4;  // blocks whose loads a warp has in flight before it quantizes
+
+// Codes of token t at codes + t * code_stride (bytes, a multiple of 4), its scales at
+// scales + t * scale_stride (floats): the two arrays of jaxep_fp8_quantize, or one packed row per
+// token. A warp takes kBlocksPerWarp consecutive blocks per round, loads them all, then
+// quantizes each (QuantizeFp8Lane) and writes each lane's 4 codes as one word.
 template <typename T>
 __global__ void __launch_bounds__(kFp8Threads)
     Fp8QuantizeKernel(const T* __restrict__ x, int64_t blocks, int64_t blocks_per_row,
@@ -19,20 +33,32 @@ __global__ void __launch_bounds__(kFp8Threads)
                       int64_t scale_stride) {
   const int lane = threadIdx.x % kLanes;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * (kFp8Threads / kLanes);
-  for (int64_t b = static_cast<int64_t>(blockIdx.x) * (kFp8Threads / kLanes) + threadIdx.x / kLanes;
-       b < blocks; b += nwarps) {
-    // Block b is token t = b / blocks_per_row, channels [128 j, +128) with j = b % blocks_per_row:
-    // the same 128 contiguous elements of the row-major [T, H] array, at b * 128.
-    const int64_t t = b / blocks_per_row, j = b - t * blocks_per_row;
-    const float scale =
-        QuantizeFp8Block(x + b * kFp8Block, codes + t * code_stride + j * kFp8Block, lane);
-    if (lane == 0) scales[t * scale_stride + j] = scale;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * (kFp8Threads / kLanes) + threadIdx.x / kLanes;
+  for (int64_t b0 = first * kBlocksPerWarp; b0 < blocks; b0 += nwarps * kBlocksPerWarp) {
+    float v[kBlocksPerWarp][kFp8PerLane];
+#pragma unroll
+    for (int i = 0; i < kBlocksPerWarp; ++i) {
+      // Block b is channels [128 j, +128) of token t = b / blocks_per_row, j = b % blocks_per_row:
+      // the 128 contiguous elements of the row-major [T, H] array at b * 128.
+      if (b0 + i < blocks) LoadLane(x + (b0 + i) * kFp8Block + lane * kFp8PerLane, v[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kBlocksPerWarp; ++i) {
+      const int64_t b = b0 + i;
+      if (b >= blocks) break;  // uniform across the warp
+      const int64_t t = b / blocks_per_row, j = b - t * blocks_per_row;
+      uint32_t word;
+      const float scale = QuantizeFp8Lane(v[i], &word);
+      reinterpret_cast<uint32_t*>(codes + t * code_stride + j * kFp8Block)[lane] = word;
+      if (lane == 0) scales[t * scale_stride + j] = scale;
+    }
   }
 }
 
 unsigned Fp8Grid(int64_t blocks) {
   const int64_t warps = kFp8Threads / kLanes;
-  return static_cast<unsigned>(std::min<int64_t>((blocks + warps - 1) / warps, 4096));
+  const int64_t per_block = warps * kBlocksPerWarp;
+  return static_cast<unsigned>(std::min<int64_t>((blocks + per_block - 1) / per_block, 4096));
 }
 
 }  // namespace
