@@ -14,7 +14,7 @@
 #   benchll1 benchll1f ... benchll128 benchll128f   jaxep-bench --mode=low_latency, 8 ranks, E=256,
 #              T = 1/8/32/128, bf16 / FP8 dispatch (...f), ~10 s each
 #   benchll1g4 benchll128g4   the same as 2 emulated nodes x 4 (T = 1, 128)
-#   phasell128 phase8_64 phase8_64g4   the phase table (JAXEP_PHASE_TIMES=1, ffi/phase_times.h) of
+#   phasell128 phase8_64 phase8_64g4 phase8_64f   the phase table (JAXEP_PHASE_TIMES=1, ffi/phase_times.h) of
 #              benchll128 (XLA command buffers off, so the low-latency handlers are timed),
 #              bench8_64 and bench8_64g4w (bf16 wire): where each op's time goes, 1x8 beside 2x4
 #   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
@@ -153,6 +153,9 @@ unset NVSHMEM_SYMMETRIC_SIZE
 JAXEP_PHASE_TIMES=1 bench phase8_64 8 64 120 token warp "--iters 5 --no-plot --outdir $LOGS/phase8_64"
 JAXEP_PHASE_TIMES=1 bench phase8_64g4 8 64 120 token warp \
   "--iters 5 --no-plot --outdir $LOGS/phase8_64g4 --ranks_per_node 4 -- --combine_wire_dtype=payload"
+# phase8_64f: phase8_64 on the fp8 dispatch wire (its pull beside the payload wire's).
+JAXEP_PHASE_TIMES=1 bench phase8_64f 8 64 120 token warp \
+  "--iters 5 --no-plot --outdir $LOGS/phase8_64f -- --dispatch_wire_dtype=float8_e4m3fn"
 bench bench8_64a 8 64 120 row thread   # the alternative pull kernels: same inputs, same call
 bench bench8_64s 8 64 120 token warp --staged   # zero-copy off (Config zero_copy=False): same-run A/B
 step nn 200 90 "$LOGS/nn.log" python3 -m pytest -v -rsP -p no:cacheprovider tests/gpu/test_nn_multirank.py
@@ -203,7 +206,7 @@ for r in rows:
         print(f"N={r['N']} E={r['E']}: no JSON (rc={r['rc']}); see logs/bench_n{r['N']}_e{r['E']}.log")
 EOF
   grep -hE "BenchCorrectnessError|TimeoutError|Traceback|failed:|error:" "$LOGS"/bench_n*_e*.log 2>/dev/null | cut -c1-200 | head -6
-  for d in phasell128 phase8_64 phase8_64g4; do   # the phase tables (rank 0's)
+  for d in phasell128 phase8_64 phase8_64g4 phase8_64f; do   # the phase tables (rank 0's)
     for f in "$LOGS/$d"/bench_n*.log; do
       [ -f "$f" ] && { echo "$d:"; grep -hE "^\[rank 0\] (phase times|  [a-z_]+/)" "$f" | sed 's/^\[rank 0\] //'; }
     done
