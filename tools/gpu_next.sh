@@ -20,6 +20,7 @@
 #   bench8_64g4, bench8_64g4w, bench16seed   internode benches (2 x 4 f32 / bf16 wire; seed 2 x 8)
 #   bench16seedf   bench16seed with dispatch's rows on the fp8 wire
 #   bench8_64g4wa  2 x 4 bf16 wire with the thread-per-unit combine pull (combine_kernel="thread")
+#   fp8quant   tools/time_fp8_quantize.py: the fp8 wire's quantize pass against a copy, ~20 s
 #   fp8, bench8_64f, bench8_64g4wf   the fp8 dispatch wire: its GPU cases; bench8_64 and
 #              bench8_64g4w with --dispatch_wire_dtype=float8_e4m3fn
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
@@ -153,6 +154,9 @@ unset NVSHMEM_SYMMETRIC_SIZE
 JAXEP_PHASE_TIMES=1 bench phase8_64 8 64 120 token warp "--iters 5 --no-plot --outdir $LOGS/phase8_64"
 JAXEP_PHASE_TIMES=1 bench phase8_64g4 8 64 120 token warp \
   "--iters 5 --no-plot --outdir $LOGS/phase8_64g4 --ranks_per_node 4 -- --combine_wire_dtype=payload"
+# fp8quant: the fp8 wire's source pass alone (jaxep_fp8_quantize_rows, whole GPU, one process)
+# against a same-run copy of its bytes, ~20 s.
+step fp8quant 90 30 "$LOGS/fp8quant.log" python3 tools/time_fp8_quantize.py
 # phase8_64f: phase8_64 on the fp8 dispatch wire (its pull beside the payload wire's).
 JAXEP_PHASE_TIMES=1 bench phase8_64f 8 64 120 token warp \
   "--iters 5 --no-plot --outdir $LOGS/phase8_64f -- --dispatch_wire_dtype=float8_e4m3fn"
@@ -206,6 +210,7 @@ for r in rows:
         print(f"N={r['N']} E={r['E']}: no JSON (rc={r['rc']}); see logs/bench_n{r['N']}_e{r['E']}.log")
 EOF
   grep -hE "BenchCorrectnessError|TimeoutError|Traceback|failed:|error:" "$LOGS"/bench_n*_e*.log 2>/dev/null | cut -c1-200 | head -6
+  grep -h "^fp8 quantize rows" "$LOGS/fp8quant.log" 2>/dev/null
   for d in phasell128 phase8_64 phase8_64g4 phase8_64f; do   # the phase tables (rank 0's)
     for f in "$LOGS/$d"/bench_n*.log; do
       [ -f "$f" ] && { echo "$d:"; grep -hE "^\[rank 0\] (phase times|  [a-z_]+/)" "$f" | sed 's/^\[rank 0\] //'; }
