@@ -170,5 +170,6 @@ def test_killed_peer_times_out(nproc, layout, kill_at):
     for _, waited in oks:
         assert float(waited) < timeout_s + 30, out[-3000:]
     assert f"timed out in {kill_at}" in out, out[-3000:]
-    # Which wait each survivor timed out in (for the log: pytest -rP).
-    print(sorted(set(re.findall(r"timed out in \w+ \(call #\d+\), phase [^,]+", out))))
+    # Which wait each survivor timed out in, and on whom (for the log: pytest -rP).
+    for line in re.findall(r"^(?:\[rank \d+\] )?KILLED \d+ ok .*$", out, re.M):
+        print(re.sub(r"\. The peer process died.*", "", line))
