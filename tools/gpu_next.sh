@@ -96,7 +96,8 @@ bench() {  # name nproc experts cap [dispatch kernel] [combine kernel] [more fla
   local l; l=$(left); local to=$(( $4 < l ? $4 : l ))
   step "$1" "$4" 60 "$LOGS/$1.log" python3 tools/bench_multirank.py --nproc "$2" --experts "$3" \
     --iters 10 --timeout $(( to - 20 )) --outdir "$LOGS" --summary_json "$LOGS/$1.rows.json" \
-    --dispatch_kernel "${5:-token}" --combine_kernel "${6:-warp}" ${7:-} ${BENCH_EXTRA:-}
+    --dispatch_kernel "${5:-token}" --combine_kernel "${6:-warp}" ${BENCH_EXTRA:-} ${7:-}
+  # (BENCH_EXTRA before the step's flags: those may end in "-- <jaxep-bench flags>")
 }
 # The multi-rank driver alone (STEPS=mr; gputier below runs it too); mrn: its internode cases only
 # (2 x 4, 4 x 2, 8 x 1, 2 x 8 layouts, the killed peer on the other node).
