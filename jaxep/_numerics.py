@@ -12,8 +12,7 @@ def exact_f32(a):
     a32 = a.astype(jnp.float32)
     if jnp.dtype(a.dtype) == jnp.float32:
         return a32
-    info = jnp.finfo(a.dtype)
-    return jax.lax.reduce_precision(a32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return _round_ieee(a32, a.dtype)
 
 
 def round_f32_to(a32, dtype):
@@ -24,5 +23,22 @@ def round_f32_to(a32, dtype):
     """
     if jnp.dtype(dtype) == jnp.float32:
         return a32
+    return _round_ieee(a32, dtype)
+
+
+def _round_ieee(a32, dtype):
+    """f32 `a32` rounded to nearest even onto `dtype`'s values, subnormals included, in f32.
+
+    XLA's reduce_precision flushes everything below the target's smallest normal to +-0 (it does
+    not model the target's subnormals), which matters where the target has fewer exponent bits
+    than f32 (f16: |v| < 2**-14). There the value is rounded onto the subnormal grid explicitly:
+    scaled by a power of two into [0, 2**nmant], rounded half to even, scaled back (all exact).
+    """
     info = jnp.finfo(dtype)
-    return jax.lax.reduce_precision(a32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    r = jax.lax.reduce_precision(a32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    if info.nexp >= 8:  # f32's exponent range (bf16): no subnormal of dtype is an f32 normal
+        return r
+    quantum = float(info.smallest_subnormal)  # 2**-24 for f16
+    sub = jax.lax.round(a32 * jnp.float32(1.0 / quantum),
+                        jax.lax.RoundingMethod.TO_NEAREST_EVEN) * jnp.float32(quantum)
+    return jnp.where(jnp.abs(a32) < jnp.float32(info.tiny), sub, r)

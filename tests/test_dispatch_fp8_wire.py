@@ -187,15 +187,11 @@ def test_config_equality_and_replace():
     assert dataclasses.replace(_cfg(wire=None), dtype="float32").dispatch_wire_dtype is None
 
 
-@pytest.mark.xfail(strict=True, reason="the reference's quantize reads x through exact_f32, "
-                   "whose reduce_precision flushes f16 subnormals; SPEC's f32(x) (and the CUDA "
-                   "quantize kernel) keeps them: the known f16 difference of "
-                   "tests/test_node_layout_reference.py")
 def test_f16_subnormal_token_values_follow_ieee():
     xs, idxs, ws = _data(7, "float16")
     xs[0][0, :128] = np.float16(2.0**-12)  # a block of small values: scale = 2**-12 / 448
     xs[0][0, 1] = np.float16(-2.0**-18)  # an f16 subnormal token value, code -7 for the oracle
-    # (and the CUDA quantize kernel's __half2float); the reference's exact_f32 reads -0.0
+    # (and the CUDA quantize kernel's __half2float, and the reference's exact_f32)
     cfg = _cfg("float16")
     got = harness.run(cfg, xs, idxs, ws, backend="reference")
     want = oracle.dispatch(oracle.fp8_wire(xs, np.float16), idxs, ws, num_experts=E,

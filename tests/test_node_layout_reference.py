@@ -2,9 +2,8 @@
 equals the NumPy oracle (written from SPEC section 3) BITWISE for every layout of 8 ranks
 (1x8, 2x4, 4x2, 8x1 = ranks_per_node 8, 4, 2, 1) and both combine wire dtypes, forward and backward.
 
-Inputs keep every value and every partial sum far from f16's subnormal range: XLA's
-reduce_precision (which the reference's rounding uses) flushes f16 subnormals to zero where an
-IEEE conversion keeps them; test_f16_subnormals_* below pins that difference down.
+f16 subnormals (token values, partials of another node on an f16 wire) are covered by
+test_f16_subnormals_follow_ieee below.
 """
 import functools
 
@@ -385,15 +384,15 @@ def test_dx_depends_on_the_layout_and_wire():
 
 
 # ---------------------------------------------------------------------------------------------
-# A known difference between the reference and SPEC / IEEE: f16 subnormals.
+# f16 subnormals follow IEEE (SPEC's f32(y) and "rounded once"; the CUDA kernels'
+# __half2float / __float2half_rn): jaxep._numerics rounds them explicitly (reduce_precision alone
+# flushes them to zero).
 
-@pytest.mark.xfail(strict=True, reason="XLA's reduce_precision (jaxep._numerics.exact_f32 and "
-                   "round_f32_to) flushes f16 subnormals to zero; SPEC's f32(y) and 'rounded once' "
-                   "(and the CUDA kernels' __half2float / __float2half_rn) keep them")
 @pytest.mark.parametrize("where", ["y", "wire"])
 def test_f16_subnormals_follow_ieee(where):
-    """y: a subnormal token row (exact_f32 reads it as 0). wire: a normal row whose partial of
-    another node is subnormal (round_f32_to sends 0; the own node's f32 partial is kept)."""
+    """y: a subnormal token row (reduce_precision alone reads it as 0). wire: a normal row whose
+    partial of another node is subnormal (reduce_precision alone sends 0; the own node's f32
+    partial is kept)."""
     cfg = _cfg(2, "float16", "float16")
     xs, ws, scale = _data(1, "float16")
     idxs = harness.routing(np.random.default_rng(1), R, T, K, E)
