@@ -366,6 +366,30 @@ def test_bench_multirank_names_each_setup_apart():
     assert fp8 == ("token/warp d:fp8", "_dispatch-wire-dtype-float8-e4m3fn"), fp8
 
 
+def test_ranks_share_a_gpu_only_where_there_are_fewer_gpus_than_ranks(monkeypatch):
+    """tools/bench_multirank.py and the GPU tier's launches (tests/gpu/gpu_env.py) put every rank
+    on one GPU under MPS where fewer GPUs than ranks are visible (the one-GPU emulation), and one
+    GPU per rank otherwise (a multi-GPU node); the bench's --share-gpu / --no-share-gpu force it."""
+    import importlib.util
+    here = os.path.dirname(__file__)
+    spec = importlib.util.spec_from_file_location(
+        "bench_multirank", os.path.join(here, "..", "tools", "bench_multirank.py"))
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    spec = importlib.util.spec_from_file_location("gpu_env", os.path.join(here, "gpu", "gpu_env.py"))
+    ge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ge)
+    for visible, shared in (("0", True), ("0,1,2,3", True), ("0,1,2,3,4,5,6,7", False)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        cmd = bm.bench_command(bm.parse_args(["--nproc", "8"]), 64, "/tmp/x")
+        assert ("--share-gpu" in cmd) == shared, (visible, cmd)
+        assert (ge.launch_gpu_flags(8) == ["--share-gpu"]) == shared, visible
+        assert (bm.run_label(bm.parse_args(["--nproc", "8"]))[1] == "_gpu-per-rank") != shared
+    assert "--share-gpu" in bm.bench_command(bm.parse_args(["--share-gpu"]), 64, "/tmp/x")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert "--share-gpu" not in bm.bench_command(bm.parse_args(["--no-share-gpu"]), 64, "/tmp/x")
+
+
 def test_dispatch_over_the_fp8_wire_on_cpu(tmp_path):
     """--dispatch_wire_dtype=float8_e4m3fn: bitwise against the host oracle's quantized tokens;
     dispatch's link bytes count H + H/32 bytes a row, combine's stay the payload's."""

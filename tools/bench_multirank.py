@@ -1,4 +1,5 @@
-"""Multi-rank benchmark on one GPU: a thin wrapper that runs `jaxep-bench` once per expert count
+"""Multi-rank benchmark (every rank on one GPU under MPS, or one GPU per rank where the machine
+has --nproc GPUs: --share-gpu / --no-share-gpu force either): a thin wrapper that runs `jaxep-bench` once per expert count
 under `jaxep.launch` and prints one short table from the JSON files.
 
     python tools/bench_multirank.py --nproc 8 --experts 64,256 --outdir /tmp/bench
@@ -36,9 +37,17 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def shares_gpu(a) -> bool:
+    """--share-gpu as given, else whether this machine has fewer visible GPUs than ranks."""
+    if a.share_gpu is not None:
+        return a.share_gpu
+    from jaxep.launch.env import visible_gpus  # pylint: disable=g-import-not-at-top
+    return len(visible_gpus(os.environ)) < a.nproc
+
+
 def bench_command(a, experts: int, base: str) -> list[str]:
     cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", str(a.nproc)]
-    if a.share_gpu:
+    if shares_gpu(a):
         cmd.append("--share-gpu")
     cmd += ["--timeout", str(a.timeout), "-m", "jaxep.bench", f"--backend={a.backend}",
             f"--tokens={a.tokens}", f"--hidden={a.hidden}", f"--topk={a.topk}",
@@ -119,7 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inner", type=int, default=0, help="ops per timed sample (0: ~20 ms)")
     p.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
     p.add_argument("--share-gpu", dest="share_gpu", action=argparse.BooleanOptionalAction,
-                   default=True, help="all ranks on one GPU under CUDA MPS (default)")
+                   default=None, help="all ranks on one GPU under CUDA MPS; default: only where "
+                   "fewer than --nproc GPUs are visible (else one GPU per rank)")
     p.add_argument("--timeout", type=float, default=300.0, help="per launch, seconds")
     p.add_argument("--outdir", default=".")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
@@ -152,6 +162,8 @@ def run_label(a: argparse.Namespace) -> tuple[str, str]:
         tag += f"_g{a.ranks_per_node}"
     if a.tokens != 4096:
         tag += f"_t{a.tokens}"
+    if a.backend == "cuda" and not shares_gpu(a):  # one GPU per rank (a multi-GPU node)
+        kernels, tag = kernels + " gpu/rank", tag + "_gpu-per-rank"
     # Extra jaxep.bench flags (e.g. the combine wire dtype) name the files too.
     for extra in a.bench_args:
         tag += "_" + "".join(c if c.isalnum() else "-" for c in extra.lstrip("-"))

@@ -23,6 +23,9 @@
 #   fp8quant   tools/time_fp8_quantize.py: the fp8 wire's quantize pass against a copy, ~20 s
 #   fp8, bench8_64f, bench8_64g4wf   the fp8 dispatch wire: its GPU cases; bench8_64 and
 #              bench8_64g4w with --dispatch_wire_dtype=float8_e4m3fn
+# On a machine with at least N GPUs the N ranks of a step run one per GPU (the GPU tier's launches
+# and tools/bench_multirank.py choose it; the bench table's kernels column says "gpu/rank"), else
+# all N on one GPU under MPS (one H200: ~16 SMs each at N = 8).
 #   bench8_64  jaxep-bench, 8 ranks on the GPU under MPS (~16 SMs each), CUDA, E=64, through
 #              tools/bench_multirank.py (correctness vs the host oracle, table, JSON, PNG), ~40 s
 #   bench8_64a the same with the alternative kernels (Config dispatch_kernel="row",

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 
 from jaxep import _ffi
+from jaxep.launch.env import visible_gpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,3 +30,10 @@ def multirank_reason() -> str | None:
     if shutil.which("nvidia-cuda-mps-control") is None:
         return "nvidia-cuda-mps-control not on PATH (needed by --share-gpu)"
     return None
+
+
+def launch_gpu_flags(nproc: int) -> list[str]:
+    """`jaxep.launch`'s GPU flags for `nproc` ranks here: one GPU per rank where at least `nproc`
+    GPUs are visible (a multi-GPU node: peers over NVLink), else every rank on one GPU under CUDA
+    MPS (`--share-gpu`, the one-GPU machine's emulation)."""
+    return [] if len(visible_gpus(os.environ)) >= nproc else ["--share-gpu"]

@@ -1,4 +1,5 @@
-"""GPU tier, multi-rank: N = 2, 4, 8 ranks on one GPU under CUDA MPS (`jaxep.launch --share-gpu`),
+"""GPU tier, multi-rank: N = 2, 4, 8 ranks, one GPU each where the machine has N GPUs, else on one
+GPU under CUDA MPS (`jaxep.launch --share-gpu`; gpu_env.launch_gpu_flags),
 each rank comparing the CUDA backend bitwise with the NumPy oracle (tests/gpu/multirank_worker.py),
 plus the killed-peer case (the survivors must raise jaxep.TimeoutError within the timeout).
 
@@ -31,8 +32,8 @@ def _launch(nproc: int, *args: str, timeout: float, env_extra=None, worker=WORKE
     env = dict(os.environ, **(env_extra or {}))
     env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
-    cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", str(nproc), "--share-gpu",
-           "--timeout", str(timeout), worker, *args]
+    cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", str(nproc),
+           *gpu_env.launch_gpu_flags(nproc), "--timeout", str(timeout), worker, *args]
     t0 = time.time()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=timeout + 60)

@@ -56,8 +56,8 @@ def test_layer_forward_backward_multirank(nproc):
     if reason:
         pytest.skip(reason)
     timeout = 200
-    cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", str(nproc), "--share-gpu",
-           "--timeout", str(timeout), WORKER, "--backend", "cuda"]
+    cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", str(nproc),
+           *gpu_env.launch_gpu_flags(nproc), "--timeout", str(timeout), WORKER, "--backend", "cuda"]
     t0 = time.time()
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=timeout + 60)
