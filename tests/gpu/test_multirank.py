@@ -63,7 +63,12 @@ _FLAGS = {"default": (), "zero-copy": (), "alternative": _ALT_KERNELS,
           # The fp8 dispatch wire (Config.dispatch_wire_dtype): packed uint8 rows through the
           # same kernels, one node and two.
           "fp8wire": ("--dispatch_wire", "float8_e4m3fn"),
-          "2x4-fp8wire": ("--ranks_per_node", "4", "--dispatch_wire", "float8_e4m3fn")}
+          "2x4-fp8wire": ("--ranks_per_node", "4", "--dispatch_wire", "float8_e4m3fn"),
+          # ... through the row pull (Config.dispatch_kernel="row") and through staged rows
+          # (zero_copy=False): the other two kernels that dequantize (row_format.cuh Fp8Row).
+          "fp8wire-alternative": ("--dispatch_wire", "float8_e4m3fn", *_ALT_KERNELS),
+          "4x2-fp8wire-staged": ("--ranks_per_node", "2", "--dispatch_wire", "float8_e4m3fn",
+                                 "--no-zero_copy")}
 _LOG = {"JAXEP_LOG_LEVEL": "INFO"}  # INFO: "jaxep zero-copy: on|off: <why>" in the output
 
 
@@ -72,7 +77,8 @@ _LOG = {"JAXEP_LOG_LEVEL": "INFO"}  # INFO: "jaxep zero-copy: on|off: <why>" in 
                                            (4, "num_sms"), (8, "2x4"), (8, "2x4-wire"),
                                            (8, "2x4-alternative"), (8, "4x2-staged"), (8, "8x1"),
                                            (16, "2x8-wire"), (4, "fp8wire"),
-                                           (8, "2x4-fp8wire")])
+                                           (8, "2x4-fp8wire"), (4, "fp8wire-alternative"),
+                                           (8, "4x2-fp8wire-staged")])
 def test_multirank_bitwise(nproc, kernels):
     rc, out, secs = _launch(nproc, "--case", "all", *_FLAGS[kernels], timeout=300, env_extra=_LOG)
     calls = re.findall(r"^(?:\[rank \d+\] )?ZERO_COPY_CALLS (\d+) (\d+)$", out, re.M)
@@ -85,7 +91,7 @@ def test_multirank_bitwise(nproc, kernels):
     if kernels == "staged":
         assert re.search(r"^(?:\[rank 0\] )?ZERO_COPY 0 off$", out, re.M), out[-6000:]
         assert len(calls) == nproc and all(int(n) == 0 for _, n in calls), (calls, out[-3000:])
-    if kernels == "alternative":
+    if "alternative" in kernels:
         assert "KNOBS num_sms=None dispatch_kernel=row combine_kernel=thread" in out, out[-3000:]
     if "x" in kernels:  # an internode layout: the layout ran, and the poisoned-table check passed
         layout = kernels.split("-")[0]
