@@ -37,11 +37,12 @@ import jaxep  # noqa: E402
 from jaxep import cuda_backend, reference  # noqa: E402
 from tests import oracle  # noqa: E402
 
-# JAXEP_WORKER_EMULATE=R: one process, R CPU devices, reference backend, checks rank 0 only
-# (debugs this script without a GPU). Otherwise one process per rank, CUDA backend.
+# JAXEP_WORKER_EMULATE=R: one process, R CPU devices, reference backend, checks the shard of rank
+# JAXEP_WORKER_EMULATE_RANK (default 0) against the oracle (this script's cases without a GPU:
+# tests/test_gpu_worker_emulation.py). Otherwise one process per rank, CUDA backend.
 EMULATE = int(os.environ.get("JAXEP_WORKER_EMULATE", "0"))
 R = EMULATE or jax.process_count()
-ME = 0 if EMULATE else jax.process_index()
+ME = int(os.environ.get("JAXEP_WORKER_EMULATE_RANK", "0")) if EMULATE else jax.process_index()
 BACKEND = "reference" if EMULATE else "cuda"
 MESH = Mesh(np.array(jax.devices()[:R]), ("ep",))
 SPEC = NamedSharding(MESH, P("ep"))
