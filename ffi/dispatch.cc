@@ -20,6 +20,7 @@
 
 #include "common.h"
 #include "cuda/dispatch.h"
+#include "cuda/fp8.h"
 #include "cuda/grid.h"
 #include "exchange.h"
 #include "xla/ffi/api/ffi.h"
@@ -105,7 +106,7 @@ ffi::Error Fp8OutOf(ffi::DataType x, int64_t x_width, ffi::DataType rows, int64_
       return ffi::Error::InvalidArgument(StrCat(kDispatchTarget, ": x_rows of the fp8 wire must be ",
                                                 "bf16, f16 or f32, got ", DataTypeName(rows)));
   }
-  if (rows_width % 128 != 0 || x_width != rows_width + rows_width / 32) {
+  if (rows_width % cuda::kFp8Block != 0 || x_width != cuda::Fp8RowBytes(rows_width)) {
     return ffi::Error::InvalidArgument(StrCat(
         kDispatchTarget, ": the fp8 wire needs x [T, H + H/32] uint8 for x_rows [C, H] with ",
         "H % 128 == 0, got x width ", x_width, " and H = ", rows_width));

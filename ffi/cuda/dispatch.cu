@@ -393,7 +393,8 @@ __global__ void __launch_bounds__(kRowThreads)
 // that chose several of this rank's experts is read once instead of once per expert. Rows
 // [kept, C) are zeroed by the same warps afterwards. Same output as DispatchPullKernel.
 constexpr int kMaxTokenTopk = 32;
-constexpr int kTokenBatch = 4;  // 16-byte units loaded per lane before storing them
+// Units loaded per lane before storing them (16 bytes each, or an fp8 unit's codes and scale).
+constexpr int kTokenBatch = 4;
 
 template <typename Row>
 __global__ void __launch_bounds__(kRowThreads)
@@ -450,7 +451,8 @@ __global__ void __launch_bounds__(kRowThreads)
     if (from.pos != nullptr && !AwaitRemoteRow(team, s, row_t, seq, kOpDispatch)) return;
     const char* src = reinterpret_cast<const char*>(from.rows) + row_t * fmt.src_bytes();
     // kTokenBatch loads in flight per lane before the stores (the compiler cannot hoist a load
-    // above stores that might alias it); an fp8 row is dequantized here, once per token.
+    // above stores that might alias it); an fp8 unit is loaded once per token and dequantized at
+    // each of its stores (row_format.cuh Fp8Row).
     for (int64_t u0 = lane; u0 < fmt.units; u0 += kWarpSize * kTokenBatch) {
       typename Row::Value v[kTokenBatch];
 #pragma unroll
