@@ -37,17 +37,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def shares_gpu(a) -> bool:
-    """--share-gpu as given, else whether this machine has fewer visible GPUs than ranks."""
-    if a.share_gpu is not None:
-        return a.share_gpu
-    from jaxep.launch.env import visible_gpus  # pylint: disable=g-import-not-at-top
-    return len(visible_gpus(os.environ)) < a.nproc
-
-
 def bench_command(a, experts: int, base: str) -> list[str]:
     cmd = [sys.executable, "-m", "jaxep.launch", "--nproc", str(a.nproc)]
-    if shares_gpu(a):
+    if a.share_gpu:
         cmd.append("--share-gpu")
     cmd += ["--timeout", str(a.timeout), "-m", "jaxep.bench", f"--backend={a.backend}",
             f"--tokens={a.tokens}", f"--hidden={a.hidden}", f"--topk={a.topk}",
@@ -147,7 +139,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Config.ranks_per_node (e.g. 4: 8 ranks as 2 emulated nodes x 4); 0 = one "
                         "node of --nproc ranks")
     p.add_argument("bench_args", nargs="*", help="more jaxep.bench flags (after --)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.share_gpu is None:  # decided once: every rank on one GPU only where there are fewer GPUs
+        from jaxep.launch.env import ranks_share_gpu  # pylint: disable=g-import-not-at-top
+        a.share_gpu = ranks_share_gpu(a.nproc, os.environ)
+    return a
 
 
 def run_label(a: argparse.Namespace) -> tuple[str, str]:
@@ -162,7 +158,7 @@ def run_label(a: argparse.Namespace) -> tuple[str, str]:
         tag += f"_g{a.ranks_per_node}"
     if a.tokens != 4096:
         tag += f"_t{a.tokens}"
-    if a.backend == "cuda" and not shares_gpu(a):  # one GPU per rank (a multi-GPU node)
+    if a.backend == "cuda" and not a.share_gpu:  # one GPU per rank (a multi-GPU node)
         kernels, tag = kernels + " gpu/rank", tag + "_gpu-per-rank"
     # Extra jaxep.bench flags (e.g. the combine wire dtype) name the files too.
     for extra in a.bench_args:

@@ -179,6 +179,12 @@ def visible_gpus(environ) -> list[str]:
     return sorted(nodes, key=int)
 
 
+def ranks_share_gpu(nproc: int, environ) -> bool:
+    """Whether `nproc` ranks here must share one GPU (`--share-gpu`, CUDA MPS): fewer GPUs are
+    visible than ranks. Otherwise each rank can have its own (the launch's default)."""
+    return len(visible_gpus(environ)) < nproc
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What every child gets: `common` and `per_rank[i]` settings, variables removed (`unset`).

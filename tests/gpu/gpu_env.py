@@ -6,7 +6,7 @@ import shutil
 import subprocess
 
 from jaxep import _ffi
-from jaxep.launch.env import visible_gpus
+from jaxep.launch.env import ranks_share_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,4 +36,4 @@ def launch_gpu_flags(nproc: int) -> list[str]:
     """`jaxep.launch`'s GPU flags for `nproc` ranks here: one GPU per rank where at least `nproc`
     GPUs are visible (a multi-GPU node: peers over NVLink), else every rank on one GPU under CUDA
     MPS (`--share-gpu`, the one-GPU machine's emulation)."""
-    return [] if len(visible_gpus(os.environ)) >= nproc else ["--share-gpu"]
+    return ["--share-gpu"] if ranks_share_gpu(nproc, os.environ) else []
