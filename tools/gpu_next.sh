@@ -109,9 +109,9 @@ step mrn 300 120 "$LOGS/mrn.log" python3 -m pytest -v -rsP -p no:cacheprovider \
   tests/gpu/test_multirank.py -k "x4 or x2 or x1 or x8 or killed"
 # fp8: the fp8 dispatch wire (Config.dispatch_wire_dtype) bitwise on the kernels: 4 ranks, 2 x 4,
 # the row pull, 4 x 2 staged, a peer killed before dispatch (mr runs them too), EP size 1 and the
-# one-pass quantize, ~140 s.
+# one-pass quantize, the quantize on tests/fp8_hard_inputs.py's values, ~150 s.
 step fp8 300 90 "$LOGS/fp8.log" python3 -m pytest -v -rs -p no:cacheprovider \
-  tests/gpu/test_multirank.py tests/gpu/test_cuda_ep1.py -k "fp8wire or fp8_wire or quantize_rows"
+  tests/gpu/test_multirank.py tests/gpu/test_cuda_ep1.py -k "fp8wire or fp8_wire or quantize_rows or quantize_hard"
 # mode="low_latency" on the CUDA backend (4 and 8 ranks, one node and 2 x 4; mr runs it too).
 step ll 400 90 "$LOGS/ll.log" python3 -m pytest -v -rsP -p no:cacheprovider \
   tests/gpu/test_multirank.py -k low_latency

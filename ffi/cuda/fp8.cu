@@ -42,15 +42,16 @@ __global__ void __launch_bounds__(kFp8Threads)
       // the 128 contiguous elements of the row-major [T, H] array at b * 128.
       if (b0 + i < blocks) LoadLane(x + (b0 + i) * kFp8Block + lane * kFp8PerLane, v[i]);
     }
+    // (t, j) of block b0, then stepped: one division per round, not one per block.
+    int64_t t = b0 / blocks_per_row, j = b0 - t * blocks_per_row;
 #pragma unroll
     for (int i = 0; i < kBlocksPerWarp; ++i) {
-      const int64_t b = b0 + i;
-      if (b >= blocks) break;  // uniform across the warp
-      const int64_t t = b / blocks_per_row, j = b - t * blocks_per_row;
+      if (b0 + i >= blocks) break;  // uniform across the warp
       uint32_t word;
       const float scale = QuantizeFp8Lane(v[i], &word);
       reinterpret_cast<uint32_t*>(codes + t * code_stride + j * kFp8Block)[lane] = word;
       if (lane == 0) scales[t * scale_stride + j] = scale;
+      if (++j == blocks_per_row) j = 0, ++t;
     }
   }
 }

@@ -453,3 +453,40 @@ def test_fp8_quantize_rows_is_the_packed_quantize(dtype_name):
   want = jax.jit(lambda a: fp8.pack_wire_rows(*_ffi.fp8_quantize(a)))(xj)
   assert got.shape == (37, 384 + 12) and got.dtype == jnp.uint8
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("family", ["bf16", "f16", "f32", "special_bf16", "special_f16",
+                                    "special_f32"])
+def test_fp8_quantize_hard_values(family):
+  """jaxep_fp8_quantize and jaxep_fp8_quantize_rows on tests/fp8_hard_inputs.py's blocks (every
+  bf16 value under every bf16 amax mantissa at exponents across the f32 range, f16, f32 values
+  next to every e4m3 rounding boundary, signed zeros), 3 blocks per token, against the host
+  quantize (NumPy's IEEE f32 divisions, ml_dtypes' e4m3 rounding; tests/test_fp8_hard_values.py
+  checks it against tests/oracle.py), codes and scales bit for bit. Both of ffi/cuda/fp8.cuh
+  ScaleDivisor's paths run: the per-block reciprocal, and __fdiv_rn for scales below 2^-80."""
+  import os
+  import sys
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  import fp8_hard_inputs  # pylint: disable=g-import-not-at-top
+  from jaxep import fp8  # pylint: disable=g-import-not-at-top
+  from jaxep.bench import check  # pylint: disable=g-import-not-at-top
+  b = fp8_hard_inputs.blocks(family)
+  pad = -len(b) % 3
+  b = np.concatenate([b, np.zeros((pad, 128), b.dtype)])
+  x = b.reshape(-1, 384)  # a token's blocks are consecutive: 3 per token
+  want_c, want_s = check.fp8_quantize(x)
+  codes, scales = jax.jit(_ffi.fp8_quantize)(jnp.asarray(x))
+  codes, scales = np.asarray(codes), np.asarray(scales)
+  bad = np.nonzero((codes != want_c).reshape(-1, 128).any(1)
+                   | (scales.view(np.uint32) != want_s.view(np.uint32)).reshape(-1))[0]
+  if bad.size:
+    i = bad[0]
+    blk, got, wnt = b[i].astype(np.float32), codes.reshape(-1, 128)[i], want_c.reshape(-1, 128)[i]
+    ch = np.nonzero(got != wnt)[0]
+    raise AssertionError(
+        f"{family}: {bad.size} of {len(b)} blocks differ; block {i}: amax {blk[0]!r}, scale "
+        f"{scales.reshape(-1)[i]!r} (want {want_s.reshape(-1)[i]!r}); channels {ch[:4]}: values "
+        f"{blk[ch[:4]]}, codes {got[ch[:4]]} want {wnt[ch[:4]]}")
+  rows = np.asarray(jax.jit(_ffi.fp8_quantize_rows)(jnp.asarray(x)))
+  np.testing.assert_array_equal(rows, np.asarray(fp8.pack_wire_rows(jnp.asarray(want_c),
+                                                                     jnp.asarray(want_s))))
