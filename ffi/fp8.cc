@@ -1,7 +1,10 @@
-// XLA FFI handler `jaxep_fp8_quantize` (CUDA platform, any EP size): the FP8 option of the
-// low-latency dispatch (SPEC section 3), x [T, H] -> codes [T, H] u8 (e4m3fn bytes), scales
-// [T, H/128] f32 (ffi/cuda/fp8.h). A local kernel: the dispatch then moves each token's codes and
-// scales as one row (jaxep/cuda_backend.py). Shapes were checked at trace time.
+// XLA FFI handlers of the FP8 quantization (SPEC section 3; ffi/cuda/fp8.h), local kernels on
+// the CUDA platform at any EP size; shapes were checked at trace time.
+//   `jaxep_fp8_quantize`: x [T, H] -> codes [T, H] u8 (e4m3fn bytes), scales [T, H/128] f32: the
+//     FP8 option of the low-latency dispatch at EP size 1 (jaxep/cuda_backend.py).
+//   `jaxep_fp8_quantize_rows`: the same bits as packed rows [T, H + H/32] u8 (each row's codes,
+//     then its scales' bytes): the source pass of normal mode's fp8 dispatch wire
+//     (Config.dispatch_wire_dtype; jaxep/fp8.py has the row format).
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
