@@ -35,6 +35,7 @@ importing it, `_preload_nvshmem` loads that library from the ``nvidia.nvshmem`` 
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 
 import numpy as np
@@ -206,6 +207,56 @@ def _require(op: str) -> None:
 
 def _fail(op: str, what: str, expected: str, got) -> None:
   raise ValueError(f"jaxep._ffi.{op}: {what} must be {expected}, got {got}")
+
+
+def cubin_runs_on(arch: str, capability: tuple[int, int]) -> bool:
+  """Whether code built for the CMake CUDA architecture `arch` ("90", "100-real", "90a", "100f",
+  "90-virtual") runs on a GPU of compute capability `capability` (major, minor): a cubin runs on
+  the same major and an equal or higher minor ("a" cubins on their own capability only), PTX
+  ("-virtual") is compiled at load time for any capability at or above its own. A spelling it
+  cannot read ("native", "all") counts as running: it decides nothing it cannot know."""
+  m = re.fullmatch(r"(\d+)([af]?)(?:-(real|virtual))?", arch.strip())
+  if not m:
+    return True
+  num, suffix, kind = int(m.group(1)), m.group(2), m.group(3)
+  built = (num // 10, num % 10)
+  if kind == "virtual":
+    return tuple(capability) >= built
+  if suffix == "a":
+    return tuple(capability) == built
+  return capability[0] == built[0] and capability[1] >= built[1]
+
+
+def arch_mismatch(device, archs: str | None = None) -> tuple[str, str] | None:
+  """(what, fix) when no kernel of this build runs on `device` (a jax GPU device, read through its
+  `compute_capability`), else None; also None when that cannot be known (no extension, no
+  capability, no arch list). `archs`: the build's CMAKE_CUDA_ARCHITECTURES, "," or ";" separated
+  (default: build_info()["cuda_archs"]). The build keeps cubins only (the kernels are device-linked
+  for NVSHMEM), so a GPU outside every cubin's range cannot run jaxep's kernels at all."""
+  text = getattr(device, "compute_capability", None)
+  if not text:
+    return None
+  archs = build_info().get("cuda_archs", "") if archs is None else archs
+  if not archs or archs == "unknown":
+    return None
+  try:
+    capability = tuple(int(x) for x in str(text).split(".")[:2])
+  except ValueError:
+    return None
+  if len(capability) != 2:
+    return None
+  built = [a.strip() for a in re.split(r"[,;]", archs) if a.strip()]
+  if any(cubin_runs_on(a, capability) for a in built):
+    return None
+  # The major's first minor ("100" for 10.3): it runs on every minor of that major, and it is
+  # the arch NVSHMEM's device library is built for (its wheels: 75, 80, 89, 90, 100, 120).
+  want = ";".join(built + [f"{capability[0]}0"])
+  kind = getattr(device, "device_kind", "this GPU")
+  return (f"jaxep's CUDA kernels were built for CUDA architectures {archs.replace(',', ';')} and "
+          f"{kind} (compute capability {text}) runs none of them (a kernel built for M.n runs on "
+          f"compute capability M.m with m >= n)",
+          f"rebuild jaxep for it: JAXEP_CUDA=<CUDA major> pip install --no-build-isolation -e . "
+          f"-Ccmake.define.JAXEP_CUDA_ARCHITECTURES=\"{want}\" (docs/build.md)")
 
 
 def multi_rank_built() -> bool:

@@ -129,14 +129,28 @@ def nvidia_smi() -> dict:
             "cuda_driver_version": m.group(1) if m else None}
 
 
+def _arch_mismatch(device):
+    """jaxep._ffi.arch_mismatch(device), or None when the extension cannot tell."""
+    try:
+        from jaxep import _ffi  # pylint: disable=g-import-not-at-top
+        return _ffi.arch_mismatch(device)
+    except Exception:  # pylint: disable=broad-except
+        return None
+
+
 def jax_facts() -> dict:
     try:
         import jax
         devs = jax.devices()
+        gpu = jax.default_backend() == "gpu"
         return {"version": jax.__version__, "default_backend": jax.default_backend(),
                 "device_count": len(devs), "local_device_count": jax.local_device_count(),
                 "process_count": jax.process_count(),
                 "device_kinds": sorted({d.device_kind for d in devs}),
+                "compute_capabilities": sorted({str(getattr(d, "compute_capability", "?"))
+                                                for d in devs}) if gpu else [],
+                # (what, fix) when no kernel of the extension's build runs on the first GPU
+                "arch_mismatch": _arch_mismatch(devs[0]) if gpu else None,
                 "distributed_initialized": jax.distributed.is_initialized(),
                 "private_missing": _jax_private.missing()}
     except Exception as e:  # a broken plugin must not crash the doctor
@@ -407,6 +421,8 @@ def _problems(f) -> list:
         add("error", "nvidia-smi sees GPUs but jax does not use them",
             f"install the jax CUDA plugin matching the driver: pip install 'jax[cuda{drv}]'" if drv
             else "install the jax CUDA plugin matching the driver: pip install 'jax[cuda13]' (or cuda12)")
+    if jx.get("arch_mismatch"):
+        add("error", *jx["arch_mismatch"])
     for name in jx.get("private_missing") or ():
         add("error", f"jax {jx.get('version')} has no {name}, which jaxep's multi-rank runtime uses",
             "install a jax jaxep supports (pyproject.toml), or update jaxep/_jax_private.py")
@@ -505,7 +521,10 @@ def format_report(f: dict) -> str:
         f"{smi.get('cuda_driver_version')}",
         "packages: " + ", ".join(f"{k} {v}" for k, v in f["packages"].items() if v),
         f"jax: backend {jx.get('default_backend')}, {jx.get('device_count')} devices "
-        f"{jx.get('device_kinds')}, {jx.get('process_count')} process(es)" if "error" not in jx
+        f"{jx.get('device_kinds')}"
+        + (f" (compute capability {', '.join(jx['compute_capabilities'])})"
+           if jx.get("compute_capabilities") else "")
+        + f", {jx.get('process_count')} process(es)" if "error" not in jx
         else f"jax: {jx['error']}",
         f"XLA_FLAGS: {f['env'].get('XLA_FLAGS')!r}",
         (f"NVSHMEM: {shm['root']} version {shm['version']} host {shm['host_libs']} device lib "

@@ -208,6 +208,9 @@ def _init_multi_rank(configs) -> None:
         _fail("this build of jaxep._jaxep_cuda has no NVSHMEM (build_info()['multi_rank'] is "
               "False), so EP size > 1 cannot run on the CUDA backend; rebuild with JAXEP_CUDA=<CUDA "
               "major> and the cu13/cu12 extra (docs/build.md), or pass backend='reference'")
+    arch = _ffi.arch_mismatch(local[0])
+    if arch:
+        _fail(f"{arch[0]}; {arch[1]}")
     max_ranks = _ffi.constant("max_ranks")
     if nproc > max_ranks:
         _fail(f"at most {max_ranks} ranks (all nodes together) are supported by this build, got "
@@ -511,18 +514,30 @@ def check_axis_name(op: str, axis_name) -> None:
                          f"expected {_state.axis_name!r}, got {axis_name!r}")
 
 
+_warned: set = set()
+
+
+def _warn_once(text: str) -> None:
+    if text not in _warned:
+        _warned.add(text)
+        log.warning(text)
+
+
 def select_backend(op: str, requested: str | None, ep_size: int) -> str:
     """'cuda' when the extension is built, the default device is a GPU and either the EP size is 1
     or the multi-rank runtime (jaxep.initialize in a multi-process run) has that EP size."""
     if requested is not None and requested not in _BACKENDS:
         raise ValueError(f"jaxep.{op}: backend must be one of {_BACKENDS} or None, got {requested!r}")
     cuda_ok = _ffi.is_available() and jax.default_backend() == "gpu"
+    arch = _ffi.arch_mismatch(jax.local_devices()[0]) if cuda_ok else None
     multi_ok = ep_size > 1 and multi_rank_size() == ep_size
     if requested == "cuda":
         if not cuda_ok:
             raise ValueError(f"jaxep.{op}: backend='cuda' needs the CUDA extension and a GPU: "
                              f"extension {'built' if _ffi.is_available() else _ffi.unavailable_reason()}, "
                              f"default jax backend {jax.default_backend()!r}")
+        if arch:
+            raise ValueError(f"jaxep.{op}: backend='cuda': {arch[0]}; {arch[1]}")
         if ep_size != 1 and not multi_ok:
             raise ValueError(
                 f"jaxep.{op}: backend='cuda' with EP size {ep_size} needs the multi-rank NVSHMEM "
@@ -532,5 +547,8 @@ def select_backend(op: str, requested: str | None, ep_size: int) -> str:
                 + ("" if _ffi.multi_rank_built() else "; this build has no NVSHMEM"))
         return "cuda"
     if requested == "reference":
+        return "reference"
+    if arch:
+        _warn_once(f"jaxep runs its ops on the reference backend here: {arch[0]}; {arch[1]}")
         return "reference"
     return "cuda" if cuda_ok and (ep_size == 1 or multi_ok) else "reference"

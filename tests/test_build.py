@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import types
 
 import pytest
 
@@ -164,6 +165,13 @@ def test_extension_builds_and_matches_jaxep(built, major, nvshmem_root):
     assert info["nvshmem"] == _header_version(nvshmem_root)
     assert info["nvshmem_wheel"] == f"nvidia-nvshmem-cu{major}"
     assert not [v for v in info.values() if isinstance(v, str) and "/" in v], info
+    # The default arch list (two archs: its ";" once broke the build) as the runtime check reads
+    # it: H200 (9.0) and B300 (10.3, the 10.0 cubin) run, A100 (8.0) does not.
+    assert info["cuda_archs"] == "90,100", info
+    gpu = lambda cc: types.SimpleNamespace(compute_capability=cc, device_kind="GPU")  # noqa: E731
+    assert _ffi.arch_mismatch(gpu("9.0"), info["cuda_archs"]) is None
+    assert _ffi.arch_mismatch(gpu("10.3"), info["cuda_archs"]) is None
+    assert "ARCHITECTURES=\"90;100;80\"" in _ffi.arch_mismatch(gpu("8.0"), info["cuda_archs"])[1]
     from jaxep import doctor  # pylint: disable=g-import-not-at-top
     assert "libnvshmem_host.so.3" in (doctor.elf_needed(built) or [])
 

@@ -156,6 +156,15 @@ def test_symmetric_block_larger_than_the_heap_names_the_setting(fake, monkeypatc
     assert "NVSHMEM_SYMMETRIC_SIZE=" in msg and "capacity_factor" in msg
 
 
+def test_a_gpu_no_kernel_of_the_build_runs_on_is_refused(fake, monkeypatch):
+    """Before anything collective: the build's archs, the GPU and the rebuild option."""
+    fake.local = [types.SimpleNamespace(id=0, process_index=0, local_hardware_id=0,
+                                        device_kind="NVIDIA B300", compute_capability="10.3")]
+    monkeypatch.setattr(_ffi, "build_info", lambda: {"cuda_archs": "90"})
+    msg = _refusal("NVIDIA B300 \\(compute capability 10.3\\) runs none of them")
+    assert 'JAXEP_CUDA_ARCHITECTURES="90;100"' in msg, msg
+
+
 def test_processes_not_ordered_by_device_are_refused(fake, monkeypatch):
     monkeypatch.setattr(runtime.jax, "devices", lambda: [_device(1), _device(0)])
     _refusal(r"ordered by process .* got process indices \[1, 0\]")
