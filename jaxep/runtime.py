@@ -303,11 +303,13 @@ def _init_multi_rank(configs) -> None:
     _state.reported = False
     _start_watchdog()
     missing = {k: v for k, v in rec.items() if os.environ.get(k) is None}
-    log.info("jaxep NVSHMEM %s: PE %d of %d on GPU %d (%s), %d of %d processes per GPU; symmetric "
-             "block %.1f MiB (heap %.1f MiB), capacity C=%d, timeout %.1f s; peers by nvshmem_ptr "
-             "(load/store); free GPU memory before init %.2f GiB", ext.nvshmem_version(), pe, nproc,
-             ordinal, device.device_kind, nproc if _shares_gpu() else 1, nproc, sym / 2**20,
-             heap / 2**20, cap, config.timeout_s, free / 2**30)
+    log.info("jaxep NVSHMEM %s: PE %d of %d on GPU %d (%s, compute capability %s; kernels built "
+             "for %s), %d of %d processes per GPU; symmetric block %.1f MiB (heap %.1f MiB), "
+             "capacity C=%d, timeout %.1f s; peers by nvshmem_ptr (load/store); free GPU memory "
+             "before init %.2f GiB", ext.nvshmem_version(), pe, nproc, ordinal, device.device_kind,
+             getattr(device, "compute_capability", "?"), _ffi.build_info().get("cuda_archs", "?"),
+             nproc if _shares_gpu() else 1, nproc, sym / 2**20, heap / 2**20, cap,
+             config.timeout_s, free / 2**30)
     nodes = nproc // node
     log.info("jaxep node layout: %d node(s) x %d ranks (%s; rank = node * %d + local index), "
              "this rank: node %d, local %d; hosts: %s; peers of other nodes by NVSHMEM puts only",

@@ -54,6 +54,9 @@ class FakeExt:
     def nvshmem_version(self):
         return "fake"
 
+    def build_info(self):
+        return {"cuda_archs": "90,100", "multi_rank": True}
+
     def runtime_finalize(self, collective):
         self.finalized = getattr(self, "finalized", []) + [collective]
 
@@ -204,6 +207,18 @@ def test_all_checks_pass_then_nvshmem_is_initialized(fake, monkeypatch):
     assert _uids(client) == [b"uid"]
     gen = runtime._state.generation - 1  # pylint: disable=protected-access
     assert client.kv[f"jaxep/config/{gen}/0"] == CFG.canonical()
+
+
+def test_the_init_log_names_the_gpu_capability_and_the_archs_built(fake, monkeypatch, caplog):
+    """JAXEP_LOG_LEVEL=INFO: the line that reports NVSHMEM's start says which GPU this rank has,
+    its compute capability and the archs of the kernels (what a rebuild question needs)."""
+    _client(monkeypatch)
+    fake.local = [types.SimpleNamespace(id=0, process_index=0, local_hardware_id=0,
+                                        device_kind="NVIDIA H200", compute_capability="9.0")]
+    with caplog.at_level("INFO", logger="jaxep"):
+        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    assert any("on GPU 0 (NVIDIA H200, compute capability 9.0; kernels built for 90,100)"
+               in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.parametrize("me", [0, 1])
