@@ -256,7 +256,9 @@ def arch_mismatch(device, archs: str | None = None) -> tuple[str, str] | None:
           f"{kind} (compute capability {text}) runs none of them (a kernel built for M.n runs on "
           f"compute capability M.m with m >= n)",
           f"rebuild jaxep for it: JAXEP_CUDA=<CUDA major> pip install --no-build-isolation -e . "
-          f"-Ccmake.define.JAXEP_CUDA_ARCHITECTURES=\"{want}\" (docs/build.md)")
+          f"-Ccmake.define.JAXEP_CUDA_ARCHITECTURES=\"{want}\""
+          + (" with nvcc >= 12.8 (the first to build for Blackwell)" if capability[0] >= 10 else "")
+          + " (docs/build.md)")
 
 
 def multi_rank_built() -> bool:

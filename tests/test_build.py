@@ -218,3 +218,24 @@ def test_an_nvshmem_wheel_of_another_cuda_major_is_refused(work, major, nvshmem_
     out = " ".join((p.stdout + p.stderr).split())
     assert f"nvidia-nvshmem-cu{other}==3.8.0 is NVSHMEM for CUDA {other}" in out, out
     assert f"pip install nvidia-nvshmem-cu{major}" in out, out
+
+
+def test_an_nvcc_before_12_8_configures_the_default_without_sm_100(work, major, nvshmem_root):
+    """sm_100 needs nvcc >= 12.8. With an older one the default arch list ("90;100") drops it and
+    CMake says so, instead of the build failing on H100 machines with CUDA 12.4. The stand-in
+    nvcc answers `--version` as 12.4 and hands every other call to the real one."""
+    fake = os.path.join(work, "old_nvcc", "nvcc")
+    os.makedirs(os.path.dirname(fake), exist_ok=True)
+    with open(fake, "w") as f:
+        f.write('#!/bin/sh\nif [ "$1" = "--version" ] && [ $# -eq 1 ]; then\n'
+                '  echo "Cuda compilation tools, release 12.4, V12.4.131"; exit 0\nfi\n'
+                f'exec "{NVCC}" "$@"\n')
+    os.chmod(fake, 0o755)
+    p = _configure(os.path.join(work, "build_old_nvcc"), major, nvshmem_root,
+                   f"-DCMAKE_CUDA_COMPILER={fake}")
+    assert p.returncode == 0, _tail(p)
+    assert "nvcc 12.4 predates sm_100 (CUDA 12.8)" in p.stdout, p.stdout
+    assert re.search(r"jaxep: CUDA \S+ \(\S+\), archs 90\n", p.stdout), p.stdout
+    # The real nvcc keeps the default list.
+    p = _configure(os.path.join(work, "build_default_archs"), major, nvshmem_root)
+    assert p.returncode == 0 and "archs 90;100\n" in p.stdout, _tail(p)
