@@ -56,10 +56,21 @@ __global__ void __launch_bounds__(kFp8Threads)
   }
 }
 
-unsigned Fp8Grid(int64_t blocks) {
-  const int64_t warps = kFp8Threads / kLanes;
-  const int64_t per_block = warps * kBlocksPerWarp;
-  return static_cast<unsigned>(std::min<int64_t>((blocks + per_block - 1) / per_block, 4096));
+// Both launchers: x [T, H] quantized, token t's codes at codes + t * code_stride, its scales at
+// scales + t * scale_stride (the strides of Fp8QuantizeKernel).
+template <typename T>
+cudaError_t LaunchQuantize(const T* x, int64_t tokens, int64_t hidden, uint8_t* codes,
+                           int64_t code_stride, float* scales, int64_t scale_stride,
+                           cudaStream_t stream) {
+  if (tokens <= 0 || hidden <= 0) return cudaSuccess;
+  if (hidden % kFp8Block) return cudaErrorInvalidValue;  // jaxep.Config refuses it
+  const int64_t per_row = hidden / kFp8Block, blocks = tokens * per_row;
+  const int64_t per_block = kFp8Threads / kLanes * kBlocksPerWarp;
+  const unsigned grid =
+      static_cast<unsigned>(std::min<int64_t>((blocks + per_block - 1) / per_block, 4096));
+  Fp8QuantizeKernel<T><<<grid, kFp8Threads, 0, stream>>>(x, blocks, per_row, codes, code_stride,
+                                                         scales, scale_stride);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -67,25 +78,15 @@ unsigned Fp8Grid(int64_t blocks) {
 template <typename T>
 cudaError_t LaunchFp8Quantize(const T* x, int64_t tokens, int64_t hidden, uint8_t* codes,
                               float* scales, cudaStream_t stream) {
-  if (tokens <= 0 || hidden <= 0) return cudaSuccess;
-  if (hidden % kFp8Block) return cudaErrorInvalidValue;  // jaxep.Config refuses it
-  const int64_t per_row = hidden / kFp8Block, blocks = tokens * per_row;
-  Fp8QuantizeKernel<T><<<Fp8Grid(blocks), kFp8Threads, 0, stream>>>(x, blocks, per_row, codes,
-                                                                     hidden, scales, per_row);
-  return cudaGetLastError();
+  return LaunchQuantize(x, tokens, hidden, codes, hidden, scales, hidden / kFp8Block, stream);
 }
 
 template <typename T>
 cudaError_t LaunchFp8QuantizeRows(const T* x, int64_t tokens, int64_t hidden, uint8_t* rows,
                                   cudaStream_t stream) {
-  if (tokens <= 0 || hidden <= 0) return cudaSuccess;
-  if (hidden % kFp8Block) return cudaErrorInvalidValue;  // jaxep.Config refuses it
-  const int64_t per_row = hidden / kFp8Block, blocks = tokens * per_row;
   const int64_t row = Fp8RowBytes(hidden);  // a multiple of 4: the scales are aligned floats
-  Fp8QuantizeKernel<T><<<Fp8Grid(blocks), kFp8Threads, 0, stream>>>(
-      x, blocks, per_row, rows, row, reinterpret_cast<float*>(rows + hidden),
-      row / static_cast<int64_t>(sizeof(float)));
-  return cudaGetLastError();
+  return LaunchQuantize(x, tokens, hidden, rows, row, reinterpret_cast<float*>(rows + hidden),
+                        row / static_cast<int64_t>(sizeof(float)), stream);
 }
 
 template cudaError_t LaunchFp8Quantize<float>(const float*, int64_t, int64_t, uint8_t*, float*,
