@@ -279,6 +279,13 @@ def _init_multi_rank(configs) -> None:
               f"JAX preallocates its pool (XLA_PYTHON_CLIENT_PREALLOCATE={pre}, "
               f"XLA_PYTHON_CLIENT_MEM_FRACTION={frac}): set XLA_PYTHON_CLIENT_MEM_FRACTION lower "
               "(e.g. 0.75/ranks per GPU) or XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts")
+    # Several hosts: what would stop or slow NVSHMEM's network transports, logged before its init
+    # (which may end the process) by one rank per node, and added to an init failure's message.
+    network = ([f for f in topology.summary(nodes=len(set(hosts)))["findings"]
+                if f["level"] in ("warn", "error")] if len(set(hosts)) > 1 else [])
+    if pe % node == 0:
+        for f in network:
+            log.warning("jaxep network: %s; fix: %s", f["what"], f["hint"])
     zero_copy.prepare_env(config.zero_copy)  # before NVSHMEM reads its environment (uid, init)
     key = f"jaxep/nvshmem_uid/{_state.generation}"
     if pe == 0:
@@ -286,9 +293,17 @@ def _init_multi_rank(configs) -> None:
         client.key_value_set_bytes(key, uid)
     else:
         uid = client.blocking_key_value_get_bytes(key, wait_ms)
-    ext.runtime_init(ordinal, pe, nproc, node, bytes(uid), sizes["max_tokens"], sizes["topk"],
-                     sizes["experts"], cap, row_bytes, sizes["return_row_bytes"],
-                     float(config.timeout_s), ll_sizes["ll_experts"], ll_sizes["ll_cap"])
+    try:
+        ext.runtime_init(ordinal, pe, nproc, node, bytes(uid), sizes["max_tokens"], sizes["topk"],
+                         sizes["experts"], cap, row_bytes, sizes["return_row_bytes"],
+                         float(config.timeout_s), ll_sizes["ll_experts"], ll_sizes["ll_cap"])
+    except RuntimeError as e:
+        if not network:
+            raise
+        raise RuntimeError(
+            f"jaxep.initialize: {e}. On {len(set(hosts))} hosts, what this machine shows for "
+            "NVSHMEM's network (python -m jaxep.doctor --nodes N prints it all): "
+            + "; ".join(f"[{f['level']}] {f['what']} -> {f['hint']}" for f in network)) from e
     _state.machine_ranks_per_node = node
     # Zero-copy (docs/zero_copy.md, B1; Config.zero_copy=False turns it off): every rank takes
     # part in the decision, which is the same everywhere.
@@ -318,10 +333,6 @@ def _init_multi_rank(configs) -> None:
     if log.isEnabledFor(logging.INFO):
         for line in topology.gpu_report(ordinal):
             log.info("jaxep network: %s", line)
-    if len(set(hosts)) > 1 and pe % node == 0:  # real network traffic: warn once per node
-        for f in topology.summary(nodes=len(set(hosts)))["findings"]:
-            if f["level"] in ("warn", "error"):
-                log.warning("jaxep network: %s; fix: %s", f["what"], f["hint"])
     log.info("jaxep recommends (not set by jaxep): %s%s",
              " ".join(f"{k}={v}" for k, v in rec.items()),
              f"; unset here: {', '.join(missing)}" if missing else "")

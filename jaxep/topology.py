@@ -7,6 +7,8 @@ here writes os.environ: the settings jaxep recommends are printed in hints.
   parse_topo(text)         `nvidia-smi topo -m` -> Topo: for each GPU, each NIC's path class
   read_nics(root)          /sys/class/infiniband (+ bonds in /sys/class/net) -> {name: Nic}
   read_settings(environ)   the NVSHMEM variables below -> Settings
+  read_driver(root)        GPUDirect RDMA (dma-buf or a peer-memory module), the IBGDA doorbell's
+                           driver setting, GDRCopy -> Driver
   assign(topo, nics, s)    the NIC NVSHMEM would give each local GPU -> {gpu: Choice}
   nic_for_gpu(gpu, ...)    one GPU's Choice
   findings(...)            what is wrong or slow, each with the NVSHMEM setting that fixes it
@@ -20,14 +22,27 @@ NVSHMEM's rules modelled here (its env_defs.h and transport.cpp, 3.x):
   NICs NVSHMEM_HCA_LIST leaves round-robin (HCA_LIST wins when both are set), else all NICs
   round-robin. Ports that are not ACTIVE are skipped.
 - A boolean is true when set and not starting with 0, N, n, F or f (the OpenSHMEM rule).
+- GPUDirect RDMA (its transport_ib_common.cpp, ibrc.cpp, ibgda.cpp): the InfiniBand/RoCE transports
+  register GPU memory with the NIC through dma-buf where CUDA reports
+  CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED and NVSHMEM_IB_DISABLE_DMABUF is unset, else through a
+  peer-memory kernel module found at one of PEER_MEMORY_FILES. With neither, each skips itself
+  ("neither nv_peer_mem, or nvidia_peermem detected") and init stops at "Peer GPU N is not
+  accessible ... building transport map failed": the classic first multi-node failure.
+- The IBGDA doorbell (ibgda.cpp): the GPU rings the NIC only where cudaHostRegister maps the NIC's
+  doorbell page as I/O memory, which on x86 takes the nvidia module's PeerMappingOverride=1
+  registry key (RegistryDwords in /proc/driver/nvidia/params). Without it NVSHMEM_IBGDA_NIC_HANDLER
+  auto or gpu falls back to a CPU that rings it (through GDRCopy where loaded, else host memory):
+  CPU-assisted IBGDA (3.4+), announced only by a terse "cudaHostRegister with IoMemory failed" WARN.
 Assumed: one PE per GPU, local PE i on GPU i. Not read: NVSHMEM's config files (/etc/nvshmem.conf,
 ~/.nvshmem.conf, NVSHMEM_CONF_FILE), which newer releases let override the environment.
 """
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -49,7 +64,15 @@ VARIABLES = {
     "NVSHMEM_REMOTE_TRANSPORT": "proxy transport to other nodes: ibrc, ucx, libfabric, ibdevx, "
                                 "gpunetio, none [ibrc]",
     "NVSHMEM_DISABLE_GDRCOPY": "no GDRCopy in the IBRC transport [false]",
+    "NVSHMEM_IB_DISABLE_DMABUF": "register GPU memory with the NIC through a peer-memory module, "
+                                 "not dma-buf [false]",
 }
+# Where NVSHMEM looks for a peer-memory module (GPUDirect RDMA without dma-buf), and its name.
+PEER_MEMORY_FILES = (("sys/kernel/mm/memory_peers/nv_mem/version", "nv_peer_mem"),
+                     ("sys/kernel/mm/memory_peers/nvidia-peermem/version", "nvidia-peermem"),
+                     ("sys/module/nvidia_peermem/version", "nvidia_peermem"))
+_IB_TRANSPORTS = ("ibrc", "ibdevx")  # the proxy transports that need GPUDirect RDMA (as IBGDA does)
+_CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124  # cuda.h
 
 CLASSES = ("PIX", "PXB", "PHB", "NODE", "SYS")  # GPU-NIC path classes, closest first
 _FAR = {  # the classes whose RDMA path leaves the GPU's PCIe switch tree, and where it goes
@@ -243,6 +266,58 @@ def gdrcopy(root: str = "/") -> bool:
     return os.path.exists(os.path.join(root, "dev", "gdrdrv"))
 
 
+def dma_buf_supported(ordinal: int = 0) -> bool | None:
+    """CUDA's CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED for CUDA device `ordinal` (the open GPU kernel
+    modules on Linux >= 5.12 give it), asked of libcuda as NVSHMEM asks; None where there is no
+    CUDA driver, or it fails."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        device, value = ctypes.c_int(), ctypes.c_int()
+        if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), ordinal)
+                or cuda.cuDeviceGetAttribute(ctypes.byref(value),
+                                             _CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, device)):
+            return None
+    except (OSError, AttributeError):
+        return None
+    return value.value == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Driver:
+    """What the machine's drivers give internode RDMA:
+    peer_memory: the peer-memory module NVSHMEM finds (PEER_MEMORY_FILES), None when none is loaded;
+    dma_buf: CUDA's dma-buf support for the GPU, None when unknown (no CUDA driver asked);
+    peer_mapping_override: the nvidia module's RegistryDwords hold PeerMappingOverride=1, None
+      when /proc/driver/nvidia/params cannot be read;
+    gdrcopy: GDRCopy's module is loaded (/dev/gdrdrv); machine: platform.machine()."""
+    peer_memory: str | None
+    dma_buf: bool | None
+    peer_mapping_override: bool | None
+    gdrcopy: bool
+    machine: str
+
+    @property
+    def x86(self) -> bool:
+        return self.machine.lower() in ("x86_64", "amd64")
+
+
+def read_driver(root: str = "/", dma_buf: bool | None = None, machine: str | None = None,
+                ordinal: int = 0) -> Driver:
+    """The Driver facts under root (/sys, /proc, /dev). dma_buf None: ask the CUDA driver about
+    device `ordinal` when root is "/" (this machine), else leave it unknown; machine None: this
+    machine's."""
+    peer = next((name for path, name in PEER_MEMORY_FILES
+                 if os.path.exists(os.path.join(root, path))), None)
+    params = _read(os.path.join(root, "proc", "driver", "nvidia", "params"))
+    override = None if params is None else any(
+        re.search(r"PeerMappingOverride\s*=\s*1\b", line) for line in params.splitlines()
+        if line.startswith("RegistryDwords"))
+    if dma_buf is None and os.path.abspath(root) == "/":
+        dma_buf = dma_buf_supported(ordinal)
+    return Driver(peer, dma_buf, override, gdrcopy(root),
+                  platform.machine() if machine is None else machine)
+
+
 # --- NVSHMEM settings ----------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +332,7 @@ class Settings:
     hca_pe_mapping: tuple[tuple[str, int | None], ...]
     remote_transport: str
     disable_gdrcopy: bool
+    disable_dmabuf: bool
     traffic_class: str | None
     gid_index: str | None
     nccl_traffic_class: str | None  # NCCL_IB_TC, to compare
@@ -297,6 +373,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
                              for _ in range(c)),
         remote_transport=(env.get("NVSHMEM_REMOTE_TRANSPORT") or "ibrc").strip().lower(),
         disable_gdrcopy=_bool(env.get("NVSHMEM_DISABLE_GDRCOPY")),
+        disable_dmabuf=_bool(env.get("NVSHMEM_IB_DISABLE_DMABUF")),
         traffic_class=env.get("NVSHMEM_IB_TRAFFIC_CLASS"),
         gid_index=env.get("NVSHMEM_IB_GID_INDEX"),
         nccl_traffic_class=env.get("NCCL_IB_TC"),
@@ -490,6 +567,45 @@ def _transport(s: Settings, gdr: bool, nodes: int | None) -> list[Finding]:
     return out
 
 
+def _gpudirect(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
+    """GPUDirect RDMA for NVSHMEM's InfiniBand/RoCE transports, and where the IBGDA doorbell is
+    rung (the module docstring has NVSHMEM's rules)."""
+    if not (s.ibgda or s.remote_transport in _IB_TRANSPORTS):
+        return []  # ucx, libfabric, none: other rules, not modelled here
+    out = []
+    dma_buf = drv.dma_buf and not s.disable_dmabuf
+    if not dma_buf and drv.peer_memory is None:
+        modules = "no peer-memory module is loaded (NVSHMEM looks for nvidia_peermem, nv_peer_mem)"
+        fix = ("load the NVIDIA driver's peer-memory module on every node: sudo modprobe "
+               "nvidia-peermem (it needs the RDMA stack's peer-memory support: MLNX_OFED / DOCA-OFED"
+               " or rdma-core); or use the open GPU kernel modules on Linux >= 5.12, which give "
+               "dma-buf")
+        if drv.dma_buf is None and not s.disable_dmabuf:
+            out.append(Finding(
+                "warn", f"GPUDirect RDMA unknown: {modules}, and no CUDA driver here said whether "
+                "the GPU supports dma-buf", "run the doctor on a GPU node to know; without dma-buf, "
+                + fix))
+        else:
+            why = ("NVSHMEM_IB_DISABLE_DMABUF is set" if drv.dma_buf and s.disable_dmabuf
+                   else "CUDA reports no dma-buf support for the GPU")
+            out.append(Finding(
+                "error" if nodes and nodes > 1 else "warn",
+                f"no GPUDirect RDMA: {why} and {modules}: NVSHMEM's InfiniBand/RoCE transports "
+                "skip themselves and its init stops with \"Peer GPU N is not accessible\"",
+                fix + ("; or unset NVSHMEM_IB_DISABLE_DMABUF" if drv.dma_buf else "")))
+    if (s.ibgda and s.nic_handler in ("auto", "gpu") and drv.x86
+            and drv.peer_mapping_override is False):
+        via = "GDRCopy" if drv.gdrcopy and not s.disable_gdrcopy else "host memory"
+        out.append(Finding(
+            "warn", "IBGDA's NIC doorbell falls back to a CPU: without the nvidia module's "
+            "PeerMappingOverride=1 (x86) NVSHMEM cannot map the doorbell into the GPU, so a CPU "
+            f"rings it for every GPU-issued put (CPU-assisted IBGDA, through {via})",
+            "an administrator adds options nvidia NVreg_RegistryDwords=\"PeerMappingOverride=1;\" "
+            "under /etc/modprobe.d and reloads the nvidia module; NVSHMEM_DEBUG=INFO prints the "
+            "doorbell handler NVSHMEM chose"))
+    return out
+
+
 def _roce(choices, nics, s: Settings) -> list[Finding]:
     ports = {c.nic: nics[c.nic].port for c in choices.values() if c.nic in nics}
     roce = sorted(n for n, p in ports.items() if p and p.link_layer == "Ethernet")
@@ -537,7 +653,7 @@ def _hca_settings(s: Settings, names) -> list[Finding]:
     return out
 
 
-def findings(topo: Topo | None, nics: Mapping[str, Nic], s: Settings, gdr: bool,
+def findings(topo: Topo | None, nics: Mapping[str, Nic], s: Settings, drv: Driver,
              nodes: int | None = None) -> list[Finding]:
     """What is wrong or slow for internode traffic, each with the NVSHMEM setting that fixes it.
 
@@ -552,20 +668,38 @@ def findings(topo: Topo | None, nics: Mapping[str, Nic], s: Settings, gdr: bool,
     out = _hca_settings(s, names)
     if topo is not None:
         out += _shared(choices, topo, names, nics) + _far(choices, topo, names, nics)
-    return out + _half_rate_bonds(used) + _transport(s, gdr, nodes) + _roce(choices, nics, s)
+    return (out + _half_rate_bonds(used) + _transport(s, drv.gdrcopy, nodes)
+            + _gpudirect(s, drv, nodes) + _roce(choices, nics, s))
 
 
 # --- reports -------------------------------------------------------------------------------------
 
-def _transport_line(s: Settings, gdr: bool) -> str:
+def _doorbell(s: Settings, drv: Driver) -> str:
+    """Who rings the NIC doorbell under IBGDA (the module docstring has NVSHMEM's rule)."""
+    if s.nic_handler not in ("auto", "gpu"):
+        return f"{s.nic_handler}: a CPU proxy"
+    if drv.x86 and drv.peer_mapping_override is not None:
+        return "the GPU" if drv.peer_mapping_override else "a CPU, no PeerMappingOverride=1"
+    return {"auto": "auto = the GPU, the CPU where it cannot", "gpu": "the GPU"}[s.nic_handler]
+
+
+def _gpudirect_text(s: Settings, drv: Driver) -> str:
+    """How GPU memory is registered with the NIC: dma-buf, a peer-memory module, none, unknown."""
+    if drv.dma_buf and not s.disable_dmabuf:
+        return "dma-buf"
+    if drv.peer_memory:
+        return drv.peer_memory
+    return "unknown" if drv.dma_buf is None and not s.disable_dmabuf else "none"
+
+
+def _transport_line(s: Settings, drv: Driver) -> str:
     if s.ibgda:
-        doorbell = {"auto": "auto = the GPU, the CPU where it cannot", "gpu": "the GPU"}.get(
-            s.nic_handler, f"{s.nic_handler}: a CPU proxy")
-        mode = f"IBGDA (NIC doorbell: {doorbell})"
+        mode = f"IBGDA (NIC doorbell: {_doorbell(s, drv)})"
     else:
         mode = f"CPU proxy ({s.remote_transport}; IBGDA off)"
-    gdr_text = "no (NVSHMEM_DISABLE_GDRCOPY)" if s.disable_gdrcopy else ("yes" if gdr else "no")
-    line = f"NVSHMEM {mode}; GDRCopy {gdr_text}"
+    gdr_text = ("no (NVSHMEM_DISABLE_GDRCOPY)" if s.disable_gdrcopy
+                else "yes" if drv.gdrcopy else "no")
+    line = f"NVSHMEM {mode}; GPUDirect RDMA {_gpudirect_text(s, drv)}; GDRCopy {gdr_text}"
     if s.traffic_class is not None:
         line += f"; RoCE traffic class {s.traffic_class}"
     if s.gid_index is not None:
@@ -592,9 +726,10 @@ def _nic_line(gpu: int, topo: Topo | None, nics, s: Settings) -> str:
     return text + f"; NUMA node: GPU {gpu_numa or 'unknown'}, NIC {nic_numa}"
 
 
-def _gather(environ, root, topo_text):
+def _gather(environ, root, topo_text, driver, ordinal=0):
     text = read_topo_text() if topo_text is None else topo_text
-    return parse_topo(text), read_nics(root), read_settings(environ), gdrcopy(root)
+    drv = read_driver(root, ordinal=ordinal) if driver is None else driver
+    return parse_topo(text), read_nics(root), read_settings(environ), drv
 
 
 def _physical(local_gpu: int, environ: Mapping[str, str]) -> int:
@@ -607,43 +742,48 @@ def _physical(local_gpu: int, environ: Mapping[str, str]) -> int:
 
 
 def gpu_report(local_gpu: int, environ: Mapping[str, str] | None = None, root: str = "/",
-               topo_text: str | None = None) -> list[str]:
+               topo_text: str | None = None, driver: Driver | None = None) -> list[str]:
     """Lines for `jaxep.initialize` to log at INFO for this process's GPU: the NIC NVSHMEM would
-    use, its rate and link layer, its PCIe/NUMA distance to the GPU, IBGDA or CPU proxy, GDRCopy,
-    and the RoCE traffic class / GID index when set. Never raises for a missing nvidia-smi or
-    sysfs: the line says what is unknown.
+    use, its rate and link layer, its PCIe/NUMA distance to the GPU, IBGDA (and who rings the
+    NIC's doorbell) or CPU proxy, how GPU memory reaches the NIC (GPUDirect RDMA: dma-buf, a
+    peer-memory module, none), GDRCopy, and the RoCE traffic class / GID index when set. Never
+    raises for a missing nvidia-smi, CUDA driver or sysfs: the line says what is unknown.
 
     local_gpu: the CUDA device ordinal (mapped through CUDA_VISIBLE_DEVICES when it lists
-    indices); environ: default os.environ (only read); root: where /sys and /dev are (tests pass
-    a fixture tree); topo_text: `nvidia-smi topo -m` output, default: run it (5 s timeout).
+    indices); environ: default os.environ (only read); root: where /sys, /proc and /dev are
+    (tests pass a fixture tree); topo_text: `nvidia-smi topo -m` output, default: run it (5 s
+    timeout); driver: default read_driver(root) for this GPU.
 
     The seed (two nodes of 8 B300, one CX-8 per GPU), IBGDA on, GPU 3:
       GPU 3: NIC mlx5_3 port 1, 800 Gb/s RoCE, PXB from the GPU (closest); NUMA node: GPU 0, NIC 0
-      GPU 3: NVSHMEM IBGDA (NIC doorbell: the GPU); GDRCopy yes; RoCE traffic class 106
+      GPU 3: NVSHMEM IBGDA (NIC doorbell: the GPU); GPUDirect RDMA dma-buf; GDRCopy yes; RoCE
+      traffic class 106
     """
     env = os.environ if environ is None else environ
-    topo, nics, s, gdr = _gather(env, root, topo_text)
+    topo, nics, s, drv = _gather(env, root, topo_text, driver, ordinal=local_gpu)
     gpu = _physical(local_gpu, env)
-    return [_nic_line(gpu, topo, nics, s), f"GPU {gpu}: {_transport_line(s, gdr)}"]
+    return [_nic_line(gpu, topo, nics, s), f"GPU {gpu}: {_transport_line(s, drv)}"]
 
 
 def summary(environ: Mapping[str, str] | None = None, root: str = "/",
-            topo_text: str | None = None, nodes: int | None = None) -> dict:
-    """Everything above as a JSON-able dict: the NVSHMEM variables as set, the NICs, each GPU's
-    NIC, the report lines and the findings ({level, what, hint}, as the doctor's problems)."""
+            topo_text: str | None = None, nodes: int | None = None,
+            driver: Driver | None = None) -> dict:
+    """Everything above as a JSON-able dict: the NVSHMEM variables as set, the drivers' facts,
+    the NICs, each GPU's NIC, the report lines and the findings ({level, what, hint}, as the
+    doctor's problems). driver: default read_driver(root) (CUDA device 0)."""
     env = os.environ if environ is None else environ
-    topo, nics, s, gdr = _gather(env, root, topo_text)
+    topo, nics, s, drv = _gather(env, root, topo_text, driver)
     choices = assign(topo, nics, s)
     return {
         "topo_available": topo is not None,
         "settings": {k: env.get(k) for k in VARIABLES},
-        "gdrcopy": gdr,
+        "driver": dataclasses.asdict(drv),
         "nics": [dict(name=n.name, numa_node=n.numa_node, bond=n.bond, slaves=list(n.slaves),
                       rate_gbps=n.port.rate_gbps if n.port else None,
                       link_layer=n.port.link_layer if n.port else None,
                       state=n.port.state if n.port else None) for n in nics.values()],
         "gpus": [dataclasses.asdict(c) for c in choices.values()],
         "report": [_nic_line(g, topo, nics, s) for g in (topo.gpus if topo else ())]
-                  + [_transport_line(s, gdr)],
-        "findings": [f._asdict() for f in findings(topo, nics, s, gdr, nodes)],
+                  + [_transport_line(s, drv)],
+        "findings": [f._asdict() for f in findings(topo, nics, s, drv, nodes)],
     }

@@ -3,6 +3,7 @@ probes (extension spec and ELF, CUDA majors, NVML, MPS processes) are checked wi
 import importlib.machinery
 import json
 import os
+import platform
 import re
 import shutil
 import struct
@@ -67,11 +68,15 @@ def test_topology_section_from_the_seed_fixture(monkeypatch, capsys):
     assert "GPU-NIC, as NVSHMEM would pick (jaxep.topology):" in out
     assert "  GPU 7: NIC mlx5_7 port 1, 800 Gb/s RoCE, PXB from the GPU (closest)" in out
     assert "[error] NVSHMEM_REMOTE_TRANSPORT=none and IBGDA off on 2 nodes" in out
+    # a fixture tree is not this machine: no CUDA driver is asked about dma-buf
+    assert "  NVSHMEM CPU proxy (none; IBGDA off); GPUDirect RDMA unknown; GDRCopy yes" in out
     doctor.main(["--nodes", "1"])  # one node: NVSHMEM uses no NIC, nothing internode to check
     assert "] IBGDA off" not in capsys.readouterr().out
     doctor.main(["--json"])
     topo = json.loads(capsys.readouterr().out)["topology"]
     assert topo["gpus"][3]["nic"] == "mlx5_3" and topo["findings"][0]["what"].startswith("IBGDA off")
+    assert topo["driver"] == dict(peer_memory=None, dma_buf=None, peer_mapping_override=True,
+                                  gdrcopy=True, machine=platform.machine())
     with pytest.raises(SystemExit) as e:
         doctor.main(["--nodes", "0"])
     assert e.value.code == 2 and "--nodes must be at least 1, got 0" in capsys.readouterr().err

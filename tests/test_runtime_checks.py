@@ -362,3 +362,56 @@ def test_low_latency_calls_that_fit_the_area_pass(monkeypatch):
     with pytest.raises(ValueError, match=r"config.topk must be <= 64"):
         _ffi._check_ll_fits("ll_combine_recv", 2, 2, experts=8, slots=8, cap=0,  # pylint: disable=protected-access
                             row_bytes=128, topk=65)
+
+
+def _two_hosts(client, monkeypatch, findings):
+    """Process 1 publishes another host (so 2 nodes of 1), and topology.summary reports
+    `findings` (this CPU machine's own would depend on it)."""
+    gen = runtime._state.generation  # pylint: disable=protected-access
+    client.kv[f"jaxep/host/{gen}/1"] = "node1"
+    seen = []
+
+    def summary(nodes=None):
+        seen.append(nodes)
+        return {"findings": findings}
+    monkeypatch.setattr(runtime.topology, "summary", summary)
+    return seen
+
+
+NO_GDR = dict(level="error", what="no GPUDirect RDMA: CUDA reports no dma-buf support ...",
+              hint="sudo modprobe nvidia-peermem")
+
+
+def test_an_nvshmem_init_failure_across_hosts_carries_the_network_findings(fake, monkeypatch,
+                                                                           caplog):
+    """Two hosts, NVSHMEM's init fails (as it does without GPUDirect RDMA: "Peer GPU N is not
+    accessible"): the findings were logged before the init and end the message."""
+    seen = _two_hosts(_client(monkeypatch), monkeypatch,
+                      [NO_GDR, dict(level="info", what="an info line", hint="-")])
+
+    def fail(*args):
+        raise RuntimeError("NVSHMEM initialization (unique id bootstrap) failed with status 7 "
+                           "(NVSHMEM_DEBUG=INFO shows why)")
+    monkeypatch.setattr(fake.ext, "runtime_init", fail)
+    with caplog.at_level("WARNING", logger="jaxep"):
+        text = _refusal("failed with status 7")
+    assert seen == [2]
+    assert "On 2 hosts, what this machine shows for NVSHMEM's network" in text
+    assert text.endswith("[error] no GPUDirect RDMA: CUDA reports no dma-buf support ... -> "
+                         "sudo modprobe nvidia-peermem")
+    assert "an info line" not in text
+    assert [r.getMessage() for r in caplog.records] == [
+        "jaxep network: no GPUDirect RDMA: CUDA reports no dma-buf support ...; fix: sudo "
+        "modprobe nvidia-peermem"]
+
+
+def test_an_nvshmem_init_failure_on_one_host_is_raised_as_it_is(fake, monkeypatch):
+    _client(monkeypatch)
+    monkeypatch.setattr(runtime.topology, "summary", lambda nodes=None: pytest.fail("asked"))
+
+    def fail(*args):
+        raise RuntimeError("NVSHMEM initialization failed with status 7")
+    monkeypatch.setattr(fake.ext, "runtime_init", fail)
+    with pytest.raises(RuntimeError) as e:
+        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    assert str(e.value) == "NVSHMEM initialization failed with status 7"

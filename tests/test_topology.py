@@ -1,13 +1,19 @@
 """CPU tier: jaxep.topology on recorded `nvidia-smi topo -m` text and sysfs trees.
 
-Fixtures (tests/fixtures/topology/<case>/topo.txt and <case>/root, a /sys + /dev tree):
-  seed    8 x B300, mlx5_i PXB to GPU i and SYS to the others, CX-8 800 Gb/s RoCE, GDRCopy
+Fixtures (tests/fixtures/topology/<case>/topo.txt and <case>/root, a /sys + /proc + /dev tree):
+  seed    8 x B300, mlx5_i PXB to GPU i and SYS to the others, CX-8 800 Gb/s RoCE, GDRCopy, the
+          nvidia module with PeerMappingOverride=1
   shared  4 GPUs, GPUs 0 and 1 under mlx5_0's switch, mlx5_1 on another host bridge (NODE)
   far     2 GPUs, both NICs on the other socket (SYS only), InfiniBand NDR
   bond    mlx5_bond_0, a RoCE bond of two 400G ports seen at 400 Gb/s, and a plain mlx5_2
-Each detection fires on its fixture and on no other; the seed is clean once IBGDA is on."""
+  h200_params.txt  /proc/driver/nvidia/params of the lent H200 (session 15: open kernel module
+          580.159.04, no registry keys)
+The fixtures' CUDA answer (dma-buf support) is given, not probed: DRIVER says yes, as the open
+kernel modules on the seed's B300s would. Each detection fires on its fixture and on no other; the
+seed is clean once IBGDA is on."""
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -28,9 +34,14 @@ def _root(case):
     return os.path.join(FIXTURES, case, "root")
 
 
-def _findings(case, environ, nodes=2):
+def _driver(case, dma_buf=True, machine="x86_64", root=None):
+    return topology.read_driver(root or _root(case), dma_buf=dma_buf, machine=machine)
+
+
+def _findings(case, environ, nodes=2, driver=None):
     return [topology.Finding(**f) for f in
-            topology.summary(environ, _root(case), _text(case), nodes)["findings"]]
+            topology.summary(environ, _root(case), _text(case), nodes,
+                             driver or _driver(case))["findings"]]
 
 
 def _kinds(found):
@@ -39,7 +50,8 @@ def _kinds(found):
               "bonded NIC": "bond", "IBGDA off": "ibgda_off", "no GDRCopy": "gdrcopy",
               "NVSHMEM_REMOTE_TRANSPORT=none": "no_transport", "IBGDA with": "cpu_doorbell",
               "RoCE traffic class": "tc", "RoCE GID index": "gid_vs_nccl",
-              "NVSHMEM_IB_GID_INDEX": "gid_type"}
+              "NVSHMEM_IB_GID_INDEX": "gid_type", "no GPUDirect RDMA": "no_gdr",
+              "GPUDirect RDMA unknown": "gdr_unknown", "IBGDA's NIC doorbell": "regkey"}
     return sorted(next(k for s, k in starts.items() if f.what.startswith(s)) for f in found)
 
 
@@ -208,23 +220,145 @@ def test_hca_settings_that_do_nothing():
     assert any("lacks or has down: mlx5_9" in f.what for f in found)
 
 
+# --- GPUDirect RDMA and the IBGDA doorbell -------------------------------------------------------
+
+def _seed_root_with(tmp_path, path=None, params=None):
+    """A copy of the seed's tree, plus a file at `path` (relative) and /proc/driver/nvidia/params
+    replaced by `params` (text) when given."""
+    root = tmp_path / "root"
+    shutil.copytree(_root("seed"), root)
+    if path:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("1.1\n")
+    if params is not None:
+        (root / "proc" / "driver" / "nvidia" / "params").write_text(params)
+    return str(root)
+
+
+def test_no_dma_buf_and_no_peer_memory_module_is_the_not_accessible_failure():
+    """CUDA says no dma-buf and no peer-memory module is loaded: NVSHMEM's IB transports skip
+    themselves and its init stops at "Peer GPU N is not accessible": an error on 2 nodes."""
+    drv = _driver("seed", dma_buf=False)
+    assert drv.peer_memory is None
+    (f,) = _findings("seed", IBGDA, driver=drv)
+    assert f.level == "error" and _kinds([f]) == ["no_gdr"]
+    assert "CUDA reports no dma-buf support" in f.what and "Peer GPU N is not accessible" in f.what
+    assert "sudo modprobe nvidia-peermem" in f.hint and "dma-buf" in f.hint
+    assert "NVSHMEM_IB_DISABLE_DMABUF" not in f.hint
+    (warn,) = _findings("seed", IBGDA, nodes=None, driver=drv)  # nodes unknown: a warning
+    assert warn.level == "warn" and warn.what == f.what
+    assert _findings("seed", IBGDA, nodes=1, driver=drv) == []  # one node uses no NIC
+    # the CPU proxy (ibrc) needs it as IBGDA does; UCX and libfabric have other rules
+    assert "no_gdr" in _kinds(_findings("seed", {}, driver=drv))
+    assert "no_gdr" not in _kinds(_findings("seed", {"NVSHMEM_REMOTE_TRANSPORT": "ucx"}, driver=drv))
+
+
+@pytest.mark.parametrize("path,name", topology.PEER_MEMORY_FILES)
+def test_each_peer_memory_module_nvshmem_looks_for_is_found(tmp_path, path, name):
+    root = _seed_root_with(tmp_path, path)
+    drv = topology.read_driver(root, dma_buf=False, machine="x86_64")
+    assert drv.peer_memory == name
+    assert _findings("seed", IBGDA, driver=drv) == []
+    _, transport = topology.gpu_report(0, IBGDA, root, _text("seed"), drv)
+    assert f"GPUDirect RDMA {name};" in transport
+
+
+def test_dma_buf_turned_off_by_nvshmem_names_the_variable():
+    (f,) = _findings("seed", {**IBGDA, "NVSHMEM_IB_DISABLE_DMABUF": "1"})
+    assert f.level == "error" and "NVSHMEM_IB_DISABLE_DMABUF is set" in f.what
+    assert f.hint.endswith("or unset NVSHMEM_IB_DISABLE_DMABUF")
+
+
+def test_gpudirect_unknown_without_a_cuda_driver_to_ask():
+    (f,) = _findings("seed", IBGDA, driver=_driver("seed", dma_buf=None))
+    assert f.level == "warn" and _kinds([f]) == ["gdr_unknown"]
+    assert f.hint.startswith("run the doctor on a GPU node to know; without dma-buf, ")
+
+
+def test_ibgda_without_peer_mapping_override_rings_from_a_cpu(tmp_path):
+    """The lent H200's params (no registry keys) on x86: IBGDA's doorbell falls back to a CPU."""
+    with open(os.path.join(FIXTURES, "h200_params.txt")) as f:
+        root = _seed_root_with(tmp_path, params=f.read())
+    drv = topology.read_driver(root, dma_buf=True, machine="x86_64")
+    assert drv.peer_mapping_override is False
+    for handler in ("auto", "gpu"):
+        env = {**IBGDA, "NVSHMEM_IBGDA_NIC_HANDLER": handler}
+        (f,) = _findings("seed", env, driver=drv)
+        assert _kinds([f]) == ["regkey"] and f.level == "warn"
+        assert "through GDRCopy" in f.what  # the seed's tree has /dev/gdrdrv
+        assert 'NVreg_RegistryDwords="PeerMappingOverride=1;"' in f.hint
+        _, transport = topology.gpu_report(0, env, root, _text("seed"), drv)
+        assert "NIC doorbell: a CPU, no PeerMappingOverride=1" in transport
+    no_gdr = _findings("seed", {**IBGDA, "NVSHMEM_DISABLE_GDRCOPY": "1"}, driver=drv)
+    assert "through host memory" in no_gdr[0].what
+    # Not x86 (Grace): the key is an x86 one; an explicit CPU handler is its own finding.
+    assert _findings("seed", IBGDA, driver=topology.read_driver(root, True, "aarch64")) == []
+    assert _kinds(_findings("seed", {**IBGDA, "NVSHMEM_IBGDA_NIC_HANDLER": "cpu"},
+                            driver=drv)) == ["cpu_doorbell"]
+
+
+def test_read_driver_parses_the_registry_keys_and_probes_only_this_machine(tmp_path, monkeypatch):
+    both = 'RegistryDwords: "RMUseSwI2c=0x01;PeerMappingOverride=1;"\n'
+    assert topology.read_driver(_seed_root_with(tmp_path, params=both), True).peer_mapping_override
+    assert topology.read_driver("/nonexistent", True).peer_mapping_override is None
+    asked = []
+    monkeypatch.setattr(topology, "dma_buf_supported", lambda ordinal=0: asked.append(ordinal) or True)
+    assert topology.read_driver(_root("seed")).dma_buf is None and asked == []  # a fixture tree
+    assert topology.read_driver("/", ordinal=3).dma_buf is True and asked == [3]
+
+
+class _FakeCuda:
+    """libcuda's three calls dma_buf_supported makes: each returns `rc`, the attribute `value`."""
+
+    def __init__(self, rc=0, value=1):
+        self.rc, self.value, self.attrs = rc, value, []
+
+    def cuInit(self, flags):  # noqa: N802 (CUDA's names)
+        return 0
+
+    def cuDeviceGet(self, device, ordinal):  # noqa: N802
+        device._obj.value = ordinal
+        return 0
+
+    def cuDeviceGetAttribute(self, value, attr, device):  # noqa: N802
+        self.attrs.append((attr, device.value))
+        value._obj.value = self.value
+        return self.rc
+
+
+@pytest.mark.parametrize("rc,value,want", [(0, 1, True), (0, 0, False), (101, 1, None)])
+def test_dma_buf_supported_asks_cuda_for_its_attribute(monkeypatch, rc, value, want):
+    cuda = _FakeCuda(rc, value)
+    monkeypatch.setattr(topology.ctypes, "CDLL", lambda name: cuda)
+    assert topology.dma_buf_supported(2) is want
+    assert cuda.attrs == [(124, 2)]  # CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED of device 2
+
+
+def test_dma_buf_supported_without_a_cuda_driver(monkeypatch):
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(topology.ctypes, "CDLL", missing)
+    assert topology.dma_buf_supported() is None
+
+
 # --- the per-GPU report --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gpu", range(8))
 def test_seed_report_names_each_gpus_nic(gpu):
     nic, transport = topology.gpu_report(gpu, {**IBGDA, "NVSHMEM_IB_TRAFFIC_CLASS": "106"},
-                                         _root("seed"), _text("seed"))
+                                         _root("seed"), _text("seed"), _driver("seed"))
     assert nic.startswith(f"GPU {gpu}: NIC mlx5_{gpu} port 1, 800 Gb/s RoCE, PXB from the GPU")
     assert nic.endswith(f"NUMA node: GPU {gpu // 4}, NIC {gpu // 4}")
-    assert transport == (f"GPU {gpu}: NVSHMEM IBGDA (NIC doorbell: the GPU); GDRCopy yes; "
-                         "RoCE traffic class 106")
+    assert transport == (f"GPU {gpu}: NVSHMEM IBGDA (NIC doorbell: the GPU); GPUDirect RDMA "
+                         "dma-buf; GDRCopy yes; RoCE traffic class 106")
 
 
 def test_report_follows_cuda_visible_devices_and_the_gid():
     nic, transport = topology.gpu_report(1, {"CUDA_VISIBLE_DEVICES": "6,7", "NVSHMEM_IB_GID_INDEX": "3"},
-                                         _root("seed"), _text("seed"))
+                                         _root("seed"), _text("seed"), _driver("seed"))
     assert nic.startswith("GPU 7: NIC mlx5_7") and "GID 3 is RoCE v2" in nic
-    assert transport == "GPU 7: NVSHMEM CPU proxy (ibrc; IBGDA off); GDRCopy yes; GID index 3"
+    assert transport == ("GPU 7: NVSHMEM CPU proxy (ibrc; IBGDA off); GPUDirect RDMA dma-buf; "
+                         "GDRCopy yes; GID index 3")
 
 
 def test_report_without_nvidia_smi_or_sysfs(monkeypatch):
@@ -232,7 +366,9 @@ def test_report_without_nvidia_smi_or_sysfs(monkeypatch):
     nic, transport = topology.gpu_report(0, {}, "/nonexistent")
     assert nic == ("GPU 0: NIC unknown (no `nvidia-smi topo -m`); RDMA NICs: none in "
                    "/sys/class/infiniband")
-    assert transport == "GPU 0: NVSHMEM CPU proxy (ibrc; IBGDA off); GDRCopy no"
+    # /nonexistent is not this machine: the CUDA driver is not asked, dma-buf stays unknown
+    assert transport == ("GPU 0: NVSHMEM CPU proxy (ibrc; IBGDA off); GPUDirect RDMA unknown; "
+                         "GDRCopy no")
     nic, _ = topology.gpu_report(0, {}, _root("far"), "")
     assert nic == "GPU 0: NIC unknown (no `nvidia-smi topo -m`); RDMA NICs: mlx5_0 400 Gb/s, mlx5_1 400 Gb/s"
 
@@ -251,7 +387,7 @@ def test_nvidia_smi_is_read_with_a_timeout(monkeypatch):
 
 def test_summary_is_json_and_writes_no_environment():
     before = dict(os.environ)
-    s = topology.summary({}, _root("bond"), _text("bond"), nodes=2)
+    s = topology.summary({}, _root("bond"), _text("bond"), nodes=2, driver=_driver("bond"))
     json.dumps(s)
     assert os.environ == before
     assert s["gpus"][0] == dict(gpu=0, nic="mlx5_bond_0", port=1, link="PXB", how="closest")
