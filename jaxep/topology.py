@@ -59,6 +59,8 @@ VARIABLES = {
                         "NVSHMEM_ENABLE_NIC_PE_MAPPING=1 []",
     "NVSHMEM_HCA_PE_MAPPING": "name:port:count,... NIC of each local PE in order; needs "
                               "NVSHMEM_ENABLE_NIC_PE_MAPPING=1 []",
+    "NVSHMEM_HCA_PREFIX": "IBGDA uses only the RDMA devices whose name contains it (3.4.5+) "
+                          "[mlx5]",
     "NVSHMEM_IB_TRAFFIC_CLASS": "RoCE traffic class [0]",
     "NVSHMEM_IB_GID_INDEX": "RoCE source GID index [-1: NVSHMEM picks a RoCE v2 GID]",
     "NVSHMEM_REMOTE_TRANSPORT": "proxy transport to other nodes: ibrc, ucx, libfabric, ibdevx, "
@@ -330,6 +332,7 @@ class Settings:
     hca_list: tuple[tuple[str, int | None], ...]
     hca_exclude: bool
     hca_pe_mapping: tuple[tuple[str, int | None], ...]
+    hca_prefix: str
     remote_transport: str
     disable_gdrcopy: bool
     disable_dmabuf: bool
@@ -371,6 +374,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         hca_exclude=(hca_list or "").startswith("^"),
         hca_pe_mapping=tuple((n, p) for n, p, c in _hcas(env.get("NVSHMEM_HCA_PE_MAPPING"))
                              for _ in range(c)),
+        hca_prefix=env.get("NVSHMEM_HCA_PREFIX") or "mlx5",
         remote_transport=(env.get("NVSHMEM_REMOTE_TRANSPORT") or "ibrc").strip().lower(),
         disable_gdrcopy=_bool(env.get("NVSHMEM_DISABLE_GDRCOPY")),
         disable_dmabuf=_bool(env.get("NVSHMEM_IB_DISABLE_DMABUF")),
@@ -638,6 +642,24 @@ def _roce(choices, nics, s: Settings) -> list[Finding]:
     return out
 
 
+def _hca_prefix(s: Settings, names, nodes: int | None) -> list[Finding]:
+    """IBGDA (and ibdevx) skip every RDMA device whose name lacks NVSHMEM_HCA_PREFIX ("device x is
+    not supported ... Skipping"); NICs renamed by udev (roce_rail1, ...) then serve nothing."""
+    if not (s.ibgda or s.remote_transport == "ibdevx"):
+        return []
+    skipped = [n for n in names if s.hca_prefix not in n]
+    if not skipped:
+        return []
+    kept = [n for n in names if s.hca_prefix in n]
+    prefix = os.path.commonprefix(skipped).rstrip("0123456789_") or skipped[0]
+    return [Finding(
+        "error" if not kept and nodes and nodes > 1 else "warn",
+        f"IBGDA skips the RDMA devices whose name lacks {s.hca_prefix!r} "
+        f"(NVSHMEM_HCA_PREFIX): {', '.join(skipped)}"
+        + ("; none is left for the network" if not kept else ""),
+        f"NVSHMEM_HCA_PREFIX={prefix} (NVSHMEM >= 3.4.5)")]
+
+
 def _hca_settings(s: Settings, names) -> list[Finding]:
     out = []
     if (s.hca_list or s.hca_pe_mapping) and not s.nic_pe_mapping:
@@ -665,7 +687,7 @@ def findings(topo: Topo | None, nics: Mapping[str, Nic], s: Settings, drv: Drive
     names = _usable(topo, nics)
     used = [nics[n] for n in dict.fromkeys(c.nic for c in choices.values()) if n in nics] \
         if choices else list(nics.values())
-    out = _hca_settings(s, names)
+    out = _hca_settings(s, names) + _hca_prefix(s, names, nodes)
     if topo is not None:
         out += _shared(choices, topo, names, nics) + _far(choices, topo, names, nics)
     return (out + _half_rate_bonds(used) + _transport(s, drv.gdrcopy, nodes)

@@ -13,6 +13,7 @@ kernel modules on the seed's B300s would. Each detection fires on its fixture an
 seed is clean once IBGDA is on."""
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -305,6 +306,41 @@ def test_read_driver_parses_the_registry_keys_and_probes_only_this_machine(tmp_p
     monkeypatch.setattr(topology, "dma_buf_supported", lambda ordinal=0: asked.append(ordinal) or True)
     assert topology.read_driver(_root("seed")).dma_buf is None and asked == []  # a fixture tree
     assert topology.read_driver("/", ordinal=3).dma_buf is True and asked == [3]
+
+
+def _renamed_seed(tmp_path, rename):
+    """The seed's fixture with its NICs renamed (udev rules that call them roce_rail1, ...):
+    (root, topo text)."""
+    root = tmp_path / "renamed"
+    shutil.copytree(_root("seed"), root)
+    ib = root / "sys" / "class" / "infiniband"
+    text = _text("seed")
+    for i in range(8):
+        os.rename(ib / f"mlx5_{i}", ib / rename(i))
+        text = re.sub(rf"\bmlx5_{i}\b", rename(i), text)
+    return str(root), text
+
+
+def test_ibgda_skips_nics_without_the_hca_prefix(tmp_path):
+    """DeepEP's issue 386: NICs renamed roce_railN are skipped by IBGDA ("not supported ...
+    Skipping"), leaving no NIC; NVSHMEM_HCA_PREFIX (3.4.5+) is the fix."""
+    root, text = _renamed_seed(tmp_path, lambda i: f"roce_rail{i + 1}")
+    drv = _driver("seed")
+
+    def found(env, nodes=2):
+        return [topology.Finding(**f) for f in
+                topology.summary(env, root, text, nodes, drv)["findings"]]
+    (f,) = found(IBGDA)
+    assert f.level == "error" and "roce_rail1, roce_rail2" in f.what and "none is left" in f.what
+    assert f.hint == "NVSHMEM_HCA_PREFIX=roce_rail (NVSHMEM >= 3.4.5)"
+    assert found({**IBGDA, "NVSHMEM_HCA_PREFIX": "roce_rail"}) == []
+    assert found(IBGDA, nodes=None)[0].level == "warn"
+    assert "HCA_PREFIX" not in str(found({}))  # the CPU proxy (ibrc) takes any name
+    # one NIC renamed: a warning naming it; the others still serve
+    root, text = _renamed_seed(tmp_path / "one", lambda i: "ibp24s0" if i == 7 else f"mlx5_{i}")
+    (f,) = found(IBGDA)
+    assert f.level == "warn" and f.what.endswith("(NVSHMEM_HCA_PREFIX): ibp24s0")
+    assert f.hint.startswith("NVSHMEM_HCA_PREFIX=ibp")
 
 
 class _FakeCuda:
