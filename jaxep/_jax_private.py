@@ -17,6 +17,11 @@ them, tests/test_jax_private.py fails on them).
                         `jax.distributed.is_initialized()`, which says whether the client exists
                         but does not hand it out: use that where the question is only "is
                         jax.distributed set up?".
+  coordinator_address() jax._src.distributed.global_state.coordinator_address: the "host:port"
+                        every process reached the coordination service at. jaxep.initialize
+                        points NVSHMEM's bootstrap sockets at the interface that reaches it
+                        (several hosts only); public JAX does not say which address was used
+                        (SLURM and other clusters detect it).
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import importlib
 
 # Dotted paths: a module, then attributes of it.
 DISTRIBUTED_CLIENT = "jax._src.distributed.global_state.client"
-PRIVATE = (DISTRIBUTED_CLIENT,)
+COORDINATOR_ADDRESS = "jax._src.distributed.global_state.coordinator_address"
+PRIVATE = (DISTRIBUTED_CLIENT, COORDINATOR_ADDRESS)
 
 
 class JaxPrivateMoved(RuntimeError):
@@ -80,3 +86,8 @@ def distributed_client():
     """The key-value store client `jax.distributed.initialize` made, or None before it (or after
     `jax.distributed.shutdown`). See the module docstring for why no public API serves."""
     return resolve(DISTRIBUTED_CLIENT)
+
+
+def coordinator_address() -> str | None:
+    """The coordinator's "host:port" `jax.distributed.initialize` used, or None before it."""
+    return resolve(COORDINATOR_ADDRESS)

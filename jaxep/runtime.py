@@ -14,7 +14,8 @@ size 1 needs none either. The multi-rank CUDA backend (EP size > 1: one process 
      the ranks, unless all are identical (the knobs are FFI attributes: every rank must run the
      same kernels);
   4. PE 0 creates the NVSHMEM unique id and publishes it in the same key-value store; the others
-     read it (no MPI, no torch);
+     read it (no MPI, no torch); on several hosts, NVSHMEM's bootstrap sockets are first pointed at
+     the interface that reaches JAX's coordinator (`_pin_bootstrap_interface`);
   5. nvshmem init with the unique id, one `nvshmem_malloc` of the symmetric block sized from the
      config and the EP size, the peer-pointer table (`nvshmem_ptr`), a host-mapped diagnostic record;
      then the zero-copy decision (`jaxep.zero_copy`, when `config.zero_copy`);
@@ -22,17 +23,19 @@ size 1 needs none either. The multi-rank CUDA backend (EP size > 1: one process 
 
 PE = `jax.process_index()` = position on the EP axis (a mesh over `jax.devices()` in order).
 
-Environment: the library writes os.environ in exactly one place, `zero_copy.prepare_env`, and
-only when the variable is unset: NVSHMEM_CUMEM_GRANULARITY=2 MiB just before NVSHMEM starts, when
-`config.zero_copy` is on, because NVSHMEM reads that setting only from its own process environment
-and zero-copy needs it (logged at INFO). Every other NVSHMEM setting jaxep recommends is only
-logged (INFO), never set. (The command-line tools, `jaxep.launch` and `jaxep-bench --cpu_devices`,
+Environment: the library writes os.environ in exactly two places, each just before NVSHMEM starts
+(NVSHMEM reads these settings only from its own process environment), only when the variable is
+unset, and logged at INFO: `zero_copy.prepare_env` sets NVSHMEM_CUMEM_GRANULARITY=2 MiB when
+`config.zero_copy` is on (zero-copy needs it); `_pin_bootstrap_interface`, on several hosts only,
+sets NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME (and _FAMILY) to the interface reaching JAX's coordinator.
+Every other NVSHMEM setting jaxep recommends is only logged (INFO), never set. (The command-line tools, `jaxep.launch` and `jaxep-bench --cpu_devices`,
 set up the environment of what they start, as their flags ask.)
 """
 from __future__ import annotations
 
 import builtins
 import dataclasses
+import ipaddress
 import logging
 import os
 import threading
@@ -286,6 +289,7 @@ def _init_multi_rank(configs) -> None:
     if pe % node == 0:
         for f in network:
             log.warning("jaxep network: %s; fix: %s", f["what"], f["hint"])
+    _pin_bootstrap_interface(len(set(hosts)))  # before NVSHMEM opens its sockets (uid, init)
     zero_copy.prepare_env(config.zero_copy)  # before NVSHMEM reads its environment (uid, init)
     key = f"jaxep/nvshmem_uid/{_state.generation}"
     if pe == 0:
@@ -336,6 +340,43 @@ def _init_multi_rank(configs) -> None:
     log.info("jaxep recommends (not set by jaxep): %s%s",
              " ".join(f"{k}={v}" for k, v in rec.items()),
              f"; unset here: {', '.join(missing)}" if missing else "")
+
+
+_BOOTSTRAP_IFNAME = "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"
+_BOOTSTRAP_FAMILY = "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY"
+
+
+def _pin_bootstrap_interface(hosts: int) -> None:
+    """Several hosts: NVSHMEM's unique-id bootstrap listens and connects on an interface of its own
+    choice (an ib* one, else the first that is not docker* or lo), which the other hosts do not
+    always reach (then its init times out connecting). Unless NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME is
+    set, point it at the interface through which this host reaches JAX's coordinator, a network
+    every process has already used; its address family too, unless set. One host: nothing."""
+    if hosts < 2:
+        return
+    if os.environ.get(_BOOTSTRAP_IFNAME):
+        log.info("jaxep: NVSHMEM's bootstrap uses %s=%s (set in the environment)",
+                 _BOOTSTRAP_IFNAME, os.environ[_BOOTSTRAP_IFNAME])
+        return
+    try:
+        address = _jax_private.coordinator_address()
+    except _jax_private.JaxPrivateMoved as e:
+        address = None
+        log.warning("jaxep: %s", e)
+    route = topology.route_interface(address) if address else None
+    if route is None or ipaddress.ip_address(route[1]).is_loopback:
+        log.warning("jaxep: no interface of this host reaches JAX's coordinator (%s; route %s), so "
+                    "NVSHMEM's bootstrap picks its own; if its init fails to connect, set %s to "
+                    "an interface every host reaches (NCCL_SOCKET_IFNAME's syntax)",
+                    address, route, _BOOTSTRAP_IFNAME)
+        return
+    name, local, family = route
+    os.environ[_BOOTSTRAP_IFNAME] = "=" + name  # "=": this exact name, not a prefix
+    os.environ.setdefault(_BOOTSTRAP_FAMILY, family)
+    log.info("jaxep: NVSHMEM's bootstrap set to interface %s (%s, %s), the one that reaches JAX's "
+             "coordinator %s: %s=%s %s=%s (set them to choose another)", name, local, family,
+             address, _BOOTSTRAP_IFNAME, os.environ[_BOOTSTRAP_IFNAME], _BOOTSTRAP_FAMILY,
+             os.environ[_BOOTSTRAP_FAMILY])
 
 
 def agree_config(client, config: Config, pe: int, nproc: int, generation, wait_ms: int,

@@ -14,6 +14,8 @@ here writes os.environ: the settings jaxep recommends are printed in hints.
   findings(...)            what is wrong or slow, each with the NVSHMEM setting that fixes it
   gpu_report(local_gpu)    lines for `jaxep.initialize` to log at INFO, one GPU
   summary(...)             all of it as a JSON-able dict (the doctor's "topology" key)
+  route_interface(addr)    the network interface this host reaches `addr` through (for NVSHMEM's
+                           bootstrap, which jaxep.initialize points at JAX's coordinator's network)
 
 NVSHMEM's rules modelled here (its env_defs.h and transport.cpp, 3.x):
 - NVSHMEM_ENABLE_NIC_PE_MAPPING unset or 0: each PE gets the NIC closest to its GPU, PEs spread
@@ -45,6 +47,7 @@ import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
 from typing import Mapping, NamedTuple
 
@@ -68,6 +71,12 @@ VARIABLES = {
     "NVSHMEM_DISABLE_GDRCOPY": "no GDRCopy in the IBRC transport [false]",
     "NVSHMEM_IB_DISABLE_DMABUF": "register GPU memory with the NIC through a peer-memory module, "
                                  "not dma-buf [false]",
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "the interface(s) of the unique-id bootstrap's sockets, "
+                                         "NCCL_SOCKET_IFNAME's syntax [an ib* interface, else the "
+                                         "first but docker*/lo; on several hosts jaxep.initialize "
+                                         "sets =<the interface reaching JAX's coordinator>]",
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY": "AF_INET or AF_INET6 for those sockets [either; set "
+                                         "with the interface by jaxep.initialize]",
 }
 # Where NVSHMEM looks for a peer-memory module (GPUDirect RDMA without dma-buf), and its name.
 PEER_MEMORY_FILES = (("sys/kernel/mm/memory_peers/nv_mem/version", "nv_peer_mem"),
@@ -692,6 +701,43 @@ def findings(topo: Topo | None, nics: Mapping[str, Nic], s: Settings, drv: Drive
         out += _shared(choices, topo, names, nics) + _far(choices, topo, names, nics)
     return (out + _half_rate_bonds(used) + _transport(s, drv.gdrcopy, nodes)
             + _gpudirect(s, drv, nodes) + _roce(choices, nics, s))
+
+
+# --- the bootstrap's network interface ---------------------------------------------------------
+
+def _split_address(address: str) -> tuple[str, int]:
+    """"host:port", "[v6]:port" or a bare host -> (host, port); port 1 when absent."""
+    m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:]+)(?::(\d+))?|([0-9A-Fa-f:]+)", address.strip())
+    if m is None:
+        raise ValueError(f"not a host:port address: {address!r}")
+    host = m.group(1) or m.group(3) or m.group(5)
+    return host, int(m.group(2) or m.group(4) or 1)
+
+
+def route_interface(address: str, if_addrs=None) -> tuple[str, str, str] | None:
+    """(interface, local IP, "AF_INET" or "AF_INET6") this host reaches `address` ("host:port")
+    through: the kernel's route, read by connecting a UDP socket (nothing is sent), then the
+    interface holding that source address (psutil.net_if_addrs, or `if_addrs` in tests). On the
+    host that owns `address` it is the interface holding it. None when the name does not resolve,
+    no route exists, or no interface holds the source address."""
+    import psutil  # pylint: disable=g-import-not-at-top  # a jaxep dependency; only needed here
+    try:
+        host, port = _split_address(address)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (ValueError, OSError):
+        return None
+    table = psutil.net_if_addrs() if if_addrs is None else if_addrs
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.connect(sockaddr)
+                local = sock.getsockname()[0]
+        except OSError:
+            continue
+        for name, addrs in table.items():
+            if any(a.family == family and a.address.split("%")[0] == local for a in addrs):
+                return name, local, "AF_INET6" if family == socket.AF_INET6 else "AF_INET"
+    return None
 
 
 # --- reports -------------------------------------------------------------------------------------

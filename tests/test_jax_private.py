@@ -25,13 +25,20 @@ def test_distributed_client_reads_the_attribute_when_called(monkeypatch):
     assert jax.distributed.is_initialized()  # the public question agrees with the private answer
 
 
+def test_coordinator_address_is_read_when_called(monkeypatch):
+    assert _jax_private.coordinator_address() is None  # jax.distributed not initialized
+    monkeypatch.setattr(distributed.global_state, "coordinator_address", "node0:29500")
+    assert _jax_private.coordinator_address() == "node0:29500"
+
+
 def test_a_moved_attribute_is_named(monkeypatch):
     monkeypatch.delattr(distributed, "global_state")
     with pytest.raises(_jax_private.JaxPrivateMoved,
                        match=r"jax\._src\.distributed\.global_state\.client.*jax\._src\.distributed "
                              r"has no attribute 'global_state' in jax \d"):
         _jax_private.distributed_client()
-    assert _jax_private.missing() == ["jax._src.distributed.global_state.client"]
+    assert _jax_private.missing() == ["jax._src.distributed.global_state.client",
+                                      "jax._src.distributed.global_state.coordinator_address"]
 
 
 def test_a_moved_module_is_named():

@@ -6,6 +6,7 @@ the memory NVSHMEM needs) is covered here; the real NVSHMEM init is covered by t
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 
@@ -400,7 +401,8 @@ def test_an_nvshmem_init_failure_across_hosts_carries_the_network_findings(fake,
     assert text.endswith("[error] no GPUDirect RDMA: CUDA reports no dma-buf support ... -> "
                          "sudo modprobe nvidia-peermem")
     assert "an info line" not in text
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("jaxep network")] == [
         "jaxep network: no GPUDirect RDMA: CUDA reports no dma-buf support ...; fix: sudo "
         "modprobe nvidia-peermem"]
 
@@ -415,3 +417,72 @@ def test_an_nvshmem_init_failure_on_one_host_is_raised_as_it_is(fake, monkeypatc
     with pytest.raises(RuntimeError) as e:
         runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
     assert str(e.value) == "NVSHMEM initialization failed with status 7"
+
+
+IFNAME, FAMILY = "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY"
+
+
+def _unset_restored(monkeypatch, *names):
+    """Unset `names` for the test and remove whatever the code under test sets afterwards."""
+    for n in names:
+        monkeypatch.setenv(n, "placeholder")  # records the original state for the undo
+        monkeypatch.delenv(n)
+
+
+def _bootstrap_env_at_unique_id(fake, monkeypatch):
+    """What NVSHMEM would read when PE 0 makes the unique id (its bootstrap's listen socket)."""
+    seen = {}
+
+    def unique_id():
+        seen.update({k: os.environ.get(k) for k in (IFNAME, FAMILY)})
+        return b"uid"
+    monkeypatch.setattr(fake.ext, "unique_id", unique_id)
+    return seen
+
+
+def test_across_hosts_nvshmem_bootstrap_uses_the_interface_that_reaches_jax(fake, monkeypatch,
+                                                                            caplog):
+    """NVSHMEM's unique-id bootstrap picks its own interface (an ib* one, else the first but
+    docker/lo), which the other host may not reach (DeepEP issue 150: "Connection timed out" in
+    bootstrap_init): on several hosts initialize points it at the route to JAX's coordinator."""
+    _unset_restored(monkeypatch, IFNAME, FAMILY)
+    _two_hosts(_client(monkeypatch), monkeypatch, [])
+    monkeypatch.setattr(runtime._jax_private, "coordinator_address", lambda: "node0:29500")
+    asked = []
+    monkeypatch.setattr(runtime.topology, "route_interface",
+                        lambda a: asked.append(a) or ("ens2", "10.0.0.5", "AF_INET"))
+    seen = _bootstrap_env_at_unique_id(fake, monkeypatch)
+    with caplog.at_level("INFO", logger="jaxep"):
+        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    assert asked == ["node0:29500"] and seen == {IFNAME: "=ens2", FAMILY: "AF_INET"}
+    assert any("interface ens2 (10.0.0.5, AF_INET), the one that reaches JAX's coordinator "
+               "node0:29500" in r.getMessage() for r in caplog.records)
+
+
+def test_the_bootstrap_interface_set_by_the_user_or_on_one_host_is_left_alone(fake, monkeypatch):
+    _unset_restored(monkeypatch, IFNAME, FAMILY)
+    monkeypatch.setattr(runtime.topology, "route_interface", lambda a: pytest.fail("asked"))
+    monkeypatch.setattr(runtime._jax_private, "coordinator_address", lambda: "node0:29500")
+    seen = _bootstrap_env_at_unique_id(fake, monkeypatch)
+    client = _client(monkeypatch)
+    runtime._init_multi_rank(CFG)  # one host  # pylint: disable=protected-access
+    assert seen == {IFNAME: None, FAMILY: None}
+    monkeypatch.setenv(IFNAME, "eno1")
+    _two_hosts(client, monkeypatch, [])
+    runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    assert seen == {IFNAME: "eno1", FAMILY: None}
+
+
+@pytest.mark.parametrize("route", [None, ("lo", "127.0.0.1", "AF_INET")])
+def test_no_route_to_the_coordinator_leaves_nvshmem_its_choice_and_says_so(fake, monkeypatch,
+                                                                           caplog, route):
+    _unset_restored(monkeypatch, IFNAME, FAMILY)
+    _two_hosts(_client(monkeypatch), monkeypatch, [])
+    monkeypatch.setattr(runtime._jax_private, "coordinator_address", lambda: "node0:29500")
+    monkeypatch.setattr(runtime.topology, "route_interface", lambda a: route)
+    seen = _bootstrap_env_at_unique_id(fake, monkeypatch)
+    with caplog.at_level("WARNING", logger="jaxep"):
+        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    assert seen == {IFNAME: None, FAMILY: None}
+    assert any("NVSHMEM's bootstrap picks its own" in r.getMessage() and IFNAME in r.getMessage()
+               for r in caplog.records)

@@ -11,10 +11,12 @@ Fixtures (tests/fixtures/topology/<case>/topo.txt and <case>/root, a /sys + /pro
 The fixtures' CUDA answer (dma-buf support) is given, not probed: DRIVER says yes, as the open
 kernel modules on the seed's B300s would. Each detection fires on its fixture and on no other; the
 seed is clean once IBGDA is on."""
+import collections
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 
 import pytest
@@ -429,3 +431,51 @@ def test_summary_is_json_and_writes_no_environment():
     assert s["gpus"][0] == dict(gpu=0, nic="mlx5_bond_0", port=1, link="PXB", how="closest")
     assert {n["name"]: n["bond"] for n in s["nics"]} == {"mlx5_2": None, "mlx5_bond_0": "bond0"}
     assert s["settings"]["NVSHMEM_IB_ENABLE_IBGDA"] is None
+
+
+# --- the bootstrap's interface -------------------------------------------------------------------
+
+def test_route_interface_of_loopback_on_this_machine():
+    assert topology.route_interface("127.0.0.1:29500") == ("lo", "127.0.0.1", "AF_INET")
+    assert topology.route_interface("no-such-host.invalid:1") is None
+    assert topology.route_interface("not an address") is None
+
+
+def test_route_interface_names_the_interface_holding_the_routes_source_address(monkeypatch):
+    """A host with eno1 (management) first and ens2 on the coordinator's network: the kernel's
+    source address for the coordinator (10.0.0.5) is ens2's, whatever the interface order."""
+    addr = collections.namedtuple("addr", "family address")
+    table = {"lo": [addr(socket.AF_INET, "127.0.0.1")],
+             "eno1": [addr(socket.AF_INET, "192.168.0.3"), addr(socket.AF_INET6, "fe80::1%eno1")],
+             "ens2": [addr(socket.AF_PACKET, "02:00:00:00:00:01"), addr(socket.AF_INET, "10.0.0.5")]}
+    connected = []
+
+    class Sock:
+        def __init__(self, family, kind):
+            self.family = family
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def connect(self, sockaddr):
+            connected.append(sockaddr)
+
+        def getsockname(self):
+            return ("10.0.0.5", 40000)
+    monkeypatch.setattr(topology.socket, "getaddrinfo", lambda host, port, type: [
+        (socket.AF_INET, type, 17, "", ("10.0.0.1", port))] if host == "node0" else [])
+    monkeypatch.setattr(topology.socket, "socket", Sock)
+    assert topology.route_interface("node0:29500", table) == ("ens2", "10.0.0.5", "AF_INET")
+    assert connected == [("10.0.0.1", 29500)]  # UDP connect: nothing is sent
+    assert topology.route_interface("node1:29500", table) is None
+
+
+@pytest.mark.parametrize("text,want", [("node0:29500", ("node0", 29500)),
+                                       ("10.0.0.1:1234", ("10.0.0.1", 1234)),
+                                       ("[fd00::2]:80", ("fd00::2", 80)),
+                                       ("node0", ("node0", 1))])
+def test_split_address(text, want):
+    assert topology._split_address(text) == want  # pylint: disable=protected-access
