@@ -293,10 +293,20 @@ def _init_multi_rank(configs) -> None:
     zero_copy.prepare_env(config.zero_copy)  # before NVSHMEM reads its environment (uid, init)
     key = f"jaxep/nvshmem_uid/{_state.generation}"
     if pe == 0:
-        uid = ext.unique_id()
+        try:
+            uid = ext.unique_id()
+        except RuntimeError as e:
+            why = f"{e}: {_bootstrap_text()}"
+            client.key_value_set_bytes(key, _UID_ERROR + why.encode())  # the others fail at once
+            _state.generation += 1  # every rank raises: a retry publishes under fresh keys
+            _fail(why)
         client.key_value_set_bytes(key, uid)
     else:
-        uid = client.blocking_key_value_get_bytes(key, wait_ms)
+        uid = bytes(client.blocking_key_value_get_bytes(key, wait_ms))
+        if uid.startswith(_UID_ERROR):
+            _state.generation += 1
+            _fail("rank 0 could not create NVSHMEM's unique id: "
+                  + uid[len(_UID_ERROR):].decode(errors="replace"))
     try:
         ext.runtime_init(ordinal, pe, nproc, node, bytes(uid), sizes["max_tokens"], sizes["topk"],
                          sizes["experts"], cap, row_bytes, sizes["return_row_bytes"],
@@ -344,6 +354,18 @@ def _init_multi_rank(configs) -> None:
 
 _BOOTSTRAP_IFNAME = "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"
 _BOOTSTRAP_FAMILY = "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY"
+_UID_ERROR = b"jaxep-error:"  # rank 0 publishes this instead of a unique id it could not make
+
+
+def _bootstrap_text() -> str:
+    """What a failed unique id says: where NVSHMEM's bootstrap looked for its socket."""
+    chosen = os.environ.get(_BOOTSTRAP_IFNAME)
+    where = (f"{_BOOTSTRAP_IFNAME}={chosen}" if chosen else
+             f"{_BOOTSTRAP_IFNAME} unset: an ib* interface, else the first but docker*/lo")
+    return (f"NVSHMEM's unique-id bootstrap opens its socket on an interface of this host ({where}"
+            f"; family {os.environ.get(_BOOTSTRAP_FAMILY) or 'either'}); NVSHMEM's lines above say "
+            f"why it failed (\"No socket interface found\": set {_BOOTSTRAP_IFNAME} to an "
+            "interface that exists, NCCL_SOCKET_IFNAME's syntax)")
 
 
 def _pin_bootstrap_interface(hosts: int) -> None:

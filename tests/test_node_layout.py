@@ -180,3 +180,74 @@ def test_two_nodes_of_four_processes_agree_through_the_real_store(tmp_path):
         assert len(msgs) == 1, msgs  # the same error on every rank
         assert text in msgs.pop()
     assert "node 1 of 2: ranks 4-7 of 8, coordinator " + coordinator in outs[1][1]
+
+
+TWO_HOSTS = """
+    import json, logging, os
+    import jax
+    from jaxep import _jax_private, node_layout, runtime
+
+    logging.basicConfig(level=logging.INFO)
+    rank, n = jax.process_index(), jax.process_count()
+    got = node_layout.discover(_jax_private.distributed_client(), rank, n, 0, timeout_ms=30_000)
+    runtime._pin_bootstrap_interface(2)
+    print("RESULT G " + json.dumps(got), flush=True)
+    print("RESULT host " + json.dumps(node_layout.this_host()), flush=True)
+    print("RESULT ifname " + json.dumps(os.environ.get("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME")), flush=True)
+"""
+_BOOT_ID_B = "0b0b0b0b-1111-2222-3333-444455556666"
+
+
+def _namespaces_work(boot_file) -> bool:
+    """Root with unshare(1): a private mount namespace may bind another boot id over the kernel's."""
+    try:
+        r = subprocess.run(["unshare", "-m", "sh", "-c",
+                            f"mount --bind {boot_file} {node_layout._BOOT_ID} && cat "  # pylint: disable=protected-access
+                            f"{node_layout._BOOT_ID}"],  # pylint: disable=protected-access
+                           capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0 and _BOOT_ID_B in r.stdout
+
+
+def test_two_real_hosts_by_boot_id_agree_and_pin_nvshmems_bootstrap(tmp_path):
+    """Two `jaxep.launch --nnodes 2` launchers whose processes really are on two "hosts": node 1
+    runs in a mount namespace with another kernel boot id (same hostname, as two machines that
+    share a name). No hostname is injected: each rank's own `this_host()` differs, the ranks agree
+    on 2 per node, and each points NVSHMEM's bootstrap at the interface that holds the
+    coordinator's address (not loopback). Needs root and unshare(1); the GPU run of the same
+    launch is tools/gpu_hosts.sh (docs/performance.md §14)."""
+    boot = tmp_path / "boot_id"
+    boot.write_text(_BOOT_ID_B + "\n")
+    if not _namespaces_work(boot):
+        pytest.skip("needs root and unshare(1) to give a process another boot id")
+    import psutil
+    ip = next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+               if a.family == socket.AF_INET and not a.address.startswith("127.")), None)
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 address to serve the coordinator on")
+    iface = next(name for name, addrs in psutil.net_if_addrs().items()
+                 if any(a.address == ip for a in addrs))
+    script = tmp_path / "two_hosts.py"
+    script.write_text(textwrap.dedent(TWO_HOSTS))
+    launcher = [sys.executable, "-m", "jaxep.launch", "--nnodes", "2", "--nproc", "2",
+                "--coordinator", f"{ip}:{launch.free_port()}", "--timeout", "80"]
+    cmds = [launcher + ["--node_rank", "0", str(script)],
+            ["unshare", "-m", "sh", "-c",
+             f"mount --bind {boot} {node_layout._BOOT_ID} && exec "  # pylint: disable=protected-access
+             + " ".join(launcher + ["--node_rank", "1", str(script)])]]
+    env = dict(_env())
+    env.pop("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", None)
+    procs = [subprocess.Popen(c, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for c in cmds]
+    outs = [p.communicate(timeout=100) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+    got = {}
+    for out, _ in outs:
+        for rank, case, value in RESULT.findall(out):
+            got.setdefault(case, {})[int(rank)] = json.loads(value)
+    assert got["G"] == {r: 2 for r in range(4)}, got
+    hosts = got["host"]
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3] and "(boot 0b0b0b0b)" in hosts[2]
+    assert got["ifname"] == {r: f"={iface}" for r in range(4)}

@@ -486,3 +486,27 @@ def test_no_route_to_the_coordinator_leaves_nvshmem_its_choice_and_says_so(fake,
     assert seen == {IFNAME: None, FAMILY: None}
     assert any("NVSHMEM's bootstrap picks its own" in r.getMessage() and IFNAME in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_unique_id_rank_0_cannot_make_fails_every_rank_at_once(fake, monkeypatch):
+    """NVSHMEM's bootstrap finds no socket interface (session 15, call 2 (c): "No socket interface
+    found", nvshmemx_get_uniqueid status 7): rank 0 raises naming the variable that chooses the
+    interface and publishes the error, so rank 1 raises the same at once instead of waiting."""
+    _unset_restored(monkeypatch, IFNAME, FAMILY)
+    monkeypatch.setenv(IFNAME, "=nosuch0")
+    client = _client(monkeypatch)
+    gen = runtime._state.generation  # pylint: disable=protected-access
+
+    def no_interface():
+        raise RuntimeError("nvshmemx_get_uniqueid failed with status 7")
+    monkeypatch.setattr(fake.ext, "unique_id", no_interface)
+    text = _refusal("nvshmemx_get_uniqueid failed with status 7: NVSHMEM's unique-id bootstrap")
+    assert f"{IFNAME}==nosuch0; family either" in text and fake.ext.inits == []
+    published = client.kv[f"jaxep/nvshmem_uid/{gen}"]
+    # rank 1 reads it: the same words, at once
+    monkeypatch.setattr(runtime.jax, "process_index", lambda: 1)
+    fake.local = [_device(1)]
+    client.kv[f"jaxep/nvshmem_uid/{gen + 1}"] = published
+    text1 = _refusal("rank 0 could not create NVSHMEM's unique id: nvshmemx_get_uniqueid failed")
+    assert text1.endswith(text[len("jaxep.initialize: "):])
+    assert fake.ext.inits == []
