@@ -164,6 +164,15 @@ std::string Init(const InitParams& p) {
     return "NVSHMEM initialization (unique id bootstrap) failed with status " + std::to_string(rc) +
            " (NVSHMEM_DEBUG=INFO shows why)";
   }
+  // nvshmemi_init_thread returns 0 when only its bootstrap succeeded (its common init "failed,
+  // continuing": no transport reaches some PE). The next NVSHMEM call (nvshmem_malloc) would retry
+  // that init and exit the process; say it here instead, so initialize can raise.
+  if (int st = nvshmemx_init_status(); st < NVSHMEM_STATUS_IS_INITIALIZED) {
+    return "NVSHMEM bootstrapped the " + std::to_string(p.size) + " PEs but could not initialize "
+           "(status " + std::to_string(st) + "): its transports do not reach every PE (NVSHMEM's "
+           "lines above name them: \"Peer GPU N is not accessible\"); restart the processes after "
+           "fixing it";
+  }
   if (nvshmem_my_pe() != p.rank || nvshmem_n_pes() != p.size) {
     return "NVSHMEM PE " + std::to_string(nvshmem_my_pe()) + " of " +
            std::to_string(nvshmem_n_pes()) + " does not match rank " + std::to_string(p.rank) +
