@@ -443,8 +443,8 @@ def _bootstrap_env_at_unique_id(fake, monkeypatch):
 def test_across_hosts_nvshmem_bootstrap_uses_the_interface_that_reaches_jax(fake, monkeypatch,
                                                                             caplog):
     """NVSHMEM's unique-id bootstrap picks its own interface (an ib* one, else the first but
-    docker/lo), which the other host may not reach (DeepEP issue 150: "Connection timed out" in
-    bootstrap_init): on several hosts initialize points it at the route to JAX's coordinator."""
+    docker/lo), which the other host may not reach (then "Connection timed out" in bootstrap_init,
+    the symptom of DeepEP issue 150): on several hosts initialize points it at the route to JAX's coordinator."""
     _unset_restored(monkeypatch, IFNAME, FAMILY)
     _two_hosts(_client(monkeypatch), monkeypatch, [])
     monkeypatch.setattr(runtime._jax_private, "coordinator_address", lambda: "node0:29500")
