@@ -28,8 +28,9 @@ Environment: the library writes os.environ in exactly two places, each just befo
 unset, and logged at INFO: `zero_copy.prepare_env` sets NVSHMEM_CUMEM_GRANULARITY=2 MiB when
 `config.zero_copy` is on (zero-copy needs it); `_pin_bootstrap_interface`, on several hosts only,
 sets NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME (and _FAMILY) to the interface reaching JAX's coordinator.
-Every other NVSHMEM setting jaxep recommends is only logged (INFO), never set. (The command-line tools, `jaxep.launch` and `jaxep-bench --cpu_devices`,
-set up the environment of what they start, as their flags ask.)
+Every other NVSHMEM setting jaxep recommends is only logged (INFO), never set. (The command-line
+tools, `jaxep.launch` and `jaxep-bench --cpu_devices`, set up the environment of what they start,
+as their flags ask.)
 """
 from __future__ import annotations
 

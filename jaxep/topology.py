@@ -590,14 +590,14 @@ def _gpudirect(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
     if not dma_buf and drv.peer_memory is None:
         modules = "no peer-memory module is loaded (NVSHMEM looks for nvidia_peermem, nv_peer_mem)"
         fix = ("load the NVIDIA driver's peer-memory module on every node: sudo modprobe "
-               "nvidia-peermem (it needs the RDMA stack's peer-memory support: MLNX_OFED / DOCA-OFED"
-               " or rdma-core); or use the open GPU kernel modules on Linux >= 5.12, which give "
-               "dma-buf")
+               "nvidia-peermem (it needs the RDMA stack's peer-memory support: MLNX_OFED / "
+               "DOCA-OFED or rdma-core); or use the open GPU kernel modules on Linux >= 5.12, "
+               "which give dma-buf")
         if drv.dma_buf is None and not s.disable_dmabuf:
             out.append(Finding(
                 "warn", f"GPUDirect RDMA unknown: {modules}, and no CUDA driver here said whether "
-                "the GPU supports dma-buf", "run the doctor on a GPU node to know; without dma-buf, "
-                + fix))
+                "the GPU supports dma-buf",
+                "run the doctor on a GPU node to know; without dma-buf, " + fix))
         else:
             why = ("NVSHMEM_IB_DISABLE_DMABUF is set" if drv.dma_buf and s.disable_dmabuf
                    else "CUDA reports no dma-buf support for the GPU")
