@@ -44,7 +44,7 @@ import threading
 import jax
 import numpy as np
 
-from jaxep import _ffi, _jax_private, node_layout, topology, zero_copy
+from jaxep import _ffi, _jax_private, machine, node_layout, topology, zero_copy
 from jaxep.config import Config, field_diff
 
 log = logging.getLogger("jaxep")
@@ -386,7 +386,7 @@ def _pin_bootstrap_interface(hosts: int) -> None:
     except _jax_private.JaxPrivateMoved as e:
         address = None
         log.warning("jaxep: %s", e)
-    route = topology.route_interface(address) if address else None
+    route = machine.route_interface(address) if address else None
     if route is None or ipaddress.ip_address(route[1]).is_loopback:
         log.warning("jaxep: no interface of this host reaches JAX's coordinator (%s; route %s), so "
                     "NVSHMEM's bootstrap picks its own; if its init fails to connect, set %s to "

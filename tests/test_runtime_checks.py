@@ -449,7 +449,7 @@ def test_across_hosts_nvshmem_bootstrap_uses_the_interface_that_reaches_jax(fake
     _two_hosts(_client(monkeypatch), monkeypatch, [])
     monkeypatch.setattr(runtime._jax_private, "coordinator_address", lambda: "node0:29500")
     asked = []
-    monkeypatch.setattr(runtime.topology, "route_interface",
+    monkeypatch.setattr(runtime.machine, "route_interface",
                         lambda a: asked.append(a) or ("ens2", "10.0.0.5", "AF_INET"))
     seen = _bootstrap_env_at_unique_id(fake, monkeypatch)
     with caplog.at_level("INFO", logger="jaxep"):
@@ -461,7 +461,7 @@ def test_across_hosts_nvshmem_bootstrap_uses_the_interface_that_reaches_jax(fake
 
 def test_the_bootstrap_interface_set_by_the_user_or_on_one_host_is_left_alone(fake, monkeypatch):
     _unset_restored(monkeypatch, IFNAME, FAMILY)
-    monkeypatch.setattr(runtime.topology, "route_interface", lambda a: pytest.fail("asked"))
+    monkeypatch.setattr(runtime.machine, "route_interface", lambda a: pytest.fail("asked"))
     monkeypatch.setattr(runtime._jax_private, "coordinator_address", lambda: "node0:29500")
     seen = _bootstrap_env_at_unique_id(fake, monkeypatch)
     client = _client(monkeypatch)
@@ -479,7 +479,7 @@ def test_no_route_to_the_coordinator_leaves_nvshmem_its_choice_and_says_so(fake,
     _unset_restored(monkeypatch, IFNAME, FAMILY)
     _two_hosts(_client(monkeypatch), monkeypatch, [])
     monkeypatch.setattr(runtime._jax_private, "coordinator_address", lambda: "node0:29500")
-    monkeypatch.setattr(runtime.topology, "route_interface", lambda a: route)
+    monkeypatch.setattr(runtime.machine, "route_interface", lambda a: route)
     seen = _bootstrap_env_at_unique_id(fake, monkeypatch)
     with caplog.at_level("WARNING", logger="jaxep"):
         runtime._init_multi_rank(CFG)  # pylint: disable=protected-access

@@ -11,17 +11,14 @@ Fixtures (tests/fixtures/topology/<case>/topo.txt and <case>/root, a /sys + /pro
 The fixtures' CUDA answer (dma-buf support) is given, not probed: DRIVER says yes, as the open
 kernel modules on the seed's B300s would. Each detection fires on its fixture and on no other; the
 seed is clean once IBGDA is on."""
-import collections
 import json
 import os
 import re
 import shutil
-import socket
-import subprocess
 
 import pytest
 
-from jaxep import topology
+from jaxep import machine, topology
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "topology")
 CASES = ("seed", "shared", "far", "bond")
@@ -37,8 +34,8 @@ def _root(case):
     return os.path.join(FIXTURES, case, "root")
 
 
-def _driver(case, dma_buf=True, machine="x86_64", root=None):
-    return topology.read_driver(root or _root(case), dma_buf=dma_buf, machine=machine)
+def _driver(case, dma_buf=True, arch="x86_64", root=None):
+    return machine.read_driver(root or _root(case), dma_buf=dma_buf, machine=arch)
 
 
 def _findings(case, environ, nodes=2, driver=None):
@@ -58,44 +55,7 @@ def _kinds(found):
     return sorted(next(k for s, k in starts.items() if f.what.startswith(s)) for f in found)
 
 
-# --- parsing -------------------------------------------------------------------------------------
-
-def test_parse_the_seed_matrix_and_legend():
-    t = topology.parse_topo(_text("seed"))
-    assert t.gpus == tuple(range(8)) and t.nics == tuple(f"mlx5_{i}" for i in range(8))
-    assert t.link[3] == {f"mlx5_{i}": "PXB" if i == 3 else "SYS" for i in range(8)}
-    assert t.numa_affinity[5] == "1" and t.cpu_affinity[0] == "0-55,112-167"
-
-
-def test_parse_tolerates_ansi_underline_spaces_and_no_tail_columns():
-    underlined = _text("far").replace("\tGPU0", "\t\x1b[4mGPU0").replace("GPU NUMA ID", "GPU NUMA ID\x1b[0m")
-    assert topology.parse_topo(underlined) == topology.parse_topo(_text("far"))
-    spaced = "        GPU0    NIC0\nGPU0     X      PIX\nNIC0    PIX      X \n\nNIC Legend:\n\n  NIC0: mlx5_4\n"
-    t = topology.parse_topo(spaced)
-    assert t.link == {0: {"mlx5_4": "PIX"}} and t.numa_affinity == {0: None}
-    assert topology.parse_topo("") is None and topology.parse_topo("No devices were found") is None
-
-
-def test_sysfs_of_the_seed():
-    nics = topology.read_nics(_root("seed"))
-    assert list(nics) == [f"mlx5_{i}" for i in range(8)]
-    n = nics["mlx5_5"]
-    assert n.numa_node == 1 and not n.bonded and n.port.active
-    assert (n.port.rate_text, n.port.rate_gbps, n.port.link_layer) == (
-        "800 Gb/sec (4X XDR)", 800.0, "Ethernet")
-    assert n.port.gids[3] == ("0000:0000:0000:0000:0000:ffff:0a00:0105", "RoCE v2")
-    assert 4 not in nics["mlx5_0"].port.gids  # the all-zero entry is unused
-    assert topology.gdrcopy(_root("seed")) and not topology.gdrcopy("/nonexistent")
-    assert topology.read_nics("/nonexistent") == {}
-
-
-def test_sysfs_bond_through_its_gid_netdevs():
-    nics = topology.read_nics(_root("bond"))
-    b = nics["mlx5_bond_0"]
-    assert b.bonded and b.bond == "bond0" and b.slaves == ("enp24s0f0np0", "enp24s0f1np1")
-    assert b.slave_gbps == (400.0, 400.0)
-    assert not nics["mlx5_2"].bonded
-
+# --- NVSHMEM's settings ----------------------------------------------------------------------
 
 def test_settings_parse_as_nvshmem_does():
     s = topology.read_settings({"NVSHMEM_IB_ENABLE_IBGDA": "true", "NVSHMEM_DISABLE_GDRCOPY": "0",
@@ -113,14 +73,14 @@ def test_settings_parse_as_nvshmem_does():
 # --- which NIC NVSHMEM picks ---------------------------------------------------------------------
 
 def test_closest_nic_for_each_seed_gpu():
-    t, nics = topology.parse_topo(_text("seed")), topology.read_nics(_root("seed"))
+    t, nics = machine.parse_topo(_text("seed")), machine.read_nics(_root("seed"))
     for g in range(8):
         c = topology.nic_for_gpu(g, t, nics, topology.read_settings({}))
         assert (c.nic, c.port, c.link, c.how) == (f"mlx5_{g}", 1, "PXB", "closest")
 
 
 def test_mapping_rules():
-    t, nics = topology.parse_topo(_text("seed")), topology.read_nics(_root("seed"))
+    t, nics = machine.parse_topo(_text("seed")), machine.read_nics(_root("seed"))
 
     def nic(gpu, **env):
         return topology.nic_for_gpu(gpu, t, nics, topology.read_settings(
@@ -138,7 +98,7 @@ def test_mapping_rules():
 def test_equally_close_nics_are_spread():
     text = ("\tGPU0\tGPU1\tNIC0\tNIC1\nGPU0\t X \tNV18\tPIX\tPIX\nGPU1\tNV18\t X \tPIX\tPIX\n"
             "\nNIC Legend:\n\n  NIC0: mlx5_0\n  NIC1: mlx5_1\n")
-    choices = topology.assign(topology.parse_topo(text), {}, topology.read_settings({}))
+    choices = topology.assign(machine.parse_topo(text), {}, topology.read_settings({}))
     assert [c.nic for c in choices.values()] == ["mlx5_0", "mlx5_1"]
 
 
@@ -256,10 +216,10 @@ def test_no_dma_buf_and_no_peer_memory_module_is_the_not_accessible_failure():
     assert "no_gdr" not in _kinds(_findings("seed", {"NVSHMEM_REMOTE_TRANSPORT": "ucx"}, driver=drv))
 
 
-@pytest.mark.parametrize("path,name", topology.PEER_MEMORY_FILES)
+@pytest.mark.parametrize("path,name", machine.PEER_MEMORY_FILES)
 def test_each_peer_memory_module_nvshmem_looks_for_is_found(tmp_path, path, name):
     root = _seed_root_with(tmp_path, path)
-    drv = topology.read_driver(root, dma_buf=False, machine="x86_64")
+    drv = machine.read_driver(root, dma_buf=False, machine="x86_64")
     assert drv.peer_memory == name
     assert _findings("seed", IBGDA, driver=drv) == []
     _, transport = topology.gpu_report(0, IBGDA, root, _text("seed"), drv)
@@ -282,7 +242,7 @@ def test_ibgda_without_peer_mapping_override_rings_from_a_cpu(tmp_path):
     """The lent H200's params (no registry keys) on x86: IBGDA's doorbell falls back to a CPU."""
     with open(os.path.join(FIXTURES, "h200_params.txt")) as f:
         root = _seed_root_with(tmp_path, params=f.read())
-    drv = topology.read_driver(root, dma_buf=True, machine="x86_64")
+    drv = machine.read_driver(root, dma_buf=True, machine="x86_64")
     assert drv.peer_mapping_override is False
     for handler in ("auto", "gpu"):
         env = {**IBGDA, "NVSHMEM_IBGDA_NIC_HANDLER": handler}
@@ -295,19 +255,19 @@ def test_ibgda_without_peer_mapping_override_rings_from_a_cpu(tmp_path):
     no_gdr = _findings("seed", {**IBGDA, "NVSHMEM_DISABLE_GDRCOPY": "1"}, driver=drv)
     assert "through host memory" in no_gdr[0].what
     # Not x86 (Grace): the key is an x86 one; an explicit CPU handler is its own finding.
-    assert _findings("seed", IBGDA, driver=topology.read_driver(root, True, "aarch64")) == []
+    assert _findings("seed", IBGDA, driver=machine.read_driver(root, True, "aarch64")) == []
     assert _kinds(_findings("seed", {**IBGDA, "NVSHMEM_IBGDA_NIC_HANDLER": "cpu"},
                             driver=drv)) == ["cpu_doorbell"]
 
 
 def test_read_driver_parses_the_registry_keys_and_probes_only_this_machine(tmp_path, monkeypatch):
     both = 'RegistryDwords: "RMUseSwI2c=0x01;PeerMappingOverride=1;"\n'
-    assert topology.read_driver(_seed_root_with(tmp_path, params=both), True).peer_mapping_override
-    assert topology.read_driver("/nonexistent", True).peer_mapping_override is None
+    assert machine.read_driver(_seed_root_with(tmp_path, params=both), True).peer_mapping_override
+    assert machine.read_driver("/nonexistent", True).peer_mapping_override is None
     asked = []
-    monkeypatch.setattr(topology, "dma_buf_supported", lambda ordinal=0: asked.append(ordinal) or True)
-    assert topology.read_driver(_root("seed")).dma_buf is None and asked == []  # a fixture tree
-    assert topology.read_driver("/", ordinal=3).dma_buf is True and asked == [3]
+    monkeypatch.setattr(machine, "dma_buf_supported", lambda ordinal=0: asked.append(ordinal) or True)
+    assert machine.read_driver(_root("seed")).dma_buf is None and asked == []  # a fixture tree
+    assert machine.read_driver("/", ordinal=3).dma_buf is True and asked == [3]
 
 
 def _renamed_seed(tmp_path, rename):
@@ -345,40 +305,6 @@ def test_ibgda_skips_nics_without_the_hca_prefix(tmp_path):
     assert f.hint.startswith("NVSHMEM_HCA_PREFIX=ibp")
 
 
-class _FakeCuda:
-    """libcuda's three calls dma_buf_supported makes: each returns `rc`, the attribute `value`."""
-
-    def __init__(self, rc=0, value=1):
-        self.rc, self.value, self.attrs = rc, value, []
-
-    def cuInit(self, flags):  # noqa: N802 (CUDA's names)
-        return 0
-
-    def cuDeviceGet(self, device, ordinal):  # noqa: N802
-        device._obj.value = ordinal
-        return 0
-
-    def cuDeviceGetAttribute(self, value, attr, device):  # noqa: N802
-        self.attrs.append((attr, device.value))
-        value._obj.value = self.value
-        return self.rc
-
-
-@pytest.mark.parametrize("rc,value,want", [(0, 1, True), (0, 0, False), (101, 1, None)])
-def test_dma_buf_supported_asks_cuda_for_its_attribute(monkeypatch, rc, value, want):
-    cuda = _FakeCuda(rc, value)
-    monkeypatch.setattr(topology.ctypes, "CDLL", lambda name: cuda)
-    assert topology.dma_buf_supported(2) is want
-    assert cuda.attrs == [(124, 2)]  # CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED of device 2
-
-
-def test_dma_buf_supported_without_a_cuda_driver(monkeypatch):
-    def missing(name):
-        raise OSError(f"{name}: cannot open shared object file")
-    monkeypatch.setattr(topology.ctypes, "CDLL", missing)
-    assert topology.dma_buf_supported() is None
-
-
 # --- the per-GPU report --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gpu", range(8))
@@ -400,7 +326,7 @@ def test_report_follows_cuda_visible_devices_and_the_gid():
 
 
 def test_report_without_nvidia_smi_or_sysfs(monkeypatch):
-    monkeypatch.setattr(topology.shutil, "which", lambda name: None)
+    monkeypatch.setattr(machine.shutil, "which", lambda name: None)
     nic, transport = topology.gpu_report(0, {}, "/nonexistent")
     assert nic == ("GPU 0: NIC unknown (no `nvidia-smi topo -m`); RDMA NICs: none in "
                    "/sys/class/infiniband")
@@ -411,18 +337,6 @@ def test_report_without_nvidia_smi_or_sysfs(monkeypatch):
     assert nic == "GPU 0: NIC unknown (no `nvidia-smi topo -m`); RDMA NICs: mlx5_0 400 Gb/s, mlx5_1 400 Gb/s"
 
 
-def test_nvidia_smi_is_read_with_a_timeout(monkeypatch):
-    calls = []
-
-    def hang(cmd, **kw):
-        calls.append((cmd, kw["timeout"]))
-        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
-    monkeypatch.setattr(topology.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
-    monkeypatch.setattr(topology.subprocess, "run", hang)
-    assert topology.read_topo_text() is None
-    assert calls == [(["nvidia-smi", "topo", "-m"], topology.TOPO_TIMEOUT_S)]
-
-
 def test_summary_is_json_and_writes_no_environment():
     before = dict(os.environ)
     s = topology.summary({}, _root("bond"), _text("bond"), nodes=2, driver=_driver("bond"))
@@ -431,51 +345,3 @@ def test_summary_is_json_and_writes_no_environment():
     assert s["gpus"][0] == dict(gpu=0, nic="mlx5_bond_0", port=1, link="PXB", how="closest")
     assert {n["name"]: n["bond"] for n in s["nics"]} == {"mlx5_2": None, "mlx5_bond_0": "bond0"}
     assert s["settings"]["NVSHMEM_IB_ENABLE_IBGDA"] is None
-
-
-# --- the bootstrap's interface -------------------------------------------------------------------
-
-def test_route_interface_of_loopback_on_this_machine():
-    assert topology.route_interface("127.0.0.1:29500") == ("lo", "127.0.0.1", "AF_INET")
-    assert topology.route_interface("no-such-host.invalid:1") is None
-    assert topology.route_interface("not an address") is None
-
-
-def test_route_interface_names_the_interface_holding_the_routes_source_address(monkeypatch):
-    """A host with eno1 (management) first and ens2 on the coordinator's network: the kernel's
-    source address for the coordinator (10.0.0.5) is ens2's, whatever the interface order."""
-    addr = collections.namedtuple("addr", "family address")
-    table = {"lo": [addr(socket.AF_INET, "127.0.0.1")],
-             "eno1": [addr(socket.AF_INET, "192.168.0.3"), addr(socket.AF_INET6, "fe80::1%eno1")],
-             "ens2": [addr(socket.AF_PACKET, "02:00:00:00:00:01"), addr(socket.AF_INET, "10.0.0.5")]}
-    connected = []
-
-    class Sock:
-        def __init__(self, family, kind):
-            self.family = family
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def connect(self, sockaddr):
-            connected.append(sockaddr)
-
-        def getsockname(self):
-            return ("10.0.0.5", 40000)
-    monkeypatch.setattr(topology.socket, "getaddrinfo", lambda host, port, type: [
-        (socket.AF_INET, type, 17, "", ("10.0.0.1", port))] if host == "node0" else [])
-    monkeypatch.setattr(topology.socket, "socket", Sock)
-    assert topology.route_interface("node0:29500", table) == ("ens2", "10.0.0.5", "AF_INET")
-    assert connected == [("10.0.0.1", 29500)]  # UDP connect: nothing is sent
-    assert topology.route_interface("node1:29500", table) is None
-
-
-@pytest.mark.parametrize("text,want", [("node0:29500", ("node0", 29500)),
-                                       ("10.0.0.1:1234", ("10.0.0.1", 1234)),
-                                       ("[fd00::2]:80", ("fd00::2", 80)),
-                                       ("node0", ("node0", 1))])
-def test_split_address(text, want):
-    assert topology._split_address(text) == want  # pylint: disable=protected-access
