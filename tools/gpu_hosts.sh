@@ -62,10 +62,12 @@ if wanted one; then
   echo "rc=$?" >> "$R/one.txt"; t "(one) $(tail -2 "$R/one.txt" | head -1)"
 fi
 echo quit | nvidia-cuda-mps-control
+# one archive of every log (the device tool brings back only a few files per call)
+( cd "$R" && tar czf hosts_logs.tar.gz ./*.txt && rm -f ./*_node?.txt c_badif.txt one.txt doctor_*.txt )
 echo "=== gpu_hosts"; cat "$R/steps.txt"
 for f in a_node0 a_node1 b_node0 b_node1 c_badif; do
-  [ -f "$R/$f.txt" ] || continue
   echo "--- $f"
-  grep -E "LAYOUT|SUMMARY|bootstrap set|GPUDirect|jaxep.initialize|not accessible|rc=" "$R/$f.txt" \
+  tar xzf "$R/hosts_logs.tar.gz" -O "./$f.txt" 2>/dev/null \
+    | grep -E "LAYOUT|SUMMARY|bootstrap set|GPUDirect|jaxep.initialize|not accessible|rc=" \
     | cut -c1-600 | head -12
 done
