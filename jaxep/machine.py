@@ -7,7 +7,8 @@ takes the root of a /sys + /proc + /dev tree or recorded text, so the tests feed
   read_topo_text(), parse_topo(text)   `nvidia-smi topo -m` -> Topo
   read_nics(root)          /sys/class/infiniband (+ bonds in /sys/class/net) -> {name: Nic}
   read_driver(root)        GPUDirect RDMA (dma-buf, asked of libcuda, or a peer-memory module),
-                           PeerMappingOverride=1, GDRCopy, the CPU architecture -> Driver
+                           PeerMappingOverride=1, GDRCopy, the CPU architecture, and which of
+                           the user-space LIBRARIES NVSHMEM dlopens do not load -> Driver
   route_interface(addr)    the interface, source address and family this host reaches addr by
 """
 from __future__ import annotations
@@ -27,6 +28,11 @@ PEER_MEMORY_FILES = (("sys/kernel/mm/memory_peers/nv_mem/version", "nv_peer_mem"
                      ("sys/kernel/mm/memory_peers/nvidia-peermem/version", "nvidia-peermem"),
                      ("sys/module/nvidia_peermem/version", "nvidia_peermem"))
 _CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124  # cuda.h
+# The user-space libraries NVSHMEM's network transports dlopen (its transport_ib_common.cpp and
+# transport_gdr_common.cpp): the names it tries, in order, for each.
+LIBRARIES = {"libibverbs": ("libibverbs.so.1",),          # every InfiniBand/RoCE transport
+             "libmlx5": ("libmlx5.so", "libmlx5.so.1"),  # IBGDA (mlx5 direct verbs)
+             "libgdrapi": ("libgdrapi.so.2",)}           # GDRCopy, beside /dev/gdrdrv
 TOPO_TIMEOUT_S = 5.0  # nvidia-smi topo -m takes well under a second; a hung driver must not stall
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi underlines the header on a terminal
 _TAIL = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
@@ -231,33 +237,48 @@ class Driver:
     dma_buf: CUDA's dma-buf support for the GPU, None when unknown (no CUDA driver asked);
     peer_mapping_override: the nvidia module's RegistryDwords hold PeerMappingOverride=1, None
       when /proc/driver/nvidia/params cannot be read;
-    gdrcopy: GDRCopy's module is loaded (/dev/gdrdrv); machine: platform.machine()."""
+    gdrcopy: GDRCopy's module is loaded (/dev/gdrdrv); machine: platform.machine();
+    missing_libraries: the LIBRARIES that do not load here, None when not tried (a fixture)."""
     peer_memory: str | None
     dma_buf: bool | None
     peer_mapping_override: bool | None
     gdrcopy: bool
     machine: str
+    missing_libraries: tuple[str, ...] | None = None
 
     @property
     def x86(self) -> bool:
         return self.machine.lower() in ("x86_64", "amd64")
 
 
+def missing_libraries(load=ctypes.CDLL) -> tuple[str, ...]:
+    """The LIBRARIES none of whose names `load` (dlopen) can open, as NVSHMEM would try them."""
+    def loads(name):
+        try:
+            load(name)
+            return True
+        except OSError:
+            return False
+    return tuple(lib for lib, names in LIBRARIES.items() if not any(loads(n) for n in names))
+
+
 def read_driver(root: str = "/", dma_buf: bool | None = None, machine: str | None = None,
                 ordinal: int = 0) -> Driver:
-    """The Driver facts under root (/sys, /proc, /dev). dma_buf None: ask the CUDA driver about
-    device `ordinal` when root is "/" (this machine), else leave it unknown; machine None: this
-    machine's."""
+    """The Driver facts under root (/sys, /proc, /dev). On this machine (root "/") dma_buf None
+    asks the CUDA driver about device `ordinal`, and the LIBRARIES are loaded to see which are
+    missing; under another root (a fixture) both stay unknown. machine None: this machine's."""
     peer = next((name for path, name in PEER_MEMORY_FILES
                  if os.path.exists(os.path.join(root, path))), None)
     params = _read(os.path.join(root, "proc", "driver", "nvidia", "params"))
     override = None if params is None else any(
         re.search(r"PeerMappingOverride\s*=\s*1\b", line) for line in params.splitlines()
         if line.startswith("RegistryDwords"))
-    if dma_buf is None and os.path.abspath(root) == "/":
+    here = os.path.abspath(root) == "/"
+    if dma_buf is None and here:
         dma_buf = dma_buf_supported(ordinal)
     return Driver(peer, dma_buf, override, gdrcopy(root),
-                  platform.machine() if machine is None else machine)
+                  platform.machine() if machine is None else machine,
+                  missing_libraries() if here else None)
 
 
 # --- the interface a route leaves by ------------------------------------------------------------

@@ -41,8 +41,8 @@ import dataclasses
 import os
 from typing import Mapping, NamedTuple
 
-from jaxep.machine import (Driver, Nic, Topo, int_or_none, parse_topo, read_driver, read_nics,
-                           read_topo_text)
+from jaxep.machine import (LIBRARIES, Driver, Nic, Topo, int_or_none, parse_topo, read_driver,
+                           read_nics, read_topo_text)
 
 # The NVSHMEM variables read here: meaning [default]. The one place jaxep documents them.
 VARIABLES = {
@@ -308,7 +308,18 @@ def _half_rate_bonds(used: list[Nic]) -> list[Finding]:
     return out
 
 
-def _transport(s: Settings, gdr: bool, nodes: int | None) -> list[Finding]:
+def _gdrcopy_missing(s: Settings, drv: Driver) -> str | None:
+    """Why NVSHMEM would run without GDRCopy here, or None when it has it."""
+    if s.disable_gdrcopy:
+        return "NVSHMEM_DISABLE_GDRCOPY is set"
+    if not drv.gdrcopy:
+        return "/dev/gdrdrv is missing"
+    if "libgdrapi" in (drv.missing_libraries or ()):
+        return "libgdrapi.so.2 does not load"
+    return None
+
+
+def _transport(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
     out = []
     fix = "NVSHMEM_IB_ENABLE_IBGDA=1 NVSHMEM_IBGDA_NIC_HANDLER=gpu"
     if not s.ibgda and s.remote_transport == "none" and nodes and nodes > 1:
@@ -329,13 +340,32 @@ def _transport(s: Settings, gdr: bool, nodes: int | None) -> list[Finding]:
     # GDRCopy serves the IBRC proxy and IBGDA's cpu doorbell handler.
     needs_gdr = ((not s.ibgda and s.remote_transport == "ibrc")
                  or (s.ibgda and s.nic_handler == "cpu"))
-    if needs_gdr and (s.disable_gdrcopy or not gdr):
-        why = "NVSHMEM_DISABLE_GDRCOPY is set" if s.disable_gdrcopy else "/dev/gdrdrv is missing"
+    why = _gdrcopy_missing(s, drv)
+    if needs_gdr and why:
         out.append(Finding(
             "warn", f"no GDRCopy with the CPU proxy ({why}): the proxy's atomics and flag "
             "updates in GPU memory take a slower path",
-            f"load GDRCopy's gdrdrv module and unset NVSHMEM_DISABLE_GDRCOPY; better: {fix}"))
+            "install GDRCopy (its gdrdrv module and libgdrapi.so.2) and unset "
+            f"NVSHMEM_DISABLE_GDRCOPY; better: {fix}"))
     return out
+
+
+def _libraries(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
+    """The user-space verbs libraries NVSHMEM's InfiniBand/RoCE transports dlopen: without them
+    each skips itself (a container image without rdma-core)."""
+    need = (["libibverbs"] if s.ibgda or s.remote_transport in _IB_TRANSPORTS else []) + (
+        ["libmlx5"] if s.ibgda else [])
+    gone = [lib for lib in need if lib in (drv.missing_libraries or ())]
+    if not gone:
+        return []
+    names = "; ".join(" or ".join(LIBRARIES[lib]) for lib in gone)
+    transport = "IBGDA" if s.ibgda else s.remote_transport
+    return [Finding(
+        "error" if nodes and nodes > 1 else "warn",
+        f"not loadable here (dlopen fails): {names}; NVSHMEM's {transport} transport skips itself "
+        "without it, and its init then stops at \"Peer GPU N is not accessible\"",
+        "install rdma-core's user-space verbs on every node, inside the container too (Debian/"
+        "Ubuntu: apt install libibverbs1 ibverbs-providers; RHEL: dnf install libibverbs)")]
 
 
 def _gpudirect(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
@@ -366,7 +396,7 @@ def _gpudirect(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
                 fix + ("; or unset NVSHMEM_IB_DISABLE_DMABUF" if drv.dma_buf else "")))
     if (s.ibgda and s.nic_handler in ("auto", "gpu") and drv.x86
             and drv.peer_mapping_override is False):
-        via = "GDRCopy" if drv.gdrcopy and not s.disable_gdrcopy else "host memory"
+        via = "host memory" if _gdrcopy_missing(s, drv) else "GDRCopy"
         out.append(Finding(
             "warn", "IBGDA's NIC doorbell falls back to a CPU: without the nvidia module's "
             "PeerMappingOverride=1 (x86) NVSHMEM cannot map the doorbell into the GPU, so a CPU "
@@ -457,7 +487,7 @@ def findings(topo: Topo | None, nics: Mapping[str, Nic], s: Settings, drv: Drive
     out = _hca_settings(s, names) + _hca_prefix(s, names, nodes)
     if topo is not None:
         out += _shared(choices, topo, names, nics) + _far(choices, topo, names, nics)
-    return (out + _half_rate_bonds(used) + _transport(s, drv.gdrcopy, nodes)
+    return (out + _half_rate_bonds(used) + _transport(s, drv, nodes) + _libraries(s, drv, nodes)
             + _gpudirect(s, drv, nodes) + _roce(choices, nics, s))
 
 
@@ -486,8 +516,9 @@ def _transport_line(s: Settings, drv: Driver) -> str:
         mode = f"IBGDA (NIC doorbell: {_doorbell(s, drv)})"
     else:
         mode = f"CPU proxy ({s.remote_transport}; IBGDA off)"
-    gdr_text = ("no (NVSHMEM_DISABLE_GDRCOPY)" if s.disable_gdrcopy
-                else "yes" if drv.gdrcopy else "no")
+    why = _gdrcopy_missing(s, drv)
+    gdr_text = ("no (NVSHMEM_DISABLE_GDRCOPY)" if s.disable_gdrcopy else "yes" if why is None
+                else "no" if not drv.gdrcopy else f"no ({why})")
     line = f"NVSHMEM {mode}; GPUDirect RDMA {_gpudirect_text(s, drv)}; GDRCopy {gdr_text}"
     if s.traffic_class is not None:
         line += f"; RoCE traffic class {s.traffic_class}"

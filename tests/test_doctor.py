@@ -76,7 +76,8 @@ def test_topology_section_from_the_seed_fixture(monkeypatch, capsys):
     topo = json.loads(capsys.readouterr().out)["topology"]
     assert topo["gpus"][3]["nic"] == "mlx5_3" and topo["findings"][0]["what"].startswith("IBGDA off")
     assert topo["driver"] == dict(peer_memory=None, dma_buf=None, peer_mapping_override=True,
-                                  gdrcopy=True, machine=platform.machine())
+                                  gdrcopy=True, machine=platform.machine(),
+                                  missing_libraries=None)
     with pytest.raises(SystemExit) as e:
         doctor.main(["--nodes", "0"])
     assert e.value.code == 2 and "--nodes must be at least 1, got 0" in capsys.readouterr().err

@@ -157,3 +157,27 @@ def test_route_interface_names_the_interface_holding_the_routes_source_address(m
                                        ("node0", ("node0", 1))])
 def test_split_address(text, want):
     assert machine._split_address(text) == want  # pylint: disable=protected-access
+
+
+# --- the libraries NVSHMEM dlopens ------------------------------------------------------------------
+
+def test_missing_libraries_tries_each_name_nvshmem_tries():
+    tried = []
+
+    def load(name, absent=("libmlx5.so", "libgdrapi.so.2")):
+        tried.append(name)
+        if name in absent:
+            raise OSError(f"{name}: cannot open shared object file")
+    assert machine.missing_libraries(load) == ("libgdrapi",)  # libmlx5.so.1 loads
+    assert tried == ["libibverbs.so.1", "libmlx5.so", "libmlx5.so.1", "libgdrapi.so.2"]
+
+    def none(name):
+        raise OSError(name)
+    assert machine.missing_libraries(none) == ("libibverbs", "libmlx5", "libgdrapi")
+
+
+def test_read_driver_tries_the_libraries_only_on_this_machine(monkeypatch):
+    monkeypatch.setattr(machine, "missing_libraries", lambda: ("libmlx5",))
+    monkeypatch.setattr(machine, "dma_buf_supported", lambda ordinal=0: None)
+    assert machine.read_driver("/").missing_libraries == ("libmlx5",)
+    assert machine.read_driver(_root("seed")).missing_libraries is None

@@ -11,6 +11,7 @@ Fixtures (tests/fixtures/topology/<case>/topo.txt and <case>/root, a /sys + /pro
 The fixtures' CUDA answer (dma-buf support) is given, not probed: DRIVER says yes, as the open
 kernel modules on the seed's B300s would. Each detection fires on its fixture and on no other; the
 seed is clean once IBGDA is on."""
+import dataclasses
 import json
 import os
 import re
@@ -51,7 +52,8 @@ def _kinds(found):
               "NVSHMEM_REMOTE_TRANSPORT=none": "no_transport", "IBGDA with": "cpu_doorbell",
               "RoCE traffic class": "tc", "RoCE GID index": "gid_vs_nccl",
               "NVSHMEM_IB_GID_INDEX": "gid_type", "no GPUDirect RDMA": "no_gdr",
-              "GPUDirect RDMA unknown": "gdr_unknown", "IBGDA's NIC doorbell": "regkey"}
+              "GPUDirect RDMA unknown": "gdr_unknown", "IBGDA's NIC doorbell": "regkey",
+              "not loadable here": "libs"}
     return sorted(next(k for s, k in starts.items() if f.what.startswith(s)) for f in found)
 
 
@@ -345,3 +347,30 @@ def test_summary_is_json_and_writes_no_environment():
     assert s["gpus"][0] == dict(gpu=0, nic="mlx5_bond_0", port=1, link="PXB", how="closest")
     assert {n["name"]: n["bond"] for n in s["nics"]} == {"mlx5_2": None, "mlx5_bond_0": "bond0"}
     assert s["settings"]["NVSHMEM_IB_ENABLE_IBGDA"] is None
+
+
+# --- the user-space libraries NVSHMEM loads -------------------------------------------------------
+
+def test_verbs_libraries_that_do_not_load_stop_the_ib_transports():
+    """A container without rdma-core: NVSHMEM's IB transports dlopen libibverbs (and IBGDA
+    libmlx5), skip themselves without them, and its init ends at "Peer GPU N is not accessible"."""
+    drv = dataclasses.replace(_driver("seed"), missing_libraries=("libibverbs", "libmlx5"))
+    (f,) = _findings("seed", IBGDA, driver=drv)
+    assert f.level == "error" and _kinds([f]) == ["libs"]
+    assert "libibverbs.so.1; libmlx5.so or libmlx5.so.1" in f.what and "IBGDA" in f.what
+    assert "apt install libibverbs1 ibverbs-providers" in f.hint
+    proxy = [f for f in _findings("seed", {}, driver=drv) if _kinds([f]) == ["libs"]]
+    assert len(proxy) == 1 and "libmlx5" not in proxy[0].what and "ibrc" in proxy[0].what
+    assert "libs" not in _kinds(_findings("seed", {"NVSHMEM_REMOTE_TRANSPORT": "ucx"}, driver=drv))
+    assert _findings("seed", IBGDA, nodes=None, driver=drv)[0].level == "warn"
+
+
+def test_gdrcopy_needs_its_library_beside_its_module():
+    drv = dataclasses.replace(_driver("seed"), missing_libraries=("libgdrapi",))
+    assert drv.gdrcopy  # /dev/gdrdrv is there
+    found = _findings("seed", {}, driver=drv)
+    assert _kinds(found) == ["gdrcopy", "ibgda_off"]
+    assert "(libgdrapi.so.2 does not load)" in next(f.what for f in found if "GDRCopy" in f.what)
+    _, transport = topology.gpu_report(0, {}, _root("seed"), _text("seed"), drv)
+    assert transport.endswith("GDRCopy no (libgdrapi.so.2 does not load)")
+    assert _findings("seed", IBGDA, driver=drv) == []  # IBGDA's GPU doorbell needs no GDRCopy
