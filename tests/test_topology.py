@@ -1,4 +1,5 @@
-"""CPU tier: jaxep.topology on recorded `nvidia-smi topo -m` text and sysfs trees.
+"""CPU tier: jaxep.topology (what NVSHMEM makes of the machine) on recorded `nvidia-smi topo -m`
+text and sysfs trees, read by jaxep.machine (its own tests: tests/test_machine.py).
 
 Fixtures (tests/fixtures/topology/<case>/topo.txt and <case>/root, a /sys + /proc + /dev tree):
   seed    8 x B300, mlx5_i PXB to GPU i and SYS to the others, CX-8 800 Gb/s RoCE, GDRCopy, the
@@ -8,8 +9,8 @@ Fixtures (tests/fixtures/topology/<case>/topo.txt and <case>/root, a /sys + /pro
   bond    mlx5_bond_0, a RoCE bond of two 400G ports seen at 400 Gb/s, and a plain mlx5_2
   h200_params.txt  /proc/driver/nvidia/params of the lent H200 (session 15: open kernel module
           580.159.04, no registry keys)
-The fixtures' CUDA answer (dma-buf support) is given, not probed: DRIVER says yes, as the open
-kernel modules on the seed's B300s would. Each detection fires on its fixture and on no other; the
+The fixtures' CUDA answer (dma-buf support) is given, not probed: `_driver` says yes, as the open
+kernel modules on the seed's B300s would, and leaves the libraries unknown (nothing is loaded). Each detection fires on its fixture and on no other; the
 seed is clean once IBGDA is on."""
 import dataclasses
 import json
