@@ -6,8 +6,9 @@ NVSHMEM would give each GPU, the NVSHMEM transport settings, the drivers' facts 
 findings (no GPUDirect RDMA: neither dma-buf nor a peer-memory module; no libibverbs / libmlx5 for
 NVSHMEM to load; NICs IBGDA skips by name; GPUs sharing a NIC, a NIC far from its GPU, a bond at
 half rate, IBGDA off, IBGDA's doorbell rung by a CPU for want of the driver's
-PeerMappingOverride=1, no GDRCopy for the proxy, no transport to other nodes), each with the
-setting that fixes it; they join `problems`.
+PeerMappingOverride=1, no GDRCopy for the proxy, no transport to other nodes, RoCE on an Ethernet
+MTU too small for a 4096-byte RDMA MTU), each with the setting that fixes it; they join
+`problems`.
 Every probe tolerates a missing tool, file or device: on a machine without GPU, NVSHMEM or NICs
 the doctor says so and carries on. Nothing is changed.
 

@@ -115,13 +115,16 @@ class Port:
 @dataclasses.dataclass(frozen=True)
 class Nic:
     """One RDMA device. bond is the bonding master (/sys/class/net/<bond>/bonding) one of its
-    netdevs is, or is a slave of; slave_gbps the link speeds of that bond's slaves that are up."""
+    netdevs is, or is a slave of; slave_gbps the link speeds of that bond's slaves that are up;
+    netdev_mtu the smallest MTU of its network interfaces (None when sysfs shows none), which
+    bounds RoCE's RDMA MTU."""
     name: str
     numa_node: int | None  # None when unknown (absent or -1)
     ports: tuple[Port, ...]
     bond: str | None
     slaves: tuple[str, ...]
     slave_gbps: tuple[float, ...]
+    netdev_mtu: int | None = None
 
     @property
     def bonded(self) -> bool:
@@ -204,8 +207,11 @@ def read_nics(root: str = "/") -> dict[str, Nic]:
         # the slaves' link speeds in Mb/s, -1 when down
         speeds = (int_or_none(_read(os.path.join(net, s, "speed"))) for s in slaves)
         numa = int_or_none(_read(os.path.join(dev, "device", "numa_node")))
+        mtus = [v for v in (int_or_none(_read(os.path.join(net, n, "mtu"))) for n in netdevs)
+                if v and v > 0]
         out[name] = Nic(name, numa if numa is not None and numa >= 0 else None, ports, bond,
-                        slaves, tuple(v / 1000 for v in speeds if v and v > 0))
+                        slaves, tuple(v / 1000 for v in speeds if v and v > 0),
+                        min(mtus) if mtus else None)
     return out
 
 

@@ -72,6 +72,9 @@ VARIABLES = {
                                          "with the interface by jaxep.initialize]",
 }
 _IB_TRANSPORTS = ("ibrc", "ibdevx")  # the proxy transports that need GPUDirect RDMA (as IBGDA does)
+# RoCE's RDMA MTU is the largest of 256 ... 4096 that fits the Ethernet MTU less the RoCE headers:
+# 4096 needs an Ethernet MTU of about this much (NVIDIA's RoCE guides: 4200, or jumbo frames).
+ROCE_FULL_MTU = 4200
 
 CLASSES = ("PIX", "PXB", "PHB", "NODE", "SYS")  # GPU-NIC path classes, closest first
 _FAR = {  # the classes whose RDMA path leaves the GPU's PCIe switch tree, and where it goes
@@ -413,6 +416,15 @@ def _roce(choices, nics, s: Settings) -> list[Finding]:
     if not roce:
         return []
     out = []
+    small = [(n, nics[n].netdev_mtu) for n in roce
+             if nics[n].netdev_mtu is not None and nics[n].netdev_mtu < ROCE_FULL_MTU]
+    if small:
+        out.append(Finding(
+            "warn", "RoCE below its 4096-byte RDMA MTU: the Ethernet MTU of "
+            + ", ".join(f"{n} ({m})" for n, m in small) + f" is under ~{ROCE_FULL_MTU}, so "
+            "RoCE's RDMA MTU drops to 2048 or less (1024 at 1500): more packets per byte",
+            f"an Ethernet MTU of at least {ROCE_FULL_MTU} on those interfaces and the switch "
+            "ports (jumbo frames, often 9000); measure both"))
     tc = s.traffic_class or "0"
     if s.nccl_traffic_class is not None and int_or_none(s.nccl_traffic_class) != int_or_none(tc):
         out.append(Finding(

@@ -375,3 +375,22 @@ def test_gdrcopy_needs_its_library_beside_its_module():
     _, transport = topology.gpu_report(0, {}, _root("seed"), _text("seed"), drv)
     assert transport.endswith("GDRCopy no (libgdrapi.so.2 does not load)")
     assert _findings("seed", IBGDA, driver=drv) == []  # IBGDA's GPU doorbell needs no GDRCopy
+
+
+def test_roce_on_a_standard_ethernet_mtu_is_named(tmp_path):
+    """RoCE's RDMA MTU follows the Ethernet MTU of the NIC's interface: 1500 gives 1024, not 4096."""
+    root = _seed_root_with(tmp_path)
+    for i, mtu in ((0, 1500), (1, 9000)):
+        os.makedirs(os.path.join(root, "sys", "class", "infiniband", f"mlx5_{i}", "device", "net",
+                                 f"eth{i}"))
+        os.makedirs(os.path.join(root, "sys", "class", "net", f"eth{i}"))
+        with open(os.path.join(root, "sys", "class", "net", f"eth{i}", "mtu"), "w") as f:
+            f.write(f"{mtu}\n")
+    nics = machine.read_nics(root)
+    assert (nics["mlx5_0"].netdev_mtu, nics["mlx5_1"].netdev_mtu, nics["mlx5_2"].netdev_mtu) == (
+        1500, 9000, None)
+    found = [topology.Finding(**f) for f in
+             topology.summary(IBGDA, root, _text("seed"), 2, _driver("seed"))["findings"]]
+    (f,) = found
+    assert f.level == "warn" and "mlx5_0 (1500)" in f.what and "mlx5_1" not in f.what
+    assert "1024 at 1500" in f.what and "at least 4200" in f.hint
