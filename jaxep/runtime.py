@@ -256,13 +256,14 @@ def _init_multi_rank(configs) -> None:
     except RuntimeError:
         _state.generation += 1  # every rank raised: a retry publishes under fresh keys
         raise
+    n_hosts = len(set(hosts))
     ll_sizes = ll_area_sizes(configs, nproc)
     sym = ext.symmetric_bytes(sizes["max_tokens"], sizes["topk"], sizes["experts"], cap,
                               row_bytes, nproc, node, sizes["return_row_bytes"], **ll_sizes)
     heap_env = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
     heap = _parse_size(heap_env) if heap_env else _NVSHMEM_DEFAULT_HEAP
     rec = recommended_env(sym, ranks_on_gpu=nproc if _shares_gpu() else 1,
-                          hosts=len(set(hosts)))
+                          hosts=n_hosts)
     if sym + _HEAP_RESERVE > heap:
         ll = (f", low-latency area for L={ll_sizes['ll_experts']} experts x {nproc} sources x "
               f"{ll_sizes['ll_cap']} rows x 2 halves" if ll_sizes["ll_experts"] else "")
@@ -284,13 +285,11 @@ def _init_multi_rank(configs) -> None:
               f"XLA_PYTHON_CLIENT_MEM_FRACTION={frac}): set XLA_PYTHON_CLIENT_MEM_FRACTION lower "
               "(e.g. 0.75/ranks per GPU) or XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts")
     # Several hosts: what would stop or slow NVSHMEM's network transports, logged before its init
-    # (which may end the process) by one rank per node, and added to an init failure's message.
-    network = ([f for f in topology.summary(nodes=len(set(hosts)))["findings"]
-                if f["level"] in ("warn", "error")] if len(set(hosts)) > 1 else [])
-    if pe % node == 0:
-        for f in network:
-            log.warning("jaxep network: %s; fix: %s", f["what"], f["hint"])
-    _pin_bootstrap_interface(len(set(hosts)))  # before NVSHMEM opens its sockets (uid, init)
+    # (which may end the process) by one rank per node; every rank adds it to an init failure.
+    network = _network_findings(n_hosts) if n_hosts > 1 and pe % node == 0 else None
+    for f in network or ():
+        log.warning("jaxep network: %s; fix: %s", f["what"], f["hint"])
+    _pin_bootstrap_interface(n_hosts)  # before NVSHMEM opens its sockets (uid, init)
     zero_copy.prepare_env(config.zero_copy)  # before NVSHMEM reads its environment (uid, init)
     key = f"jaxep/nvshmem_uid/{_state.generation}"
     if pe == 0:
@@ -313,10 +312,12 @@ def _init_multi_rank(configs) -> None:
                          sizes["experts"], cap, row_bytes, sizes["return_row_bytes"],
                          float(config.timeout_s), ll_sizes["ll_experts"], ll_sizes["ll_cap"])
     except RuntimeError as e:
+        if n_hosts > 1 and network is None:
+            network = _network_findings(n_hosts)
         if not network:
             raise
         raise RuntimeError(
-            f"jaxep.initialize: {e}. On {len(set(hosts))} hosts, what this machine shows for "
+            f"jaxep.initialize: {e}. On {n_hosts} hosts, what this machine shows for "
             "NVSHMEM's network (python -m jaxep.doctor --nodes N prints it all): "
             + "; ".join(f"[{f['level']}] {f['what']} -> {f['hint']}" for f in network)) from e
     _state.machine_ranks_per_node = node
@@ -356,6 +357,12 @@ def _init_multi_rank(configs) -> None:
 _BOOTSTRAP_IFNAME = "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"
 _BOOTSTRAP_FAMILY = "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY"
 _UID_ERROR = b"jaxep-error:"  # rank 0 publishes this instead of a unique id it could not make
+
+
+def _network_findings(hosts: int) -> list[dict]:
+    """The doctor's warnings and errors about NVSHMEM's network on this machine (`hosts` > 1)."""
+    return [f for f in topology.summary(nodes=hosts)["findings"]
+            if f["level"] in ("warn", "error")]
 
 
 def _bootstrap_text() -> str:

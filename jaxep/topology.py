@@ -112,6 +112,12 @@ class Settings:
     nccl_gid_index: str | None      # NCCL_IB_GID_INDEX, to compare
 
     @property
+    def verbs(self) -> bool:
+        """NVSHMEM reaches other nodes through InfiniBand/RoCE verbs (IBGDA, ibrc or ibdevx):
+        the transports that need GPUDirect RDMA and the verbs libraries."""
+        return self.ibgda or self.remote_transport in _IB_TRANSPORTS
+
+    @property
     def proxy(self) -> bool:
         """A CPU thread carries the internode traffic (or rings its doorbells)."""
         return not self.ibgda or self.nic_handler in ("cpu", "cpu_host_memory")
@@ -356,7 +362,7 @@ def _transport(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
 def _libraries(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
     """The user-space verbs libraries NVSHMEM's InfiniBand/RoCE transports dlopen: without them
     each skips itself (a container image without rdma-core)."""
-    need = (["libibverbs"] if s.ibgda or s.remote_transport in _IB_TRANSPORTS else []) + (
+    need = (["libibverbs"] if s.verbs else []) + (
         ["libmlx5"] if s.ibgda else [])
     gone = [lib for lib in need if lib in (drv.missing_libraries or ())]
     if not gone:
@@ -374,7 +380,7 @@ def _libraries(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
 def _gpudirect(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
     """GPUDirect RDMA for NVSHMEM's InfiniBand/RoCE transports, and where the IBGDA doorbell is
     rung (the module docstring has NVSHMEM's rules)."""
-    if not (s.ibgda or s.remote_transport in _IB_TRANSPORTS):
+    if not s.verbs:
         return []  # ucx, libfabric, none: other rules, not modelled here
     out = []
     dma_buf = drv.dma_buf and not s.disable_dmabuf

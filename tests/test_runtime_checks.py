@@ -13,7 +13,7 @@ import types
 import pytest
 
 import jaxep
-from jaxep import _ffi, runtime
+from jaxep import _ffi, node_layout, runtime
 
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=16)
 GIB = 1 << 30
@@ -510,3 +510,40 @@ def test_a_unique_id_rank_0_cannot_make_fails_every_rank_at_once(fake, monkeypat
     text1 = _refusal("rank 0 could not create NVSHMEM's unique id: nvshmemx_get_uniqueid failed")
     assert text1.endswith(text[len("jaxep.initialize: "):])
     assert fake.ext.inits == []
+
+
+def test_only_node_leaders_read_the_network_before_init_the_others_on_failure(fake, monkeypatch):
+    """4 ranks on 2 hosts (2 per node): rank 1 is not its node's first, so it reads no network
+    findings while starting (no nvidia-smi per rank), and reads them only when NVSHMEM fails."""
+    monkeypatch.setattr(runtime.jax, "process_count", lambda: 4)
+    monkeypatch.setattr(runtime.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(runtime.jax, "devices", lambda: [_device(i) for i in range(4)])
+    monkeypatch.setattr(runtime, "_pin_bootstrap_interface", lambda hosts: None)
+    fake.local = [_device(1)]
+    client = _client(monkeypatch)
+    seen = []
+
+    def summary(nodes=None):
+        seen.append(nodes)
+        return {"findings": [NO_GDR]}
+    monkeypatch.setattr(runtime.topology, "summary", summary)
+
+    def publish_the_others():
+        gen = runtime._state.generation  # pylint: disable=protected-access
+        client.kv[f"jaxep/host/{gen}/0"] = node_layout.this_host()
+        for r in (2, 3):
+            client.kv[f"jaxep/host/{gen}/{r}"] = "node1"
+        client.kv[f"jaxep/nvshmem_uid/{gen}"] = b"uid"
+    publish_the_others()
+    runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    assert seen == [] and fake.ext.inits[0][3] == 2  # started as 2 nodes x 2, nothing read
+    runtime._state.multi_rank = False  # pylint: disable=protected-access
+
+    def fail(*args):
+        raise RuntimeError("NVSHMEM bootstrapped the 4 PEs but could not initialize (status 1)")
+    monkeypatch.setattr(fake.ext, "runtime_init", fail)
+    publish_the_others()
+    with pytest.raises(RuntimeError) as e:
+        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    assert seen == [2]
+    assert str(e.value).endswith("[error] " + NO_GDR["what"] + " -> " + NO_GDR["hint"])
