@@ -317,6 +317,12 @@ def _half_rate_bonds(used: list[Nic]) -> list[Finding]:
     return out
 
 
+def _stops(nodes: int | None) -> str:
+    """The level of a finding that stops NVSHMEM's network: an error when the job spans several
+    nodes, a warning when that is unknown (the doctor without --nodes)."""
+    return "error" if nodes and nodes > 1 else "warn"
+
+
 def _gdrcopy_missing(s: Settings, drv: Driver) -> str | None:
     """Why NVSHMEM would run without GDRCopy here, or None when it has it."""
     if s.disable_gdrcopy:
@@ -362,15 +368,14 @@ def _transport(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
 def _libraries(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
     """The user-space verbs libraries NVSHMEM's InfiniBand/RoCE transports dlopen: without them
     each skips itself (a container image without rdma-core)."""
-    need = (["libibverbs"] if s.verbs else []) + (
-        ["libmlx5"] if s.ibgda else [])
+    need = (["libibverbs"] if s.verbs else []) + (["libmlx5"] if s.ibgda else [])
     gone = [lib for lib in need if lib in (drv.missing_libraries or ())]
     if not gone:
         return []
     names = "; ".join(" or ".join(LIBRARIES[lib]) for lib in gone)
     transport = "IBGDA" if s.ibgda else s.remote_transport
     return [Finding(
-        "error" if nodes and nodes > 1 else "warn",
+        _stops(nodes),
         f"not loadable here (dlopen fails): {names}; NVSHMEM's {transport} transport skips itself "
         "without it, and its init then stops at \"Peer GPU N is not accessible\"",
         "install rdma-core's user-space verbs on every node, inside the container too (Debian/"
@@ -399,7 +404,7 @@ def _gpudirect(s: Settings, drv: Driver, nodes: int | None) -> list[Finding]:
             why = ("NVSHMEM_IB_DISABLE_DMABUF is set" if drv.dma_buf and s.disable_dmabuf
                    else "CUDA reports no dma-buf support for the GPU")
             out.append(Finding(
-                "error" if nodes and nodes > 1 else "warn",
+                _stops(nodes),
                 f"no GPUDirect RDMA: {why} and {modules}: NVSHMEM's InfiniBand/RoCE transports "
                 "skip themselves and its init stops with \"Peer GPU N is not accessible\"",
                 fix + ("; or unset NVSHMEM_IB_DISABLE_DMABUF" if drv.dma_buf else "")))
@@ -468,7 +473,7 @@ def _hca_prefix(s: Settings, names, nodes: int | None) -> list[Finding]:
     kept = [n for n in names if s.hca_prefix in n]
     prefix = os.path.commonprefix(skipped).rstrip("0123456789_") or skipped[0]
     return [Finding(
-        "error" if not kept and nodes and nodes > 1 else "warn",
+        _stops(nodes) if not kept else "warn",
         f"IBGDA skips the RDMA devices whose name lacks {s.hca_prefix!r} "
         f"(NVSHMEM_HCA_PREFIX): {', '.join(skipped)}"
         + ("; none is left for the network" if not kept else ""),
