@@ -198,12 +198,17 @@ TWO_HOSTS = """
 _BOOT_ID_B = "0b0b0b0b-1111-2222-3333-444455556666"
 
 
+def _under_boot_id(boot_file, command: str) -> list[str]:
+    """`command` (a shell line) in a private mount namespace whose kernel boot id reads as the
+    contents of `boot_file` (root and unshare(1))."""
+    boot_id = node_layout._BOOT_ID  # pylint: disable=protected-access
+    return ["unshare", "-m", "sh", "-c", f"mount --bind {boot_file} {boot_id} && {command}"]
+
+
 def _namespaces_work(boot_file) -> bool:
     """Root with unshare(1): a private mount namespace may bind another boot id over the kernel's."""
     try:
-        r = subprocess.run(["unshare", "-m", "sh", "-c",
-                            f"mount --bind {boot_file} {node_layout._BOOT_ID} && cat "  # pylint: disable=protected-access
-                            f"{node_layout._BOOT_ID}"],  # pylint: disable=protected-access
+        r = subprocess.run(_under_boot_id(boot_file, f"cat {node_layout._BOOT_ID}"),  # pylint: disable=protected-access
                            capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return False
@@ -233,9 +238,7 @@ def test_two_real_hosts_by_boot_id_agree_and_pin_nvshmems_bootstrap(tmp_path):
     launcher = [sys.executable, "-m", "jaxep.launch", "--nnodes", "2", "--nproc", "2",
                 "--coordinator", f"{ip}:{launch.free_port()}", "--timeout", "80"]
     cmds = [launcher + ["--node_rank", "0", str(script)],
-            ["unshare", "-m", "sh", "-c",
-             f"mount --bind {boot} {node_layout._BOOT_ID} && exec "  # pylint: disable=protected-access
-             + " ".join(launcher + ["--node_rank", "1", str(script)])]]
+            _under_boot_id(boot, "exec " + " ".join(launcher + ["--node_rank", "1", str(script)]))]
     env = dict(_env())
     env.pop("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", None)
     procs = [subprocess.Popen(c, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
