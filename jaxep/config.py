@@ -6,7 +6,7 @@ in the jit cache key, and checked equal on every rank by `jaxep.initialize`), an
 measurable. No environment variable changes what jaxep computes or how.
 
 The names below are THE Python definition of what the CUDA extension accepts; when the extension
-is loaded, `jaxep._ffi` checks they equal its own lists (`_jaxep_cuda.constants()`).
+is loaded, `jaxep._extension` checks they equal its own lists (`_jaxep_cuda.constants()`).
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import math
 
 import numpy as np
 
-# Payload dtypes of x / y (what the kernels move); written once, imported by the ops, _ffi, bench.
+# Payload dtypes of x / y (what the kernels move); written once, imported by the ops, the CUDA backend, bench.
 PAYLOAD_DTYPES = ("bfloat16", "float16", "float32")
 # Modes of SPEC.md section 3; only those in BUILT_MODES run, the others raise at construction.
 MODES = ("normal", "low_latency")
 BUILT_MODES = ("normal", "low_latency")
 # FP8 dispatch (low_latency): one f32 scale per FP8_BLOCK channels of a token, e4m3 codes up to
-# FP8_MAX (SPEC section 3; jaxep.reference.fp8_quantize).
+# FP8_MAX (jaxep.fp8.quantize).
 FP8_BLOCK = 128
 FP8_MAX = 448.0
 # The normal-mode dispatch wire in fp8 (Config.dispatch_wire_dtype): the same quantization.

@@ -15,7 +15,8 @@ import types
 import psutil
 import pytest
 
-from jaxep import _ffi, doctor
+from jaxep import _extension
+from jaxep.doctor import report as doctor
 
 KEYS = {"python", "os", "machine", "packages", "jax", "nvidia_smi", "nvshmem", "extension", "cuda",
         "infiniband", "gpu_nic_affinity", "mps", "env", "topology", "problems"}
@@ -65,7 +66,7 @@ def test_topology_section_from_the_seed_fixture(monkeypatch, capsys):
         {"NVSHMEM_REMOTE_TRANSPORT": "none"}, os.path.join(fixture, "root"), text, nodes))
     assert doctor.main(["--nodes", "2"]) == 1
     out = capsys.readouterr().out
-    assert "GPU-NIC, as NVSHMEM would pick (jaxep.topology):" in out
+    assert "GPU-NIC, as NVSHMEM would pick (jaxep.doctor.topology):" in out
     assert "  GPU 7: NIC mlx5_7 port 1, 800 Gb/s RoCE, PXB from the GPU (closest)" in out
     assert "[error] NVSHMEM_REMOTE_TRANSPORT=none and IBGDA off on 2 nodes" in out
     # a fixture tree is not this machine: no CUDA driver is asked about dma-buf
@@ -150,8 +151,8 @@ def test_extension_is_found_by_its_spec(fake_extension, monkeypatch):
     assert ext["path"] == fake_extension
     assert ext["needed"] == ["libnvshmem_host.so.3", "libstdc++.so.6"]
     assert ext["nvshmem_host_needed"] == "libnvshmem_host.so.3"
-    monkeypatch.setattr(_ffi, "is_available", lambda: True)
-    monkeypatch.setattr(_ffi, "build_info", lambda: {"cuda_version": 13000, "multi_rank": True})
+    monkeypatch.setattr(_extension, "is_available", lambda: True)
+    monkeypatch.setattr(_extension, "build_info", lambda: {"cuda_version": 13000, "multi_rank": True})
     ext = doctor.extension()
     assert ext["cuda_major"] == 13
     assert doctor._extension_line(ext) == (  # pylint: disable=protected-access

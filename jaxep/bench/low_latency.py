@@ -32,7 +32,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxep
-from jaxep import _ffi, runtime
+from jaxep import _extension, runtime
+from jaxep.backends import cuda_calls
 from jaxep.bench import check, routing, timing
 
 AXIS = "ep"
@@ -148,7 +149,7 @@ def _sync_floor(bc, cfg, mesh, R, G, backend):
         return None
 
     def ping(v, send_row, idx):
-        return _ffi.gather_back(v, send_row, idx, config=cfg, ep_size=R, ranks_per_node=G)[0]
+        return cuda_calls.gather_back(v, send_row, idx, config=cfg, ep_size=R, ranks_per_node=G)[0]
 
     v = _global(mesh, R, [np.zeros((1,), np.float32)] * R, np.float32)
     neg = _global(mesh, R, [np.full((1, 1), -1, np.int32)] * R, np.int32)
@@ -167,8 +168,8 @@ def _signal_floor(bc, cfg, mesh, R, G, ll_kernels):
     kw = dict(config=cfg, ep_size=R, ranks_per_node=G)
 
     def ping(y, w, slot, send_row, idx):
-        (marker,) = _ffi.ll_combine_send(y, w, slot, tokens=1, **kw)
-        return _ffi.ll_combine_recv(marker, send_row, idx, hidden=cfg.hidden,
+        (marker,) = cuda_calls.ll_combine_send(y, w, slot, tokens=1, **kw)
+        return cuda_calls.ll_combine_recv(marker, send_row, idx, hidden=cfg.hidden,
                                     dtype=jnp.dtype(cfg.dtype), **kw)[0]
 
     dt = np.dtype(jnp.dtype(cfg.dtype))

@@ -425,8 +425,8 @@ def phase_times() -> dict:
     """JAXEP_PHASE_TIMES=1 (ffi/phase_times.h): {"op/step": {"calls", "total_ms", "mean_ms"}} of
     this process's cross-rank calls so far, the GPU time of each step of each call (waits for
     peers included); {} when off or without the multi-rank runtime."""
-    from jaxep import _ffi  # pylint: disable=g-import-not-at-top
-    info = _ffi.runtime_info() if _ffi.is_available() else None
+    from jaxep import _extension  # pylint: disable=g-import-not-at-top
+    info = _extension.runtime_info() if _extension.is_available() else None
     raw = (info or {}).get("phase_ms") or {}
     return {k: dict(calls=int(n), total_ms=float(ms), mean_ms=float(ms) / max(1, int(n)))
             for k, (n, ms) in raw.items()}

@@ -94,8 +94,8 @@ def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: fl
 
 def _handler_seq() -> int | None:
     """Runs of the multi-rank host handlers so far in this process (None without the runtime)."""
-    from jaxep import _ffi
-    info = _ffi.runtime_info() if _ffi.is_available() else None
+    from jaxep import _extension
+    info = _extension.runtime_info() if _extension.is_available() else None
     # seq: the normal mode's handlers; ll_host_calls: the low-latency kernels' (ffi/low_latency.h)
     return None if info is None else int(info.get("seq", 0)) + int(info.get("ll_host_calls", 0))
 

@@ -2,14 +2,13 @@
 RDMA NICs in sysfs, what the drivers give (GPUDirect RDMA, the IBGDA doorbell's registry key,
 GDRCopy), and the network interface a route leaves through. Pure Python (no jax); every reader
 takes the root of a /sys + /proc + /dev tree or recorded text, so the tests feed fixtures
-(tests/fixtures/topology/). What NVSHMEM makes of these facts is jaxep.topology.
+(tests/fixtures/topology/). What NVSHMEM makes of these facts is jaxep.doctor.topology.
 
   read_topo_text(), parse_topo(text)   `nvidia-smi topo -m` -> Topo
   read_nics(root)          /sys/class/infiniband (+ bonds in /sys/class/net) -> {name: Nic}
   read_driver(root)        GPUDirect RDMA (dma-buf, asked of libcuda, or a peer-memory module),
                            PeerMappingOverride=1, GDRCopy, the CPU architecture, and which of
                            the user-space LIBRARIES NVSHMEM dlopens do not load -> Driver
-  route_interface(addr)    the interface, source address and family this host reaches addr by
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 from typing import Mapping
 
@@ -285,40 +283,3 @@ def read_driver(root: str = "/", dma_buf: bool | None = None, machine: str | Non
     return Driver(peer, dma_buf, override, gdrcopy(root),
                   platform.machine() if machine is None else machine,
                   missing_libraries() if here else None)
-
-
-# --- the interface a route leaves by ------------------------------------------------------------
-
-def _split_address(address: str) -> tuple[str, int]:
-    """"host:port", "[v6]:port" or a bare host -> (host, port); port 1 when absent."""
-    m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:]+)(?::(\d+))?|([0-9A-Fa-f:]+)", address.strip())
-    if m is None:
-        raise ValueError(f"not a host:port address: {address!r}")
-    host = m.group(1) or m.group(3) or m.group(5)
-    return host, int(m.group(2) or m.group(4) or 1)
-
-
-def route_interface(address: str, if_addrs=None) -> tuple[str, str, str] | None:
-    """(interface, local IP, "AF_INET" or "AF_INET6") this host reaches `address` ("host:port")
-    through: the kernel's route, read by connecting a UDP socket (nothing is sent), then the
-    interface holding that source address (psutil.net_if_addrs, or `if_addrs` in tests). On the
-    host that owns `address` it is the interface holding it. None when the name does not resolve,
-    no route exists, or no interface holds the source address."""
-    import psutil  # pylint: disable=g-import-not-at-top  # a jaxep dependency; only needed here
-    try:
-        host, port = _split_address(address)
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    except (ValueError, OSError):
-        return None
-    table = psutil.net_if_addrs() if if_addrs is None else if_addrs
-    for family, _, _, _, sockaddr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as sock:
-                sock.connect(sockaddr)
-                local = sock.getsockname()[0]
-        except OSError:
-            continue
-        for name, addrs in table.items():
-            if any(a.family == family and a.address.split("%")[0] == local for a in addrs):
-                return name, local, "AF_INET6" if family == socket.AF_INET6 else "AF_INET"
-    return None

@@ -1,7 +1,7 @@
 """`python -m jaxep.doctor`: what this machine has for jaxep, and what is wrong or slow.
 
 `facts()` returns a JSON-able dict (also logged by `jaxep.initialize` at INFO when asked); `problems`
-in it lists {"level", "what", "hint"}. Its "topology" key (jaxep.topology.summary) holds the NIC
+in it lists {"level", "what", "hint"}. Its "topology" key (jaxep.doctor.topology.summary) holds the NIC
 NVSHMEM would give each GPU, the NVSHMEM transport settings, the drivers' facts and the internode
 findings (no GPUDirect RDMA: neither dma-buf nor a peer-memory module; no libibverbs / libmlx5 for
 NVSHMEM to load; NICs IBGDA skips by name; GPUs sharing a NIC, a NIC far from its GPU, a bond at
@@ -35,7 +35,8 @@ import sys
 
 import psutil
 
-from jaxep import _jax_private, topology
+from jaxep import _jax_private
+from jaxep.doctor import topology
 
 _ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
              "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
@@ -134,10 +135,10 @@ def nvidia_smi() -> dict:
 
 
 def _arch_mismatch(device):
-    """jaxep._ffi.arch_mismatch(device), or None when the extension cannot tell."""
+    """jaxep._extension.arch_mismatch(device), or None when the extension cannot tell."""
     try:
-        from jaxep import _ffi  # pylint: disable=g-import-not-at-top
-        return _ffi.arch_mismatch(device)
+        from jaxep import _extension  # pylint: disable=g-import-not-at-top
+        return _extension.arch_mismatch(device)
     except Exception:  # pylint: disable=broad-except
         return None
 
@@ -256,14 +257,14 @@ def extension() -> dict:
     out = {"available": False, "reason": None, "path": None, "needed": None,
            "nvshmem_host_needed": None, "build_info": {}, "cuda_major": None}
     try:
-        from jaxep import _ffi  # pylint: disable=g-import-not-at-top
-        out["available"] = bool(_ffi.is_available())
-        out["reason"] = None if out["available"] else _ffi.unavailable_reason()
+        from jaxep import _extension  # pylint: disable=g-import-not-at-top
+        out["available"] = bool(_extension.is_available())
+        out["reason"] = None if out["available"] else _extension.unavailable_reason()
         out["build_info"] = {k: list(v) if isinstance(v, tuple) else v
-                             for k, v in _ffi.build_info().items()}
+                             for k, v in _extension.build_info().items()}
         for attr in ("nvshmem_version", "built_nvshmem_version"):
-            if hasattr(_ffi, attr):
-                out[attr] = getattr(_ffi, attr)()
+            if hasattr(_extension, attr):
+                out[attr] = getattr(_extension, attr)()
     except Exception as e:  # pylint: disable=broad-except
         out["reason"] = f"{type(e).__name__}: {e}"
     cuda = out["build_info"].get("cuda_version")
@@ -546,7 +547,7 @@ def format_report(f: dict) -> str:
                  f", pipe {m['pipe_directory']}")
     lines.append("memory: XLA_PYTHON_CLIENT_PREALLOCATE=" + str(f["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"])
                  + " XLA_PYTHON_CLIENT_MEM_FRACTION=" + str(f["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
-    lines.append("GPU-NIC, as NVSHMEM would pick (jaxep.topology):")
+    lines.append("GPU-NIC, as NVSHMEM would pick (jaxep.doctor.topology):")
     lines += [f"  {line}" for line in f["topology"]["report"]]
     nv = {k: v for k, v in f["env"].items() if k.startswith("NVSHMEM_")}
     lines.append(f"NVSHMEM env: {nv or 'none'}")
@@ -576,6 +577,3 @@ def main(argv=None) -> int:
     print(json.dumps(f, indent=1, default=str) if args.json else format_report(f))
     return 1 if any(p["level"] == "error" for p in f["problems"]) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

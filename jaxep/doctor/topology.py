@@ -41,7 +41,7 @@ import dataclasses
 import os
 from typing import Mapping, NamedTuple
 
-from jaxep.machine import (LIBRARIES, Driver, Nic, Topo, int_or_none, parse_topo, read_driver,
+from jaxep.doctor.machine import (LIBRARIES, Driver, Nic, Topo, int_or_none, parse_topo, read_driver,
                            read_nics, read_topo_text)
 
 # The NVSHMEM variables read here: meaning [default]. The one place jaxep documents them.

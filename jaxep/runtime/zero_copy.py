@@ -4,7 +4,7 @@ it off.
 Peers read a multi-rank call's source rows (dispatch / dispatch_rows: x, combine: y) where XLA put
 them instead of from a staged copy in NVSHMEM's heap. At `jaxep.initialize` (multi-rank path):
   0. `prepare_env` (before NVSHMEM starts): NVSHMEM_CUMEM_GRANULARITY=2 MiB unless the user set it
-     (the one os.environ write of jaxep, see `prepare_env`);
+     (one of the library's two os.environ writes; the other is `bootstrap.pin_interface`);
   1. `local_facts`: which allocation holds a small jax array on this rank's device (ctypes on the
      CUDA driver): base, size, VMM or not, requested handle types, recommended granularity; plus
      NVSHMEM_CUMEM_GRANULARITY and the NVSHMEM library facts;
@@ -28,6 +28,8 @@ import json
 import logging
 import os
 import time
+
+from jaxep.runtime.sizes import parse_size
 
 log = logging.getLogger("jaxep")
 
@@ -59,16 +61,6 @@ def prepare_env(requested: bool) -> None:
                  "(it was unset) before NVSHMEM starts: NVSHMEM reads its heap granularity only "
                  "from its environment, and registering XLA's pool needs 2 MiB (docs/zero_copy.md)",
                  GRANULARITY)
-
-
-def parse_size(text: str) -> int:
-    """NVSHMEM size syntax: an integer with an optional K/M/G/T suffix (powers of 2)."""
-    t = text.strip().upper().rstrip("B")
-    mult = 1
-    for i, suffix in enumerate("KMGT"):
-        if t.endswith(suffix):
-            mult, t = 1024 ** (i + 1), t[:-1]
-    return int(float(t) * mult)
 
 
 # ----------------------------------------------------------------------------- CUDA driver

@@ -1,295 +1,30 @@
-"""Thin binding of jaxep's CUDA custom calls (``jaxep._jaxep_cuda``) for the rest of jaxep.
+"""The CUDA backend's custom calls: one `jax.ffi.ffi_call` per FFI target of the extension, and
+the checks only this backend can make (the multi-rank runtime exists, has this EP size and node
+layout, and the call fits the symmetric buffers `jaxep.initialize` sized).
 
-Importing this module never fails. It tries to import the compiled extension, checks that the
-extension is the one this Python side speaks to (its ``constants()``: the target names, the kernel
-variant names of `jaxep.config`), and registers its XLA FFI handlers with
-``jax.ffi.register_ffi_target(..., platform="CUDA")`` exactly once. When the extension is missing
-(pure-Python install, no nvcc at build time), cannot be loaded, or is stale, ``is_available()`` is
-False and ``unavailable_reason()`` says why; the wrappers then raise ``RuntimeError`` with that
-reason.
+Every tuning knob of the `jaxep.Config` a call takes becomes an FFI attribute (`_knob_attrs`), so it
+is in the HLO and the jit cache. Shapes, dtypes and the config were checked once at trace time by the
+ops (`jaxep.ops`); the handlers return `ffi::Error` for what cannot be known earlier.
 
-Constants shared with C++ have one source, the extension: ``constants()`` gives MAX_EXPERTS, the
-rank limit, the diagnostic phase and op codes and the kernel names (None without the extension).
+``vmap_method="sequential"``: these ops are per-rank (one call per EP rank, with its own layout); a
+batch of independent calls under ``jax.vmap`` runs as a loop of single calls, which is correct for
+every op here.
 
-The wrappers are the backend operations of docs/design.md, one custom call each, returning tuples
-in the contract's order. Every tuning knob of the `jaxep.Config` they take becomes an FFI attribute
-(``_knob_attrs``), so it is in the HLO and the jit cache. Shapes, dtypes and the config were
-checked once at trace time by `jaxep.dispatch` / `jaxep.combine`; a wrapper checks only what the
-CUDA backend alone knows: that the extension is loaded and, for ``ep_size > 1``, that the
-multi-rank runtime of that EP size exists and that the call fits the symmetric buffers
-`jaxep.initialize` sized. The handlers return ``ffi::Error`` for what cannot be known earlier.
-
-``vmap_method="sequential"``: these ops are per-rank (one call per EP rank, with its own layout);
-a batch of independent calls under ``jax.vmap`` is run as a loop of single calls, which is
-correct for every op here. A fused batched kernel is not worth it for a communication op.
-
-``ep_size == 1`` runs the single-rank kernels. ``ep_size > 1`` runs the multi-rank NVSHMEM kernels
-(each handler takes its rank from the runtime, so the HLO is the same on every rank); it needs
-`jaxep.initialize` in a multi-process run first.
-
-Loading: the extension links ``libnvshmem_host.so.3`` when it was built with NVSHMEM. Before
-importing it, `_preload_nvshmem` loads that library from the ``nvidia.nvshmem`` wheel with
-``RTLD_GLOBAL`` (the module also carries an RPATH to it), so no ``LD_LIBRARY_PATH`` is needed.
+``ep_size == 1`` runs the single-rank kernels; ``ep_size > 1`` the multi-rank NVSHMEM kernels (each
+handler takes its rank from the runtime, so the HLO is the same on every rank).
 """
-
 from __future__ import annotations
 
-import importlib
-import re
-from typing import Any
-
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxep import config as _config
-
-# The custom-call targets this module emits; the extension's constants()["targets"] must match.
-TARGETS = ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine", "jaxep_gather_back",
-           "jaxep_fp8_quantize", "jaxep_fp8_quantize_rows", "jaxep_ll_dispatch_send",
-           "jaxep_ll_dispatch_recv", "jaxep_ll_combine_send", "jaxep_ll_combine_recv")
-
-_module: Any = None
-_constants: dict | None = None  # the extension's constants(), normalized; None until loaded
-_reason = "not loaded yet"
-_registered = False
-
-
-def _preload_nvshmem() -> str | None:
-  """Loads libnvshmem_host.so.3 from the nvidia.nvshmem wheel (RTLD_GLOBAL); its path or None.
-
-  The nvidia-nvshmem-cu12 and -cu13 wheels (3.x) both ship lib/libnvshmem_host.so.3, the soname
-  the extension links; which of the two it must be is the build's CUDA major (the doctor checks).
-  `nvidia` is a namespace package: every folder it spans is tried, in sys.path order.
-  """
-  import ctypes  # pylint: disable=g-import-not-at-top
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-
-  try:
-    spec = importlib.util.find_spec("nvidia.nvshmem")
-  except (ImportError, ValueError):
-    return None
-  if spec is None or not spec.submodule_search_locations:
-    return None
-  for root in spec.submodule_search_locations:
-    path = os.path.join(root, "lib", "libnvshmem_host.so.3")
-    if not os.path.exists(path):
-      continue
-    try:
-      ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-      continue
-    return path
-  return None
-
-
-def parse_constants(raw) -> dict:
-  """The extension's constants() as plain Python: ints, {int: str} tables, tuples of str."""
-  c = dict(raw)
-  return dict(
-      max_experts=int(c["max_experts"]), max_ranks=int(c["max_ranks"]),
-      phases={int(k): str(v) for k, v in dict(c["phases"]).items()},
-      ops={int(k): str(v) for k, v in dict(c["ops"]).items()},
-      targets=tuple(str(t) for t in c["targets"]),
-      dispatch_kernels=tuple(str(t) for t in c["dispatch_kernels"]),
-      combine_kernels=tuple(str(t) for t in c["combine_kernels"]))
-
-
-def mismatches(consts: dict) -> list[str]:
-  """How the extension's names differ from what this Python side sends ([] when they agree)."""
-  out = []
-  if set(consts["targets"]) != set(TARGETS):
-    out.append(f"FFI targets: extension has {sorted(consts['targets'])}, jaxep calls "
-               f"{sorted(TARGETS)}")
-  for key, mine in (("dispatch_kernels", _config.DISPATCH_KERNELS),
-                    ("combine_kernels", _config.COMBINE_KERNELS)):
-    if tuple(consts[key]) != tuple(mine):
-      out.append(f"{key}: extension has {consts[key]}, jaxep.config has {mine}")
-  return out
-
-
-def _stale(what: str) -> str:
-  return (f"jaxep CUDA extension jaxep._jaxep_cuda is stale ({what}); rebuild it "
-          "(pip install -e ., docs/build.md)")
-
-
-def _load() -> None:
-  """Imports the extension, checks it matches, registers its targets once; records why not."""
-  global _module, _constants, _reason, _registered
-  _preload_nvshmem()
-  try:
-    # import_module rather than `from jaxep import ...`: this runs while jaxep/__init__ is still
-    # importing, where the latter reports a misleading "circular import".
-    _jaxep_cuda = importlib.import_module("jaxep._jaxep_cuda")
-  except ModuleNotFoundError as e:
-    if e.name != "jaxep._jaxep_cuda":
-      _reason = f"jaxep CUDA extension failed to load: {e}"
-      return
-    _reason = ("jaxep was installed without its CUDA extension jaxep._jaxep_cuda (a plain pip "
-               "install is pure Python); build it with JAXEP_CUDA=<CUDA major> pip install "
-               "'.[cu13]' (or cu12) where nvcc is available, see docs/build.md")
-    return
-  except ImportError as e:
-    _reason = f"jaxep CUDA extension jaxep._jaxep_cuda is not loadable: {e}"
-    return
-  except Exception as e:  # pylint: disable=broad-except
-    _reason = f"jaxep CUDA extension failed to load: {type(e).__name__}: {e}"
-    return
-  if not hasattr(_jaxep_cuda, "constants"):
-    _reason = _stale("it has no constants(): built before the FFI attributes of issue 11")
-    return
-  try:
-    consts = parse_constants(_jaxep_cuda.constants())
-  except Exception as e:  # pylint: disable=broad-except
-    _reason = _stale(f"constants() is not what jaxep reads: {type(e).__name__}: {e}")
-    return
-  _constants = consts
-  bad = mismatches(consts)
-  if bad:
-    _reason = _stale("; ".join(bad))
-    return
-  try:
-    import jax  # pylint: disable=g-import-not-at-top
-
-    regs = _jaxep_cuda.registrations()
-    missing = [t for t in TARGETS if t not in regs]
-    if missing:
-      _reason = _stale(f"registrations() lacks FFI targets {missing}")
-      return
-    for name in TARGETS:
-      jax.ffi.register_ffi_target(name, regs[name], platform="CUDA")
-  except Exception as e:  # pylint: disable=broad-except
-    _reason = f"registering jaxep FFI targets failed: {type(e).__name__}: {e}"
-    return
-  _module = _jaxep_cuda
-  _registered = True
-  _reason = ""
-
-
-_load()
-
-
-def is_available() -> bool:
-  """True when the CUDA extension is loaded, matches, and its FFI targets are registered.
-
-  It does not check for a GPU (that would initialize JAX backends at import); a caller that
-  needs one also checks ``jax.devices("gpu")``.
-  """
-  return _registered
-
-
-def unavailable_reason() -> str:
-  """Why ``is_available()`` is False ("" when it is True)."""
-  return _reason
-
-
-def constants() -> dict | None:
-  """The extension's shared constants (max_experts, max_ranks, phases, ops, targets, kernel
-  names), or None when no extension with constants() was imported."""
-  return _constants
-
-
-def constant(name: str):
-  """One of ``constants()``; raises RuntimeError naming why when the extension is not loaded."""
-  if _constants is None:
-    raise RuntimeError(f"jaxep._ffi: the CUDA extension's constant {name!r} is unknown: {_reason}")
-  return _constants[name]
-
-
-def build_info() -> dict:
-  """The extension's build facts (CUDA version, archs, ...), or {} when it is not loaded."""
-  return dict(_module.build_info()) if _module is not None else {}
-
-
-def _require(op: str) -> None:
-  if not _registered:
-    raise RuntimeError(f"jaxep._ffi.{op}: the CUDA backend is unavailable: {_reason}")
+from jaxep import _extension
 
 
 def _fail(op: str, what: str, expected: str, got) -> None:
-  raise ValueError(f"jaxep._ffi.{op}: {what} must be {expected}, got {got}")
-
-
-def cubin_runs_on(arch: str, capability: tuple[int, int]) -> bool:
-  """Whether code built for the CMake CUDA architecture `arch` ("90", "100-real", "90a", "100f",
-  "90-virtual") runs on a GPU of compute capability `capability` (major, minor): a cubin runs on
-  the same major and an equal or higher minor ("a" cubins on their own capability only), PTX
-  ("-virtual") is compiled at load time for any capability at or above its own. A spelling it
-  cannot read ("native", "all") counts as running: it decides nothing it cannot know."""
-  m = re.fullmatch(r"(\d+)([af]?)(?:-(real|virtual))?", arch.strip())
-  if not m:
-    return True
-  num, suffix, kind = int(m.group(1)), m.group(2), m.group(3)
-  built = (num // 10, num % 10)
-  if kind == "virtual":
-    return tuple(capability) >= built
-  if suffix == "a":
-    return tuple(capability) == built
-  return capability[0] == built[0] and capability[1] >= built[1]
-
-
-def arch_mismatch(device, archs: str | None = None) -> tuple[str, str] | None:
-  """(what, fix) when no kernel of this build runs on `device` (a jax GPU device, read through its
-  `compute_capability`), else None; also None when that cannot be known (no extension, no
-  capability, no arch list). `archs`: the build's CMAKE_CUDA_ARCHITECTURES, "," or ";" separated
-  (default: build_info()["cuda_archs"]). The build keeps cubins only (the kernels are device-linked
-  for NVSHMEM), so a GPU outside every cubin's range cannot run jaxep's kernels at all."""
-  text = getattr(device, "compute_capability", None)
-  if not text:
-    return None
-  archs = build_info().get("cuda_archs", "") if archs is None else archs
-  if not archs or archs == "unknown":
-    return None
-  try:
-    capability = tuple(int(x) for x in str(text).split(".")[:2])
-  except ValueError:
-    return None
-  if len(capability) != 2:
-    return None
-  built = [a.strip() for a in re.split(r"[,;]", archs) if a.strip()]
-  if any(cubin_runs_on(a, capability) for a in built):
-    return None
-  # The major's first minor ("100" for 10.3): it runs on every minor of that major, and it is
-  # the arch NVSHMEM's device library is built for (its wheels: 75, 80, 89, 90, 100, 120).
-  want = ";".join(built + [f"{capability[0]}0"])
-  kind = getattr(device, "device_kind", "this GPU")
-  return (f"jaxep's CUDA kernels were built for CUDA architectures {archs.replace(',', ';')} and "
-          f"{kind} (compute capability {text}) runs none of them (a kernel built for M.n runs on "
-          f"compute capability M.m with m >= n)",
-          f"rebuild jaxep for it: JAXEP_CUDA=<CUDA major> pip install --no-build-isolation -e . "
-          f"-Ccmake.define.JAXEP_CUDA_ARCHITECTURES=\"{want}\""
-          + (" with nvcc >= 12.8 (the first to build for Blackwell)" if capability[0] >= 10 else "")
-          + " (docs/build.md)")
-
-
-def multi_rank_built() -> bool:
-  """True when the extension was built with NVSHMEM (the multi-rank kernels)."""
-  return _module is not None and bool(_module.build_info().get("multi_rank", False))
-
-
-def runtime_info() -> dict | None:
-  """The initialized multi-rank runtime (rank, size, limits, calls so far), or None."""
-  if not multi_rank_built():
-    return None
-  return _module.runtime_info()
-
-
-def runtime_limits(op: str, ep_size: int) -> dict:
-  """The runtime's limits for a multi-rank call; raises when it cannot run."""
-  if not multi_rank_built():
-    raise NotImplementedError(
-        f"jaxep._ffi.{op}: ep_size = {ep_size} needs the multi-rank CUDA path, but this build of "
-        "the extension has no NVSHMEM (build_info()['multi_rank'] is False; rebuild with "
-        "JAXEP_CUDA=<CUDA major> and the cu13/cu12 extra, see docs/build.md), or use the "
-        "reference backend")
-  info = _module.runtime_info()
-  if info is None:
-    raise RuntimeError(
-        f"jaxep._ffi.{op}: ep_size = {ep_size} on the CUDA backend needs the NVSHMEM runtime: call "
-        "jaxep.initialize(config) in every process of a multi-process run (one GPU per process, "
-        "e.g. python -m jaxep.launch --nproc N script.py) before tracing")
-  if info["size"] != ep_size:
-    _fail(op, "ep_size", f"the EP size jaxep.initialize set up ({info['size']} processes)", ep_size)
-  return info
+  raise ValueError(f"jaxep.backends.cuda_calls.{op}: {what} must be {expected}, got {got}")
 
 
 # The internode reducer lists a token's slots in one warp (ffi/cuda/combine.cu kMaxWarpTopk).
@@ -301,7 +36,7 @@ def _check_fits(op: str, ep_size: int, *, ranks_per_node: int = 0, topk: int = 0
   """Multi-rank calls must fit the symmetric buffers and the node layout jaxep.initialize set up."""
   if ep_size == 1:
     return
-  info = runtime_limits(op, ep_size)
+  info = _extension.runtime_limits(op, ep_size)
   if ranks_per_node != info["node_size"]:
     _fail(op, "ranks_per_node", f"the node layout jaxep.initialize set up ({info['node_size']} "
           "ranks per node)", ranks_per_node)
@@ -347,11 +82,8 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
   recv_slot[C] i32, topk_idx_out[T,K] i32, stats[2] i32)`` with C = capacity,
   L = num_experts // ep_size, stats = (dropped_rows, invalid_ids).
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
   op = "dispatch"
-  _require(op)
+  _extension.require(op)
   t, h = x.shape
   k = topk_idx.shape[1]
   c, l = int(capacity), config.num_experts // ep_size
@@ -383,10 +115,8 @@ def dispatch_rows(x, recv_slot, send_row, topk_idx, *, config, ep_size: int = 1,
   recv_slot[c] == -1 (send_row and topk_idx tell other nodes which tokens they need).
   Attributes: num_experts, ep_size, ranks_per_node, topk, num_sms (int64); zero_copy (bool).
   """
-  import jax  # pylint: disable=g-import-not-at-top
-
   op = "dispatch_rows"
-  _require(op)
+  _extension.require(op)
   _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=config.topk,
               slots=x.shape[0] * config.topk, rows=recv_slot.shape[0], staged_bytes=_nbytes(x))
   out_types = (jax.ShapeDtypeStruct((recv_slot.shape[0], x.shape[1]), x.dtype),)  # x_rows
@@ -406,10 +136,8 @@ def combine(y, weights, send_row, recv_slot, topk_idx, *, config, ep_size: int =
   Returns ``(out[T,H],)`` in the dtype of y, reduced in the fixed order of docs/design.md. With
   ep_size > 1 only the rows with recv_slot >= 0 are staged for the peers (the rows send_row names).
   """
-  import jax  # pylint: disable=g-import-not-at-top
-
   op = "combine"
-  _require(op)
+  _extension.require(op)
   _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=send_row.shape[1],
               slots=send_row.shape[0] * send_row.shape[1], rows=y.shape[0],
               staged_bytes=_nbytes(y))
@@ -426,10 +154,8 @@ def gather_back(v, send_row, topk_idx, *, config, ep_size: int, ranks_per_node: 
   """``jaxep_gather_back`` (ep_size > 1 only): v[C] f32 on each destination, send_row[T,K] and
   topk_idx[T,K] on each source -> ``(out[T,K] f32,)``: v at the slot's row on its destination
   rank, 0 where the slot was not kept. Attributes: num_experts, ep_size, ranks_per_node (int64)."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   op = "gather_back"
-  _require(op)
+  _extension.require(op)
   if ep_size < 2:
     _fail(op, "ep_size", ">= 2 (EP size 1 gathers locally in jaxep.cuda_backend)", ep_size)
   _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=send_row.shape[1],
@@ -445,10 +171,8 @@ def fp8_quantize(x):
   """``jaxep_fp8_quantize`` (local, any EP size): x[T,H] bf16|f16|f32, H % 128 == 0 ->
   ``(codes[T,H] uint8 (float8_e4m3fn bytes), scales[T,H/128] f32)``: SPEC section 3's
   quantization with IEEE divisions (jaxep.reference.fp8_quantize computes the same bits)."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   op = "fp8_quantize"
-  _require(op)
+  _extension.require(op)
   t, h = x.shape
   if h % _config.FP8_BLOCK:
     _fail(op, "x.shape[1]", f"a multiple of {_config.FP8_BLOCK}", h)
@@ -462,10 +186,8 @@ def fp8_quantize_rows(x):
   """``jaxep_fp8_quantize_rows`` (local): x[T,H] bf16|f16|f32, H % 128 == 0 -> the fp8 wire's
   packed rows ``[T, H + H/32] uint8`` (each row's codes, then its scales' bytes): fp8_quantize's
   bits in jaxep.fp8.pack_wire_rows' format, in one pass (Config.dispatch_wire_dtype)."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   op = "fp8_quantize_rows"
-  _require(op)
+  _extension.require(op)
   t, h = x.shape
   if h % _config.FP8_BLOCK:
     _fail(op, "x.shape[1]", f"a multiple of {_config.FP8_BLOCK}", h)
@@ -484,10 +206,10 @@ def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, 
                    cap: int, row_bytes: int, topk: int) -> None:
   """Every low-latency wrapper's check at trace time: the runtime has the low-latency area (the
   low-latency ops have no other path at ep_size > 1) and the call fits it."""
-  info = runtime_limits(op, ep_size)
+  info = _extension.runtime_limits(op, ep_size)
   if info.get("ll_experts", 0) <= 0:
     raise RuntimeError(
-        f"jaxep._ffi.{op}: mode='low_latency' at ep_size = {ep_size} on the CUDA backend needs "
+        f"jaxep.backends.cuda_calls.{op}: mode='low_latency' at ep_size = {ep_size} on the CUDA backend needs "
         "the runtime's low-latency area: expected a runtime that jaxep.initialize set up with a "
         "mode='low_latency' config among its configs, got one without that area (initialized "
         "with mode='normal' configs only); pass the low-latency config to jaxep.initialize too, "
@@ -518,10 +240,8 @@ def ll_dispatch_send(x, topk_idx, topk_weights, *, config, ep_size: int, ranks_p
   ``(pos[T,K] i32, invalid[1] i32)``: each row is written into its expert rank's receive area
   (fp8_dispatch: quantized on the way, codes + scales per 128 channels); pos is the slot's
   ordinal among this rank's slots of its expert (-1 masked), for ll_dispatch_recv."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   op = "ll_dispatch_send"
-  _require(op)
+  _extension.require(op)
   t, h = x.shape
   k = topk_idx.shape[1]
   m = config.expert_rows(ep_size)
@@ -540,10 +260,8 @@ def ll_dispatch_recv(topk_idx, pos, invalid, *, config, dtype, ep_size: int,
   ll_dispatch_send -> ``(x[L*M, H] (dtype; fp8: uint8 codes), tail[L*M, 4H/128] uint8 (fp8
   scales' bytes; else [L*M, 0]), weights[L*M] f32, counts[L], send_row[T,K], recv_slot[L*M],
   topk_idx_out[T,K], stats[2])`` in the low-latency layout (rows of expert l at [l*M, l*M+M))."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   op = "ll_dispatch_recv"
-  _require(op)
+  _extension.require(op)
   t, k = topk_idx.shape
   l, m, h = config.num_experts // ep_size, config.expert_rows(ep_size), config.hidden
   fp8 = config.fp8_dispatch
@@ -569,10 +287,8 @@ def ll_combine_send(y, weights, recv_slot, *, tokens: int, config, ep_size: int,
                     ranks_per_node: int):
   """``jaxep_ll_combine_send``: y[L*M, H], weights[L*M] f32, recv_slot[L*M] (the handle's) ->
   ``(marker[1] i32,)``: each kept row goes back to its source's slot (with its weight)."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   op = "ll_combine_send"
-  _require(op)
+  _extension.require(op)
   k = config.topk
   _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=tokens * k,
                  cap=0, row_bytes=y.shape[1] * np.dtype(y.dtype).itemsize, topk=k)
@@ -586,10 +302,8 @@ def ll_combine_recv(marker, send_row, topk_idx, *, hidden: int, dtype, config, e
                     ranks_per_node: int):
   """``jaxep_ll_combine_recv``: marker from ll_combine_send, send_row[T,K] and topk_idx[T,K]
   (the handle's) -> ``(out[T,H] dtype,)``: the fixed-order f32 sum of the returned rows."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   op = "ll_combine_recv"
-  _require(op)
+  _extension.require(op)
   t, k = send_row.shape
   _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=t * k, cap=0,
                  row_bytes=hidden * np.dtype(dtype).itemsize, topk=k)

@@ -1,41 +1,90 @@
-"""Shared trace-time checks and the backend table for the ops.
+"""The ops' trace-time checks, once per call, and the static record they resolve (`Call`).
 
-The ops check their inputs here, once, at trace time (shapes, dtypes, config); the backends and
-`jaxep._ffi` do not check them again.
+The ops check their inputs here (shapes, dtypes, config, axis) and resolve R, G, L and C once into
+`jaxep.backends.Sizes`; the backends take both as given.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxep import cuda_backend, reference, runtime
+from jaxep import _jax_private, backends, runtime
+from jaxep.backends import Sizes
 from jaxep.config import PAYLOAD_DTYPES, Config, field_diff
 from jaxep.types import Handle
 
-BACKENDS = {"reference": reference, "cuda": cuda_backend}
 PAYLOAD = tuple(jnp.dtype(d) for d in PAYLOAD_DTYPES)  # x / y dtypes, from jaxep.config
 
 
+class Call(NamedTuple):
+    """The static part of one op call (hashable: a custom VJP's nondiff argument)."""
+    axis_name: str
+    config: Config
+    backend: str
+    sizes: Sizes
+
+
 def ep_size(op: str, axis_name) -> int:
-    """The size of the EP axis; a clear error outside shard_map."""
+    """The size of the EP axis; a clear error outside shard_map or over other axes."""
     if not isinstance(axis_name, str):
         raise TypeError(f"jaxep.{op}: axis_name must be a str, got {type(axis_name).__name__}")
     try:
         return int(jax.lax.axis_size(axis_name))
     except NameError:
+        bound = _jax_private.bound_axes()
+        got = ("none" if not bound else "only " + ", ".join(f"{a!r} (size {n})"
+                                                          for a, n in bound.items()))
         raise ValueError(
             f"jaxep.{op}: must be called inside jax.shard_map over the EP mesh axis: expected a bound "
-            f"axis named {axis_name!r}, got none (call it from a function mapped with "
-            f"jax.shard_map(..., mesh=mesh) whose mesh has the axis {axis_name!r})") from None
+            f"axis named {axis_name!r}, got {got} (call it from a function mapped with "
+            f"jax.shard_map(..., mesh=mesh) whose mesh has the axis {axis_name!r}, or pass "
+            f"axis_name= the EP axis)") from None
 
 
-def check_node_layout(op: str, config, R: int) -> int:
-    """G = ranks per node for R ranks (Config.ranks_per_node or the machine's); ValueError naming
-    the op when G does not divide the EP size."""
+def sizes(op: str, config: Config, R: int) -> Sizes:
+    """R, G, L and the receive rows for `config` on R ranks; ValueError naming `op` when the node
+    layout or the experts do not divide R."""
     try:
-        return runtime.node_size(config, R)
+        G = 1 if R == 1 else runtime.node_size(config, R)
     except ValueError as e:
         raise ValueError(f"jaxep.{op}: {str(e).removeprefix('jaxep: ')}") from None
+    L = config.local_experts(R)
+    if config.mode == "low_latency":
+        M = config.expert_rows(R)
+        return Sizes(ep=R, node=G, local_experts=L, rows=L * M, expert_rows=M)
+    return Sizes(ep=R, node=G, local_experts=L, rows=config.capacity(R))
+
+
+def resolve(op: str, config, axis_name, backend) -> Call:
+    """The checks every dispatch makes before its inputs: the config (the initialized one, the
+    mode the op needs), the axis, the sizes; the backend chosen."""
+    runtime.check_config(op, config)
+    runtime.check_axis_name(op, axis_name)
+    R = ep_size(op, axis_name)
+    s = sizes(op, config, R)
+    return Call(axis_name, config, backends.select(op, backend, R), s)
+
+
+def check_inputs(op: str, x, topk_idx, topk_weights, call: Call) -> None:
+    """dispatch's x [T,H] (the config's dtype, T <= max_tokens_per_rank; T = 0 is fine), topk_idx
+    [T,K] int32 and topk_weights [T,K] float32."""
+    config = call.config
+    H, K = config.hidden, config.topk
+    check_array(op, "x", x, (None, H), PAYLOAD)
+    T = x.shape[0]
+    check_tokens(op, "x", T, config.max_tokens_per_rank, call.axis_name, call.sizes.ep)
+    if jnp.dtype(x.dtype) != jnp.dtype(config.dtype):
+        raise TypeError(f"jaxep.{op}: x must have the config's dtype {config.dtype}, got {x.dtype}")
+    check_array(op, "topk_idx", topk_idx, (T, K), (jnp.int32,))
+    check_array(op, "topk_weights", topk_weights, (T, K), (jnp.float32,))
+
+
+def check_backend(op: str, name: str, what: str) -> None:
+    """A handle's or pending's backend name must be one of the backends."""
+    if name not in backends.NAMES:
+        raise ValueError(f"jaxep.{op}: {what} must be one of {backends.NAMES}, got {name!r}")
 
 
 def check_array(op: str, name: str, a, shape, dtypes) -> None:
@@ -85,7 +134,7 @@ def check_handle(op: str, handle, axis_name, config, *, low_latency: bool = Fals
     shapes that dispatch makes on this EP size (a handle built by hand, or with its config
     replaced, would otherwise combine wrongly: the backward's dispatch_rows finds tokens as
     slot // config.topk). Rows: the capacity C, or L * M for a low-latency handle (which must
-    then have mode="low_latency"). Returns (handle.config, EP size)."""
+    then have mode="low_latency"). Returns the `Call` of the combine."""
     if not isinstance(handle, Handle):
         raise TypeError(f"jaxep.{op}: handle must be the jaxep.Handle that dispatch returned, got "
                         f"{type(handle).__name__}")
@@ -107,11 +156,9 @@ def check_handle(op: str, handle, axis_name, config, *, low_latency: bool = Fals
                          f"{handle.axis_name!r}, got {axis_name!r}")
     R = ep_size(op, axis_name)
     cfg = handle.config
-    check_node_layout(op, cfg, R)
-    if handle.backend not in BACKENDS:
-        raise ValueError(f"jaxep.{op}: handle.backend must be one of {tuple(BACKENDS)}, "
-                         f"got {handle.backend!r}")
-    rows = runtime.recv_rows(cfg, R)  # C, or L * M of a low-latency handle
+    s = sizes(op, cfg, R)
+    check_backend(op, handle.backend, "handle.backend")
+    rows = s.rows  # C, or L * M of a low-latency handle
     where = "[L * M]" if low_latency else f"[handle.config.capacity({R})]"
     K, i32, f32 = cfg.topk, (jnp.int32,), (jnp.float32,)
 
@@ -131,4 +178,4 @@ def check_handle(op: str, handle, axis_name, config, *, low_latency: bool = Fals
     field("topk_idx", (T, K), "[T, handle.config.topk]", i32)
     field("recv_slot", (rows,), where, i32)
     field("weights", (rows,), where, f32)
-    return cfg, R
+    return Call(axis_name, cfg, handle.backend, s)
