@@ -1,31 +1,18 @@
-"""Thin binding of jaxep's CUDA custom calls (``jaxep._jaxep_cuda``) for the rest of jaxep.
+"""The compiled CUDA extension ``jaxep._jaxep_cuda``: loading it, what it defines, what it was
+built for.
 
-Importing this module never fails. It tries to import the compiled extension, checks that the
-extension is the one this Python side speaks to (its ``constants()``: the target names, the kernel
-variant names of `jaxep.config`), and registers its XLA FFI handlers with
+Importing this module never fails. It tries to import the extension, checks that the extension is
+the one this Python side speaks to (its ``constants()``: the target names, the kernel variant names
+of `jaxep.config`), and registers its XLA FFI handlers with
 ``jax.ffi.register_ffi_target(..., platform="CUDA")`` exactly once. When the extension is missing
 (pure-Python install, no nvcc at build time), cannot be loaded, or is stale, ``is_available()`` is
-False and ``unavailable_reason()`` says why; the wrappers then raise ``RuntimeError`` with that
-reason.
+False and ``unavailable_reason()`` says why; the CUDA backend then raises ``RuntimeError`` with
+that reason (`require`).
 
-Constants shared with C++ have one source, the extension: ``constants()`` gives MAX_EXPERTS, the
-rank limit, the diagnostic phase and op codes and the kernel names (None without the extension).
-
-The wrappers are the backend operations of docs/design.md, one custom call each, returning tuples
-in the contract's order. Every tuning knob of the `jaxep.Config` they take becomes an FFI attribute
-(``_knob_attrs``), so it is in the HLO and the jit cache. Shapes, dtypes and the config were
-checked once at trace time by `jaxep.dispatch` / `jaxep.combine`; a wrapper checks only what the
-CUDA backend alone knows: that the extension is loaded and, for ``ep_size > 1``, that the
-multi-rank runtime of that EP size exists and that the call fits the symmetric buffers
-`jaxep.initialize` sized. The handlers return ``ffi::Error`` for what cannot be known earlier.
-
-``vmap_method="sequential"``: these ops are per-rank (one call per EP rank, with its own layout);
-a batch of independent calls under ``jax.vmap`` is run as a loop of single calls, which is
-correct for every op here. A fused batched kernel is not worth it for a communication op.
-
-``ep_size == 1`` runs the single-rank kernels. ``ep_size > 1`` runs the multi-rank NVSHMEM kernels
-(each handler takes its rank from the runtime, so the HLO is the same on every rank); it needs
-`jaxep.initialize` in a multi-process run first.
+Constants shared with C++ have one source, the extension: ``constants()`` gives its limits, the
+diagnostic phase and op codes and the kernel names (None without the extension). ``arch_mismatch``
+says when its kernels were not built for this GPU; ``runtime_info`` / ``runtime_limits`` read the
+multi-rank runtime it holds.
 
 Loading: the extension links ``libnvshmem_host.so.3`` when it was built with NVSHMEM. Before
 importing it, `_preload_nvshmem` loads that library from the ``nvidia.nvshmem`` wheel with
@@ -135,7 +122,7 @@ def _load() -> None:
     _reason = f"jaxep CUDA extension failed to load: {type(e).__name__}: {e}"
     return
   if not hasattr(_jaxep_cuda, "constants"):
-    _reason = _stale("it has no constants(): built before the FFI attributes of issue 11")
+    _reason = _stale("it has no constants()")
     return
   try:
     consts = parse_constants(_jaxep_cuda.constants())

@@ -157,7 +157,7 @@ def gather_back(v, send_row, topk_idx, *, config, ep_size: int, ranks_per_node: 
   op = "gather_back"
   _extension.require(op)
   if ep_size < 2:
-    _fail(op, "ep_size", ">= 2 (EP size 1 gathers locally in jaxep.cuda_backend)", ep_size)
+    _fail(op, "ep_size", ">= 2 (EP size 1 gathers locally in jaxep.backends.cuda)", ep_size)
   _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=send_row.shape[1],
               slots=send_row.shape[0] * send_row.shape[1], rows=v.shape[0],
               staged_bytes=v.shape[0] * 4)
@@ -169,8 +169,8 @@ def gather_back(v, send_row, topk_idx, *, config, ep_size: int, ranks_per_node: 
 
 def fp8_quantize(x):
   """``jaxep_fp8_quantize`` (local, any EP size): x[T,H] bf16|f16|f32, H % 128 == 0 ->
-  ``(codes[T,H] uint8 (float8_e4m3fn bytes), scales[T,H/128] f32)``: SPEC section 3's
-  quantization with IEEE divisions (jaxep.reference.fp8_quantize computes the same bits)."""
+  ``(codes[T,H] uint8 (float8_e4m3fn bytes), scales[T,H/128] f32)``: the fp8 rule's (`jaxep.fp8.quantize`)
+  quantization with IEEE divisions (jaxep.fp8.quantize computes the same bits)."""
   op = "fp8_quantize"
   _extension.require(op)
   t, h = x.shape

@@ -25,7 +25,7 @@ class TimeoutError(builtins.TimeoutError):  # pylint: disable=redefined-builtin
 
 
 # What each wait phase of a multi-rank call means, keyed by the short names the extension gives
-# its phase codes (_ffi.constants()["phases"]).
+# its phase codes (`jaxep._extension.constants()["phases"]`).
 _PHASE_TEXT = {
     "none": "-",
     "free": "release (waiting for the peer to finish reading this rank's stage of the previous call)",
