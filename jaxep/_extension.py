@@ -198,10 +198,6 @@ def require(op: str) -> None:
     raise RuntimeError(f"jaxep CUDA backend ({op}): the CUDA backend is unavailable: {_reason}")
 
 
-def _fail(op: str, what: str, expected: str, got) -> None:
-  raise ValueError(f"jaxep._extension.{op}: {what} must be {expected}, got {got}")
-
-
 def cubin_runs_on(arch: str, capability: tuple[int, int]) -> bool:
   """Whether code built for the CMake CUDA architecture `arch` ("90", "100-real", "90a", "100f",
   "90-virtual") runs on a GPU of compute capability `capability` (major, minor): a cubin runs on
@@ -264,22 +260,3 @@ def runtime_info() -> dict | None:
   if not multi_rank_built():
     return None
   return _module.runtime_info()
-
-
-def runtime_limits(op: str, ep_size: int) -> dict:
-  """The runtime's limits for a multi-rank call; raises when it cannot run."""
-  if not multi_rank_built():
-    raise NotImplementedError(
-        f"jaxep._extension.{op}: ep_size = {ep_size} needs the multi-rank CUDA path, but this build of "
-        "the extension has no NVSHMEM (build_info()['multi_rank'] is False; rebuild with "
-        "JAXEP_CUDA=<CUDA major> and the cu13/cu12 extra, see docs/build.md), or use the "
-        "reference backend")
-  info = _module.runtime_info()
-  if info is None:
-    raise RuntimeError(
-        f"jaxep._extension.{op}: ep_size = {ep_size} on the CUDA backend needs the NVSHMEM runtime: call "
-        "jaxep.initialize(config) in every process of a multi-process run (one GPU per process, "
-        "e.g. python -m jaxep.launch --nproc N script.py) before tracing")
-  if info["size"] != ep_size:
-    _fail(op, "ep_size", f"the EP size jaxep.initialize set up ({info['size']} processes)", ep_size)
-  return info

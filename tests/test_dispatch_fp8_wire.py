@@ -22,8 +22,7 @@ import harness
 import jaxep
 import oracle
 from jaxep import fp8
-from jaxep.backends import Sizes
-from jaxep.backends import cuda as cuda_backend
+from jaxep.backends import Sizes, cuda as cuda_backend
 from jaxep.config import fp8_row_bytes
 from test_hlo import cuda_lowering  # noqa: F401  (the fixture)
 

@@ -15,10 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import jaxep
-from jaxep import _extension, runtime
-from jaxep.backends import Sizes
-from jaxep import backends
-from jaxep.backends import cuda as cuda_backend
+from jaxep import _extension, backends, runtime
+from jaxep.backends import Sizes, cuda as cuda_backend, cuda_calls
 from test_runtime_checks import CONSTANTS
 
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4, dtype="bfloat16")
@@ -70,7 +68,7 @@ def cuda_lowering(monkeypatch):
         monkeypatch.setattr(_extension, "_constants", _extension.parse_constants(CONSTANTS))
     monkeypatch.setattr(backends, "select", lambda op, requested, ep_size: "cuda")
     monkeypatch.setitem(NODE_SIZE, "value", None)
-    monkeypatch.setattr(_extension, "runtime_limits", lambda op, ep_size: dict(
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep_size: dict(
         size=ep_size, max_tokens=1 << 20, topk=64, experts=1 << 13, capacity=1 << 30,
         stage_bytes=1 << 40, node_size=NODE_SIZE["value"] or ep_size))
 

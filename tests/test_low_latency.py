@@ -15,10 +15,8 @@ from jax.sharding import PartitionSpec as P
 import harness
 import jaxep
 import oracle
-from jaxep import _extension, runtime
-from jaxep.backends import Route, Sizes
-from jaxep import backends
-from jaxep.backends import cuda as cuda_backend, reference
+from jaxep import _extension, backends, runtime
+from jaxep.backends import Route, Sizes, cuda as cuda_backend, cuda_calls, reference
 from test_runtime_checks import CONSTANTS
 
 
@@ -574,7 +572,7 @@ def _cuda_ll_ops(cfg, R, monkeypatch, ll_experts):
     monkeypatch.setattr(_extension, "_registered", True)
     if _extension.constants() is None:
         monkeypatch.setattr(_extension, "_constants", _extension.parse_constants(CONSTANTS))
-    monkeypatch.setattr(_extension, "runtime_limits", lambda op, ep_size: dict(
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep_size: dict(
         size=ep_size, node_size=ep_size, max_tokens=1 << 10, topk=64, experts=1 << 13,
         capacity=1 << 20, stage_bytes=1 << 30, ll_experts=ll_experts, ll_cap=1 << 10,
         ll_row_bytes=1 << 16))
@@ -610,7 +608,7 @@ def test_cuda_backend_low_latency_without_the_area_raises_at_trace_time(monkeypa
     refuses at trace time, naming the fix (there is no fallback to normal mode's exchange)."""
     for name, trace in _cuda_ll_ops(_cfg(hidden=128), 2, monkeypatch, ll_experts=0).items():
         with pytest.raises(RuntimeError, match=(
-                rf"jaxep\._extension\.{name}: mode='low_latency' at ep_size = 2 on the CUDA backend "
+                rf"jaxep\.backends\.cuda_calls\.{name}: mode='low_latency' at ep_size = 2 on the CUDA backend "
                 r"needs the runtime's low-latency area: expected .* got one without that area .*"
                 r"jaxep\.initialize\(\[train_config, decode_config\]\)")):
             trace()

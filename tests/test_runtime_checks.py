@@ -352,14 +352,14 @@ def _ll_info(**over):
     (dict(node_size=1), r"ranks_per_node must be the node layout jaxep.initialize set up \(1 "),
 ])
 def test_low_latency_calls_that_do_not_fit_the_area_are_refused(monkeypatch, over, match):
-    monkeypatch.setattr(_extension, "runtime_limits", lambda op, ep: _ll_info(**over))
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep: _ll_info(**over))
     with pytest.raises(ValueError, match=r"jaxep\._extension\.ll_dispatch_send: " + match):
         cuda_calls._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
                             row_bytes=128, topk=2)
 
 
 def test_low_latency_calls_that_fit_the_area_pass(monkeypatch):
-    monkeypatch.setattr(_extension, "runtime_limits", lambda op, ep: _ll_info())
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep: _ll_info())
     cuda_calls._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
                         row_bytes=128, topk=2)
     with pytest.raises(ValueError, match=r"config.topk must be <= 64"):

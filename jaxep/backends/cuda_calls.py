@@ -27,6 +27,25 @@ def _fail(op: str, what: str, expected: str, got) -> None:
   raise ValueError(f"jaxep.backends.cuda_calls.{op}: {what} must be {expected}, got {got}")
 
 
+def runtime_limits(op: str, ep_size: int) -> dict:
+  """The runtime's limits for a multi-rank call; raises when it cannot run."""
+  if not _extension.multi_rank_built():
+    raise NotImplementedError(
+        f"jaxep.backends.cuda_calls.{op}: ep_size = {ep_size} needs the multi-rank CUDA path, but this build of "
+        "the extension has no NVSHMEM (build_info()['multi_rank'] is False; rebuild with "
+        "JAXEP_CUDA=<CUDA major> and the cu13/cu12 extra, see docs/build.md), or use the "
+        "reference backend")
+  info = _extension.module().runtime_info()
+  if info is None:
+    raise RuntimeError(
+        f"jaxep.backends.cuda_calls.{op}: ep_size = {ep_size} on the CUDA backend needs the NVSHMEM runtime: call "
+        "jaxep.initialize(config) in every process of a multi-process run (one GPU per process, "
+        "e.g. python -m jaxep.launch --nproc N script.py) before tracing")
+  if info["size"] != ep_size:
+    _fail(op, "ep_size", f"the EP size jaxep.initialize set up ({info['size']} processes)", ep_size)
+  return info
+
+
 # The internode reducer lists a token's slots in one warp (ffi/cuda/combine.cu kMaxWarpTopk).
 INTERNODE_MAX_TOPK = 32
 
@@ -36,7 +55,7 @@ def _check_fits(op: str, ep_size: int, *, ranks_per_node: int = 0, topk: int = 0
   """Multi-rank calls must fit the symmetric buffers and the node layout jaxep.initialize set up."""
   if ep_size == 1:
     return
-  info = _extension.runtime_limits(op, ep_size)
+  info = runtime_limits(op, ep_size)
   if ranks_per_node != info["node_size"]:
     _fail(op, "ranks_per_node", f"the node layout jaxep.initialize set up ({info['node_size']} "
           "ranks per node)", ranks_per_node)
@@ -206,7 +225,7 @@ def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, 
                    cap: int, row_bytes: int, topk: int) -> None:
   """Every low-latency wrapper's check at trace time: the runtime has the low-latency area (the
   low-latency ops have no other path at ep_size > 1) and the call fits it."""
-  info = _extension.runtime_limits(op, ep_size)
+  info = runtime_limits(op, ep_size)
   if info.get("ll_experts", 0) <= 0:
     raise RuntimeError(
         f"jaxep.backends.cuda_calls.{op}: mode='low_latency' at ep_size = {ep_size} on the CUDA backend needs "

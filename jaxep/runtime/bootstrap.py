@@ -25,7 +25,8 @@ FAMILY = "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY"
 _UID_ERROR = b"jaxep-error:"  # rank 0 publishes this instead of a unique id it could not make
 
 
-def _fail(msg: str):
+def fail(msg: str):
+    """Raises the RuntimeError of a failed `jaxep.initialize`."""
     raise RuntimeError("jaxep.initialize: " + msg)
 
 
@@ -45,7 +46,7 @@ def agree_config(client, config, pe: int, nproc: int, key: str, wait_ms: int,
         try:
             texts.append(mine if r == pe else client.blocking_key_value_get(f"{key}/{r}", wait_ms))
         except Exception as e:  # pylint: disable=broad-except
-            _fail(f"rank {r} did not publish its config within {wait_ms / 1000:g} s (it failed "
+            fail(f"rank {r} did not publish its config within {wait_ms / 1000:g} s (it failed "
                   f"earlier in jaxep.initialize, or never called it): {type(e).__name__}: {e}")
     base = json.loads(texts[0])
     diffs = []
@@ -56,7 +57,7 @@ def agree_config(client, config, pe: int, nproc: int, key: str, wait_ms: int,
             diffs.append(f"rank {r} vs rank 0: " + ", ".join(
                 f"{k}={other.get(k)!r} vs {base.get(k)!r}" for k in fields))
     if diffs:
-        _fail("the config must be identical on every rank (its knobs are FFI attributes: every "
+        fail("the config must be identical on every rank (its knobs are FFI attributes: every "
               "rank must run the same kernels), but " + "; ".join(diffs))
 
 
@@ -80,12 +81,12 @@ def exchange_unique_id(client, ext, pe: int, generation: int, wait_ms: int) -> b
         except RuntimeError as e:
             why = f"{e}: {_bootstrap_text()}"
             client.key_value_set_bytes(key, _UID_ERROR + why.encode())
-            _fail(why)
+            fail(why)
         client.key_value_set_bytes(key, uid)
         return bytes(uid)
     uid = bytes(client.blocking_key_value_get_bytes(key, wait_ms))
     if uid.startswith(_UID_ERROR):
-        _fail("rank 0 could not create NVSHMEM's unique id: "
+        fail("rank 0 could not create NVSHMEM's unique id: "
               + uid[len(_UID_ERROR):].decode(errors="replace"))
     return uid
 

@@ -27,14 +27,11 @@ import jax
 
 from jaxep import _extension, _jax_private
 from jaxep.runtime import bootstrap, node_layout, zero_copy
+from jaxep.runtime.bootstrap import fail as _fail
 from jaxep.runtime.sizes import HEAP_RESERVE, MEM_MARGIN, NVSHMEM_DEFAULT_HEAP, Params, \
     parse_size, recommended_env
 
 log = logging.getLogger("jaxep")
-
-
-def _fail(msg: str):
-    raise RuntimeError("jaxep.initialize: " + msg)
 
 
 @dataclasses.dataclass(frozen=True)
