@@ -207,3 +207,39 @@ def test_cuda_backend_checks_the_extensions_max_experts_once(cuda_lowering, monk
     with pytest.raises(ValueError, match=r"jaxep.dispatch: config.num_experts must be <= 4 on the "
                                          r"CUDA backend \(the extension's max_experts\), got 8"):
         _grad_hlo(jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=8), 1)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_latency_grad_lowers_on_the_cuda_backend_at_ep_2(cuda_lowering, monkeypatch, fp8):
+    """jax.grad through a low-latency dispatch -> combine on the CUDA backend at EP size 2: the
+    send halves get no tangent (their receive halves' VJPs carry the gradient), so tracing does
+    not fail with "jaxep_ll_combine_send cannot be differentiated"; the backward is the normal
+    mode's transposes on the flat rows (jaxep_combine, jaxep_dispatch_rows, jaxep_gather_back)."""
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep_size: dict(
+        size=ep_size, max_tokens=1 << 20, topk=64, experts=1 << 13, capacity=1 << 30,
+        stage_bytes=1 << 40, node_size=ep_size, ll_experts=1 << 10, ll_cap=1 << 20,
+        ll_row_bytes=1 << 20))
+    cfg = jaxep.Config(num_experts=8, topk=2, hidden=128, max_tokens_per_rank=4,
+                       dtype="bfloat16", mode="low_latency", fp8_dispatch=fp8)
+    R, T = 2, 4
+
+    def loss(x, w, idx):
+        def body(x, idx, w):
+            res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg)
+            rows = jaxep.dequantize_fp8(res.x, res.scales) if fp8 else res.x
+            return jaxep.combine(rows.astype(jnp.bfloat16), res.handle, axis_name="ep")
+        out = jax.shard_map(body, mesh=harness.mesh(R), in_specs=(P("ep"),) * 3,
+                            out_specs=P("ep"))(x, idx, w)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+    sds = jax.ShapeDtypeStruct
+    args = (sds((R * T, 128), jnp.bfloat16), sds((R * T, 2), jnp.float32),
+            sds((R * T, 2), jnp.int32))
+    argnums = (1,) if fp8 else (0, 1)  # fp8 rows are not differentiable: weights only
+    hlo = jax.jit(jax.grad(loss, argnums=argnums)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    targets = [t for t, _ in custom_calls(hlo)]
+    for t in ("jaxep_ll_dispatch_send", "jaxep_ll_dispatch_recv", "jaxep_ll_combine_send",
+              "jaxep_ll_combine_recv", "jaxep_dispatch_rows", "jaxep_gather_back"):
+        assert t in targets, (t, targets)
+    assert ("jaxep_combine" in targets) == (not fp8), targets  # d x: the unweighted combine

@@ -69,7 +69,8 @@ def _send(op, y, handle, axis_name, weights, config):
         _checks.check_array(op, "weights", weights, (L, M), (jnp.float32,))
         w = weights.reshape(L * M)
     y_flat = y.reshape(L * M, H)
-    route = Route(handle.send_row, handle.recv_slot, handle.topk_idx)
+    # The send half is not differentiated (combine_recv's VJP is): no tangent reaches its call.
+    route = jax.lax.stop_gradient(Route(handle.send_row, handle.recv_slot, handle.topk_idx))
     sent = backends.get(call.backend).combine_send(
         jax.lax.stop_gradient(y_flat), jax.lax.stop_gradient(w), route, axis_name=axis_name,
         config=cfg, sizes=s)
