@@ -43,6 +43,10 @@
 #   cmdbuf       8 scanned MoE layers, forward + backward, XLA command buffers on and off in one
 #                process (tests/gpu/cmdbuf_worker.py), 8 ranks then EP 1; step time ratio. ~150 s,
 #                cap 360
+#   hosts        two "hosts" on the one GPU (jaxep.launch --nnodes 2, node 1 under another kernel
+#                boot id; needs root and unshare): 2 x 2 ranks of tests/gpu/multirank_worker.py,
+#                every case bitwise; then a bootstrap interface that does not exist must fail fast,
+#                named. ~150 s, cap 330
 #
 # Output under $OUT (default /tmp/jaxep_gpu): summary.txt (one line a step and the table, printed
 # last) and <step>.tgz (that step's logs, JSON, PNG: `tar xzf`); the device tool brings back at
@@ -433,11 +437,53 @@ step_cmdbuf() {
   [ $rc8 = 0 ] && [ $rc1 = 0 ]
 }
 
+step_hosts() {
+  # Two "hosts" on the one GPU: two `jaxep.launch --nnodes 2` launchers of 2 ranks each, node 1's
+  # in a mount namespace with another kernel boot id (another host for jaxep, the same one for
+  # NVSHMEM, which hashes the hostname, so P2P reaches every PE): every case of
+  # tests/gpu/multirank_worker.py bitwise on both. Then one host with NVSHMEM's bootstrap pinned
+  # to an interface that does not exist: every rank must fail fast, naming it. Needs root and
+  # unshare(1); every rank shares one MPS daemon started here.
+  local ip port boot=/tmp/jaxep-hosts-boot_id id=/proc/sys/kernel/random/boot_id
+  ip=$(python3 -c "
+import psutil, socket
+print(next(a.address for v in psutil.net_if_addrs().values() for a in v
+           if a.family == socket.AF_INET and not a.address.startswith('127.')))" 2>/dev/null)
+  [ -z "$ip" ] && { LINE="no non-loopback IPv4 address"; return 1; }
+  port=$(python3 -c "import socket; s=socket.socket(); s.bind(('',0)); print(s.getsockname()[1])")
+  echo "0b0b0b0b-1111-2222-3333-444455556666" > "$boot"
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/jaxep-hosts-mps CUDA_MPS_LOG_DIRECTORY=/tmp/jaxep-hosts-mpslog
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d > "$D/mps_start.log" 2>&1; sleep 1
+  local w="tests/gpu/multirank_worker.py --case all --timeout_s 30"
+  local l="python3 -m jaxep.launch --nnodes 2 --nproc 2 --coordinator $ip:$port --timeout $(cap 150) --node_rank"
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.18 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 NVSHMEM_DISABLE_NCCL=1 \
+    NVSHMEM_REMOTE_TRANSPORT=none CUDA_VISIBLE_DEVICES=0,0
+  # shellcheck disable=SC2086
+  box 180 "$D/node0.log" $l 0 $w &
+  local p0=$!
+  box 180 "$D/node1.log" unshare -m sh -c "mount --bind $boot $id && cat $id && exec $l 1 $w"
+  local rc1=$? rc0=0
+  wait $p0 || rc0=$?
+  unset CUDA_VISIBLE_DEVICES CUDA_MPS_ACTIVE_THREAD_PERCENTAGE XLA_PYTHON_CLIENT_MEM_FRACTION
+  # shellcheck disable=SC2086
+  NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME==nosuch0 box 130 "$D/bad_interface.log" "${LAUNCH[@]}" 2 \
+    --timeout "$(cap 110)" $w
+  local rcc=$?
+  echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY NVSHMEM_DISABLE_NCCL NVSHMEM_REMOTE_TRANSPORT
+  local ok0 ok1 named
+  ok0=$(grep -cE "SUMMARY [0-9]+ ([0-9]+)/\1" "$D/node0.log"); ok1=$(grep -cE "SUMMARY [0-9]+ ([0-9]+)/\1" "$D/node1.log")
+  named=$(grep -c "nosuch0" "$D/bad_interface.log")
+  LINE="two hosts: node 0 rc=$rc0 ($ok0/2 ranks all ok), node 1 rc=$rc1 ($ok1/2); bad interface rc=$rcc (expected != 0), nosuch0 named $named times"
+  [ $rc0 = 0 ] && [ $rc1 = 0 ] && [ "$ok0" = 2 ] && [ "$ok1" = 2 ] && [ $rcc != 0 ] && [ "$named" -gt 0 ]
+}
+
 # ------------------------------------------------------------------------------ main
 STEPS=(); AB_BASE=""
 while [ $# -gt 0 ]; do
   case $1 in
-    build|tier|tier-ep1|tier-mr|tier-nn|bench|reliability|sanitize|ranks|cmdbuf) STEPS+=("$1");;
+    build|tier|tier-ep1|tier-mr|tier-nn|bench|reliability|sanitize|ranks|cmdbuf|hosts) STEPS+=("$1");;
     ab) AB_BASE=${2:-}; [ -z "$AB_BASE" ] && { echo "ab needs a BASE commit: tools/gpu.sh ab 205b90b" >&2; exit 2; }
         STEPS+=(ab); shift;;
     *) echo "unknown step '$1' (tools/gpu.sh help)" >&2; exit 2;;
@@ -446,9 +492,9 @@ while [ $# -gt 0 ]; do
 done
 # Each step's minimum time to start (s) and cap.
 declare -A MIN=([build]=60 [tier]=120 [tier-ep1]=60 [tier-mr]=120 [tier-nn]=90 [bench]=60 [ab]=150
-                [reliability]=90 [sanitize]=60 [ranks]=90 [cmdbuf]=90)
+                [reliability]=90 [sanitize]=60 [ranks]=90 [cmdbuf]=90 [hosts]=120)
 declare -A CAP=([build]=240 [tier]=540 [tier-ep1]=200 [tier-mr]=420 [tier-nn]=240 [bench]=540 [ab]=560
-                [reliability]=300 [sanitize]=560 [ranks]=540 [cmdbuf]=360)
+                [reliability]=300 [sanitize]=560 [ranks]=540 [cmdbuf]=360 [hosts]=330)
 
 { nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>&1 | head -2
   python3 -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())" 2>&1 | tail -1
