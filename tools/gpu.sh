@@ -60,11 +60,14 @@ cd "$ROOT" || exit 2
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
+# What BASE's tarball holds: what builds and runs the extension, the bench and the tests.
+AB_PATHS="CMakeLists.txt pyproject.toml ffi jaxep tests examples"
+
 # ------------------------------------------------------------------------------ here: ab-archive
 if [ "${1:-}" = "ab-archive" ]; then
   base=${2:?usage: tools/gpu.sh ab-archive BASE}
   mkdir -p .gpu
-  git archive -o ".gpu/ab-$base.tar" "$base" || exit 1
+  git archive -o ".gpu/ab-$base.tar" "$base" -- $AB_PATHS || exit 1
   echo "wrote .gpu/ab-$base.tar ($(du -h ".gpu/ab-$base.tar" | cut -f1)); .gpu/ is ignored by git:"
   echo "name it in the device call's carry: carry=[\".gpu\"], command tools/gpu.sh build ab $base"
   exit 0
@@ -249,7 +252,7 @@ step_ab() {
   local base=$AB_BASE tar=".gpu/ab-$AB_BASE.tar" btree=/tmp/jaxep-ab-base
   if [ ! -f "$tar" ]; then
     if git -C "$ROOT" rev-parse --git-dir > /dev/null 2>&1; then
-      mkdir -p .gpu && git -C "$ROOT" archive -o "$tar" "$base" 2> "$D/archive.log"
+      mkdir -p .gpu && git -C "$ROOT" archive -o "$tar" "$base" -- $AB_PATHS 2> "$D/archive.log"
     fi
   fi
   if [ ! -f "$tar" ]; then
