@@ -341,7 +341,7 @@ PY
 step_reliability() {
   local calls=${CALLS:-10000}
   box 300 "$D/run.log" "${LAUNCH[@]}" 8 --timeout "$(cap 290)" tests/gpu/reliability_worker.py --calls "$calls" \
-    --delay_ms 4 --sample_every 500 --max_seconds "$(( $(cap 290) - 90 ))" "${WB[@]}" ${DRY_SHAPE:-}
+    --delay_ms 4 --sample_every 500 --max_seconds "$(( $(cap 290) > 150 ? $(cap 290) - 90 : 60 ))" "${WB[@]}" ${DRY_SHAPE:-}
   local rc=$?
   grep -hE "RELIABILITY|HANG|ERROR [0-9]|CONFIG|SETUP" "$D/run.log" | sed 's/^\[rank [0-9]*\] //' > "$D/results.txt"
   local n_ok n_mis n_hang
@@ -411,7 +411,8 @@ step_ranks() {
     n=${spec%%:*}; g=${spec##*:}
     local tag="r${n}_$((n / g))x$g"
     [ "$(cap 100)" -lt 60 ] && { res="$res $tag:skipped(time)"; continue; }
-    XLA_PYTHON_CLIENT_MEM_FRACTION=${RANKS_MEM_FRACTION:-0.01} box 200 "$D/$tag.log" "${LAUNCH[@]}" "$n" --timeout "$(cap 190)" \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=${RANKS_MEM_FRACTION:-0.01} \
+      NVSHMEM_SYMMETRIC_SIZE=${RANKS_HEAP:-536870912} box 200 "$D/$tag.log" "${LAUNCH[@]}" "$n" --timeout "$(cap 190)" \
       tests/gpu/reliability_worker.py --calls 12 --delay_ms 1 --sample_every 1 --inputs 3 \
       --tokens 32 --hidden 256 --topk 4 --experts_per_rank 2 --ranks_per_node "$g" --timeout_s 60 "${WB[@]}"
     local rc=$? ok
@@ -428,7 +429,7 @@ step_ranks() {
 }
 
 step_cmdbuf() {
-  box 240 "$D/r8.log" "${LAUNCH[@]}" 8 --timeout "$(cap 230)" tests/gpu/cmdbuf_worker.py "${WB[@]}" ${DRY_SHAPE_CMDBUF:-}
+  NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-2147483648} box 240 "$D/r8.log" "${LAUNCH[@]}" 8 --timeout "$(cap 230)" tests/gpu/cmdbuf_worker.py "${WB[@]}" ${DRY_SHAPE_CMDBUF:-}
   local rc8=$?
   box 120 "$D/ep1.log" python3 tests/gpu/cmdbuf_worker.py "${WB[@]}" ${DRY_SHAPE_CMDBUF:-}
   local rc1=$?

@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts_per_rank", type=int, default=4)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--capacity_factor", type=float, default=1.25, help="0 = never drop")
     p.add_argument("--iters", type=int, default=20, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="on/off alternations")
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
     E = L * R
     dtype = jnp.dtype(a.dtype)
     cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
-                       capacity_factor=None, dtype=a.dtype, timeout_s=a.timeout_s)
+                       capacity_factor=a.capacity_factor or None, dtype=a.dtype,
+                       timeout_s=a.timeout_s)
     jaxep.initialize(cfg)
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
     spec = NamedSharding(mesh, P("ep"))
