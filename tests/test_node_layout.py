@@ -224,7 +224,7 @@ def test_two_real_hosts_by_boot_id_agree_and_pin_nvshmems_bootstrap(tmp_path):
     share a name). No hostname is injected: each rank's own `this_host()` differs, the ranks agree
     on 2 per node, and each points NVSHMEM's bootstrap at the interface that holds the
     coordinator's address (not loopback). Needs root and unshare(1); the GPU run of the same
-    launch is a step of tools/gpu.sh (docs/gpu.md; its result in docs/performance.md)."""
+    launch is `tools/gpu.sh hosts` (docs/gpu.md; its result in docs/performance.md)."""
     boot = tmp_path / "boot_id"
     boot.write_text(_BOOT_ID_B + "\n")
     if not _namespaces_work(boot):
