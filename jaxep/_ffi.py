@@ -1,15 +1,16 @@
 """Thin binding of jaxep's CUDA custom calls (``jaxep._jaxep_cuda``) for the rest of jaxep.
 
 Importing this module never fails. It tries to import the compiled extension, checks that the
-extension is the one this Python side speaks to (its ``constants()``: the target names, the kernel
-variant names of `jaxep.config`), and registers its XLA FFI handlers with
-``jax.ffi.register_ffi_target(..., platform="CUDA")`` exactly once. When the extension is missing
-(pure-Python install, no nvcc at build time), cannot be loaded, or is stale, ``is_available()`` is
-False and ``unavailable_reason()`` says why; the wrappers then raise ``RuntimeError`` with that
-reason.
+extension is the one this Python side speaks to (its ``registrations()``: the target names; its
+``constants()``: the kernel variant names and FP8_BLOCK of `jaxep.config`), and registers its XLA
+FFI handlers with ``jax.ffi.register_ffi_target(..., platform="CUDA")`` exactly once. When the
+extension is missing (pure-Python install, no nvcc at build time), cannot be loaded, or is stale,
+``is_available()`` is False and ``unavailable_reason()`` says why; the wrappers then raise
+``RuntimeError`` with that reason.
 
 Constants shared with C++ have one source, the extension: ``constants()`` gives MAX_EXPERTS, the
-rank limit, the diagnostic phase and op codes and the kernel names (None without the extension).
+rank limit, the topk limits of the internode reducer and of the low-latency combine, the fp8
+block, the diagnostic phase and op codes and the kernel names (None without the extension).
 
 The wrappers are the backend operations of docs/design.md, one custom call each, returning tuples
 in the contract's order. Every tuning knob of the `jaxep.Config` they take becomes an FFI attribute
@@ -42,7 +43,7 @@ import numpy as np
 
 from jaxep import config as _config
 
-# The custom-call targets this module emits; the extension's constants()["targets"] must match.
+# The custom-call targets this module emits; the extension's registrations() has exactly these.
 TARGETS = ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine", "jaxep_gather_back",
            "jaxep_fp8_quantize", "jaxep_fp8_quantize_rows", "jaxep_ll_dispatch_send",
            "jaxep_ll_dispatch_recv", "jaxep_ll_combine_send", "jaxep_ll_combine_recv")
@@ -87,19 +88,21 @@ def parse_constants(raw) -> dict:
   c = dict(raw)
   return dict(
       max_experts=int(c["max_experts"]), max_ranks=int(c["max_ranks"]),
+      internode_max_topk=int(c["internode_max_topk"]), ll_max_topk=int(c["ll_max_topk"]),
+      fp8_block=int(c["fp8_block"]),
       phases={int(k): str(v) for k, v in dict(c["phases"]).items()},
       ops={int(k): str(v) for k, v in dict(c["ops"]).items()},
-      targets=tuple(str(t) for t in c["targets"]),
       dispatch_kernels=tuple(str(t) for t in c["dispatch_kernels"]),
       combine_kernels=tuple(str(t) for t in c["combine_kernels"]))
 
 
 def mismatches(consts: dict) -> list[str]:
-  """How the extension's names differ from what this Python side sends ([] when they agree)."""
+  """How the extension's constants differ from what this Python side sends or assumes ([] when
+  they agree). The target names are checked against registrations() (`_load`)."""
   out = []
-  if set(consts["targets"]) != set(TARGETS):
-    out.append(f"FFI targets: extension has {sorted(consts['targets'])}, jaxep calls "
-               f"{sorted(TARGETS)}")
+  if consts["fp8_block"] != _config.FP8_BLOCK:
+    out.append(f"fp8_block: extension has {consts['fp8_block']}, jaxep.config.FP8_BLOCK is "
+               f"{_config.FP8_BLOCK}")
   for key, mine in (("dispatch_kernels", _config.DISPATCH_KERNELS),
                     ("combine_kernels", _config.COMBINE_KERNELS)):
     if tuple(consts[key]) != tuple(mine):
@@ -151,9 +154,8 @@ def _load() -> None:
     import jax  # pylint: disable=g-import-not-at-top
 
     regs = _jaxep_cuda.registrations()
-    missing = [t for t in TARGETS if t not in regs]
-    if missing:
-      _reason = _stale(f"registrations() lacks FFI targets {missing}")
+    if set(regs) != set(TARGETS):
+      _reason = _stale(f"FFI targets: extension has {sorted(regs)}, jaxep calls {sorted(TARGETS)}")
       return
     for name in TARGETS:
       jax.ffi.register_ffi_target(name, regs[name], platform="CUDA")
@@ -183,8 +185,9 @@ def unavailable_reason() -> str:
 
 
 def constants() -> dict | None:
-  """The extension's shared constants (max_experts, max_ranks, phases, ops, targets, kernel
-  names), or None when no extension with constants() was imported."""
+  """The extension's shared constants (max_experts, max_ranks, internode_max_topk, ll_max_topk,
+  fp8_block, phases, ops, kernel names), or None when no extension with constants() was
+  imported."""
   return _constants
 
 
@@ -292,10 +295,6 @@ def runtime_limits(op: str, ep_size: int) -> dict:
   return info
 
 
-# The internode reducer lists a token's slots in one warp (ffi/cuda/combine.cu kMaxWarpTopk).
-INTERNODE_MAX_TOPK = 32
-
-
 def _check_fits(op: str, ep_size: int, *, ranks_per_node: int = 0, topk: int = 0, slots=0,
                 experts=0, rows=0, staged_bytes=0) -> None:
   """Multi-rank calls must fit the symmetric buffers and the node layout jaxep.initialize set up."""
@@ -305,8 +304,9 @@ def _check_fits(op: str, ep_size: int, *, ranks_per_node: int = 0, topk: int = 0
   if ranks_per_node != info["node_size"]:
     _fail(op, "ranks_per_node", f"the node layout jaxep.initialize set up ({info['node_size']} "
           "ranks per node)", ranks_per_node)
-  if ranks_per_node < ep_size and topk > INTERNODE_MAX_TOPK:
-    _fail(op, "config.topk", f"<= {INTERNODE_MAX_TOPK} with several nodes on the CUDA backend (the "
+  most_topk = constant("internode_max_topk")  # the reducer lists a token's slots in one warp
+  if ranks_per_node < ep_size and topk > most_topk:
+    _fail(op, "config.topk", f"<= {most_topk} with several nodes on the CUDA backend (the "
           "internode reducer's warp per token)", topk)
   limits = (("T*K (slots)", slots, info["max_tokens"] * info["topk"]),
             ("num_experts", experts, info["experts"]),
@@ -477,9 +477,6 @@ def fp8_quantize_rows(x):
 # ---- mode="low_latency", ep_size > 1 (ffi/dispatch_ll.cc, ffi/combine_ll.cc; protocol: ffi/cuda/low_latency.h) ----
 # Command-buffer compatible handlers: the sequence number lives on the device.
 
-LL_MAX_TOPK = 64  # combine_recv orders a token's slots in shared memory (kLLMaxTopk)
-
-
 def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, slots: int,
                    cap: int, row_bytes: int, topk: int) -> None:
   """Every low-latency wrapper's check at trace time: the runtime has the low-latency area (the
@@ -495,8 +492,9 @@ def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, 
   if ranks_per_node != info["node_size"]:
     _fail(op, "ranks_per_node", f"the node layout jaxep.initialize set up ({info['node_size']} "
           "ranks per node)", ranks_per_node)
-  if topk > LL_MAX_TOPK:
-    _fail(op, "config.topk", f"<= {LL_MAX_TOPK} in low-latency mode on the CUDA backend", topk)
+  most_topk = constant("ll_max_topk")  # combine_recv orders a token's slots in shared memory
+  if topk > most_topk:
+    _fail(op, "config.topk", f"<= {most_topk} in low-latency mode on the CUDA backend", topk)
   limits = (("local experts", experts // ep_size, info["ll_experts"]),
             ("rows per (expert, source) min(M, T*K)", cap, info["ll_cap"]),
             ("T*K (slots)", slots, info["max_tokens"] * info["topk"]),

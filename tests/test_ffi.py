@@ -1,6 +1,7 @@
 """The constants Python and C++ share have one source, the extension's constants(): jaxep._ffi
-takes MAX_EXPERTS, the rank limit, the phase and op codes from it and checks at load that the
-extension's target and kernel names are the ones Python sends (jaxep.config, jaxep._ffi.TARGETS).
+takes MAX_EXPERTS, the rank and topk limits, the phase and op codes from it and checks at load
+that the extension's kernel names and fp8 block are jaxep.config's and that its registrations()
+are the targets Python calls (jaxep._ffi.TARGETS).
 
 With the extension built (CI has nvcc) the real lists are compared; without it, the load-time
 checks run on fake modules."""
@@ -28,9 +29,16 @@ def test_kernel_names_equal_the_extensions():
 
 
 def test_targets_equal_the_extensions():
-    c = _real_constants()
-    assert set(c["targets"]) == set(_ffi.TARGETS)
+    _real_constants()
     assert _ffi.is_available(), _ffi.unavailable_reason()
+    regs = _ffi._module.registrations()  # pylint: disable=protected-access
+    assert set(regs) == set(_ffi.TARGETS)
+
+
+def test_limits_and_fp8_block_are_the_extensions():
+    c = _real_constants()
+    assert c["fp8_block"] == config.FP8_BLOCK
+    assert 1 <= c["internode_max_topk"] <= c["ll_max_topk"]
 
 
 def test_codes_are_the_documented_ones():
@@ -69,16 +77,25 @@ def test_an_extension_without_constants_is_stale(load_fake):
     assert not ok and "is stale" in why and "no constants()" in why and "rebuild" in why
 
 
-@pytest.mark.parametrize("change,named", [
-    (dict(targets=_ffi.TARGETS[:3]), "FFI targets"),
-    (dict(targets=_ffi.TARGETS + ("jaxep_dispatch_ll",)), "FFI targets"),
-    (dict(dispatch_kernels=("token",)), "dispatch_kernels"),
-    (dict(combine_kernels=("thread", "warp")), "combine_kernels"),
+@pytest.mark.parametrize("change,targets,named", [
+    ({}, _ffi.TARGETS[:3], "FFI targets"),
+    ({}, _ffi.TARGETS + ("jaxep_dispatch_ll",), "FFI targets"),
+    (dict(dispatch_kernels=("token",)), _ffi.TARGETS, "dispatch_kernels"),
+    (dict(combine_kernels=("thread", "warp")), _ffi.TARGETS, "combine_kernels"),
+    (dict(fp8_block=64), _ffi.TARGETS, "fp8_block: extension has 64, jaxep.config.FP8_BLOCK is "
+                                       "128"),
 ])
-def test_an_extension_whose_names_differ_is_stale(load_fake, change, named):
-    ok, why = load_fake(constants=lambda: {**CONSTANTS, **change}, registrations=dict)
+def test_an_extension_whose_names_differ_is_stale(load_fake, change, targets, named):
+    ok, why = load_fake(constants=lambda: {**CONSTANTS, **change},
+                        registrations=lambda: dict.fromkeys(targets))
     assert not ok and "is stale" in why and named in why, why
     assert _ffi.constants()["max_experts"] == 8192  # still read, for the message and the tests
+
+
+def test_an_extension_without_the_limits_is_stale(load_fake):
+    old = {k: v for k, v in CONSTANTS.items() if k != "ll_max_topk"}
+    ok, why = load_fake(constants=lambda: old, registrations=lambda: dict.fromkeys(_ffi.TARGETS))
+    assert not ok and "is stale" in why and "'ll_max_topk'" in why, why
 
 
 def test_matching_names_have_no_mismatch():

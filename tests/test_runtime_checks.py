@@ -17,14 +17,15 @@ from jaxep import _ffi, node_layout, runtime
 
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=16)
 GIB = 1 << 30
-# What the extension's constants() returns (the lead's ffi/module.cc), for the fakes.
-CONSTANTS = dict(max_experts=8192, max_ranks=128,
+# What the extension's constants() returns (ffi/module.cc), for the fakes.
+CONSTANTS = dict(max_experts=8192, max_ranks=128, internode_max_topk=32, ll_max_topk=64,
+                 fp8_block=128,
                  phases=dict(enumerate(["none", "free", "ready", "zero_copy", "credit",
                                         "remote_meta", "remote_rows", "return", "ll_counts",
                                         "ll_row", "ll_combine_row", "ll_combine_start"])),
                  ops={1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back",
                       5: "ll_dispatch", 6: "ll_combine"},
-                 targets=_ffi.TARGETS, dispatch_kernels=("token", "row"),
+                 dispatch_kernels=("token", "row"),
                  combine_kernels=("warp", "thread"))
 
 
@@ -336,11 +337,14 @@ def test_the_low_latency_heap_refusal_names_the_area_and_rows_per_expert(fake, m
         runtime._init_multi_rank(decode)  # pylint: disable=protected-access
 
 
-def _ll_info(**over):
+def _ll_runtime(monkeypatch, **over):
+    """A runtime with a low-latency area (its limits updated by `over`), of an extension with
+    CONSTANTS' limits."""
     info = dict(size=2, node_size=2, max_tokens=4, topk=2, experts=8, capacity=64,
                 stage_bytes=1 << 20, ll_experts=4, ll_cap=8, ll_row_bytes=128)
     info.update(over)
-    return info
+    monkeypatch.setattr(_ffi, "_constants", _ffi.parse_constants(CONSTANTS))
+    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep: info)
 
 
 @pytest.mark.parametrize("over,match", [
@@ -350,14 +354,14 @@ def _ll_info(**over):
     (dict(node_size=1), r"ranks_per_node must be the node layout jaxep.initialize set up \(1 "),
 ])
 def test_low_latency_calls_that_do_not_fit_the_area_are_refused(monkeypatch, over, match):
-    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep: _ll_info(**over))
+    _ll_runtime(monkeypatch, **over)
     with pytest.raises(ValueError, match=r"jaxep\._ffi\.ll_dispatch_send: " + match):
         _ffi._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
                             row_bytes=128, topk=2)
 
 
 def test_low_latency_calls_that_fit_the_area_pass(monkeypatch):
-    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep: _ll_info())
+    _ll_runtime(monkeypatch)
     _ffi._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
                         row_bytes=128, topk=2)
     with pytest.raises(ValueError, match=r"config.topk must be <= 64"):

@@ -195,8 +195,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-// Warp per token (topk <= 32): the default pull, and the internode reducer.
-constexpr int kMaxWarpTopk = 32;
+// Warp per token (topk <= kMaxWarpTopk, combine.h): the default pull, and the internode reducer.
 constexpr int kWarpBatch = 8;
 // Rows in flight per lane where a token's list holds only the slots on this node (~K / nodes:
 // the internode reducer and, with several nodes, the pull): a batch of 4 loses little there, and
