@@ -258,8 +258,10 @@ def _init_multi_rank(configs) -> None:
         raise
     n_hosts = len(set(hosts))
     ll_sizes = ll_area_sizes(configs, nproc)
-    sym = ext.symmetric_bytes(sizes["max_tokens"], sizes["topk"], sizes["experts"], cap,
-                              row_bytes, nproc, node, sizes["return_row_bytes"], **ll_sizes)
+    # The one record of what the runtime is set up for: sized here, started with it below.
+    params = ext.RuntimeParams(device=ordinal, rank=pe, size=nproc, node_size=node,
+                               timeout_s=float(config.timeout_s), **sizes, **ll_sizes)
+    sym = ext.symmetric_bytes(params)
     heap_env = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
     heap = _parse_size(heap_env) if heap_env else _NVSHMEM_DEFAULT_HEAP
     rec = recommended_env(sym, ranks_on_gpu=nproc if _shares_gpu() else 1,
@@ -308,9 +310,7 @@ def _init_multi_rank(configs) -> None:
             _fail("rank 0 could not create NVSHMEM's unique id: "
                   + uid[len(_UID_ERROR):].decode(errors="replace"))
     try:
-        ext.runtime_init(ordinal, pe, nproc, node, bytes(uid), sizes["max_tokens"], sizes["topk"],
-                         sizes["experts"], cap, row_bytes, sizes["return_row_bytes"],
-                         float(config.timeout_s), ll_sizes["ll_experts"], ll_sizes["ll_cap"])
+        ext.runtime_init(params, bytes(uid))
     except RuntimeError as e:
         if n_hosts > 1 and network is None:
             network = _network_findings(n_hosts)

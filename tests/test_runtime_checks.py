@@ -30,7 +30,10 @@ CONSTANTS = dict(max_experts=8192, max_ranks=128, internode_max_topk=32, ll_max_
 
 
 class FakeExt:
-    """The pieces of jaxep._jaxep_cuda that _init_multi_rank reads, with settable answers."""
+    """The pieces of jaxep._jaxep_cuda that _init_multi_rank reads, with settable answers.
+    `inits` holds (params, unique_id) of each runtime_init, params a RuntimeParams stand-in."""
+
+    RuntimeParams = types.SimpleNamespace  # RuntimeParams(**fields): the fields by name
 
     def __init__(self, status=0, free=80 * GIB, sym=1 << 20):
         self.status, self.free, self.sym, self.inits = status, free, sym, []
@@ -41,7 +44,7 @@ class FakeExt:
     def nvshmem_init_status(self):
         return self.status
 
-    def symmetric_bytes(self, *args, **kwargs):
+    def symmetric_bytes(self, params):
         return self.sym
 
     def device_mem_info(self, ordinal):
@@ -50,8 +53,8 @@ class FakeExt:
     def unique_id(self):
         return b"uid"
 
-    def runtime_init(self, *args):
-        self.inits.append(args)
+    def runtime_init(self, params, unique_id):
+        self.inits.append((params, unique_id))
 
     def nvshmem_version(self):
         return "fake"
@@ -179,8 +182,8 @@ def test_node_layout_override_reaches_nvshmem_init(fake, monkeypatch):
     """Config.ranks_per_node=1 splits the one host's 2 ranks into 2 emulated nodes."""
     _client(monkeypatch)
     runtime._init_multi_rank(dataclasses.replace(CFG, ranks_per_node=1))  # pylint: disable=protected-access
-    (args,) = fake.ext.inits
-    assert args[3] == 1 and runtime.machine_ranks_per_node() == 1
+    ((params, _),) = fake.ext.inits
+    assert params.node_size == 1 and runtime.machine_ranks_per_node() == 1
 
 
 def test_missing_distributed_client_is_refused_before_nvshmem_init(fake):
@@ -202,9 +205,11 @@ def _uids(client):
 def test_all_checks_pass_then_nvshmem_is_initialized(fake, monkeypatch):
     client = _client(monkeypatch)
     runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
-    (args,) = fake.ext.inits
-    # ordinal, PE, processes, ranks per node (both on this host: one node), the published uid
-    assert args[:5] == (0, 0, 2, 2, b"uid")
+    ((params, uid),) = fake.ext.inits
+    # ordinal, PE, processes, ranks per node (both on this host: one node), Config.timeout_s, and
+    # the published uid
+    assert (params.device, params.rank, params.size, params.node_size, params.timeout_s,
+            uid) == (0, 0, 2, 2, CFG.timeout_s, b"uid")
     assert runtime.machine_ranks_per_node() == 2
     assert _uids(client) == [b"uid"]
     gen = runtime._state.generation - 1  # pylint: disable=protected-access
@@ -290,13 +295,14 @@ def test_several_configs_size_the_runtime_for_the_largest(fake, monkeypatch):
     decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                           mode="low_latency", rows_per_expert=64)
     runtime._init_multi_rank([CFG, decode])  # pylint: disable=protected-access
-    (args,) = fake.ext.inits
+    ((params, _),) = fake.ext.inits
     gen = runtime._state.generation - 1  # pylint: disable=protected-access
     assert '"number of configs": 2' in client.kv[f"jaxep/config/{gen}/0"]
     assert decode.canonical()[:-1] in client.kv[f"jaxep/config/{gen}/1/0"].replace(
         ', "number of configs": 2', "")
-    # After the uid: max tokens 16, topk 2, experts 8, rows max(C=40, L*M=4*64=256), row bytes.
-    assert args[5:10] == (16, 2, 8, 256, 64 * 2), args  # bf16 rows
+    # max tokens 16, topk 2, experts 8, rows max(C=40, L*M=4*64=256), row bytes.
+    assert (params.max_tokens, params.topk, params.experts, params.capacity,
+            params.row_bytes) == (16, 2, 8, 256, 64 * 2), params  # bf16 rows
 
 
 def test_a_rank_with_another_number_of_configs_is_refused(fake, monkeypatch):
@@ -317,8 +323,8 @@ def test_the_low_latency_area_is_sized_from_the_low_latency_configs(fake, monkey
     decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                           mode="low_latency", rows_per_expert=64)
     runtime._init_multi_rank([CFG, decode])  # pylint: disable=protected-access
-    (args,) = fake.ext.inits
-    assert args[-2:] == (4, 8), args  # L = 8 / 2 ranks, min(M=64, T*K=4*2) = 8
+    ((params, _),) = fake.ext.inits
+    assert (params.ll_experts, params.ll_cap) == (4, 8), params  # L = 8 / 2, min(M=64, T*K=4*2)
     assert runtime.ll_area_sizes([CFG], 2) == dict(ll_experts=0, ll_cap=0)
     small = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                          mode="low_latency", rows_per_expert=3)
@@ -540,7 +546,7 @@ def test_only_node_leaders_read_the_network_before_init_the_others_on_failure(fa
         client.kv[f"jaxep/nvshmem_uid/{gen}"] = b"uid"
     publish_the_others()
     runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
-    assert seen == [] and fake.ext.inits[0][3] == 2  # started as 2 nodes x 2, nothing read
+    assert seen == [] and fake.ext.inits[0][0].node_size == 2  # 2 nodes x 2, nothing read
     runtime._state.multi_rank = False  # pylint: disable=protected-access
 
     def fail(*args):
