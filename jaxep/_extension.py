@@ -29,15 +29,11 @@ import numpy as np
 
 from jaxep import config as _config
 
-# The custom-call targets this module emits; the extension's constants()["targets"] must match.
-TARGETS = ("jaxep_dispatch", "jaxep_dispatch_rows", "jaxep_combine", "jaxep_gather_back",
-           "jaxep_fp8_quantize", "jaxep_fp8_quantize_rows", "jaxep_ll_dispatch_send",
-           "jaxep_ll_dispatch_recv", "jaxep_ll_combine_send", "jaxep_ll_combine_recv")
-
 _module: Any = None
 _constants: dict | None = None  # the extension's constants(), normalized; None until loaded
 _reason = "not loaded yet"
 _registered = False
+_targets: frozenset = frozenset()  # the FFI targets registrations() gave (the one list of names)
 
 
 def _preload_nvshmem() -> str | None:
@@ -76,17 +72,20 @@ def parse_constants(raw) -> dict:
       max_experts=int(c["max_experts"]), max_ranks=int(c["max_ranks"]),
       phases={int(k): str(v) for k, v in dict(c["phases"]).items()},
       ops={int(k): str(v) for k, v in dict(c["ops"]).items()},
-      targets=tuple(str(t) for t in c["targets"]),
+      internode_max_topk=int(c["internode_max_topk"]), ll_max_topk=int(c["ll_max_topk"]),
+      fp8_block=int(c["fp8_block"]),
       dispatch_kernels=tuple(str(t) for t in c["dispatch_kernels"]),
       combine_kernels=tuple(str(t) for t in c["combine_kernels"]))
 
 
 def mismatches(consts: dict) -> list[str]:
-  """How the extension's names differ from what this Python side sends ([] when they agree)."""
+  """How the extension's constants differ from what this Python side sends or assumes ([] when
+  they agree): the kernel variant names of `jaxep.config`, and FP8_BLOCK (the fp8 format both
+  backends share; `jaxep.config` keeps it for installs without the extension)."""
   out = []
-  if set(consts["targets"]) != set(TARGETS):
-    out.append(f"FFI targets: extension has {sorted(consts['targets'])}, jaxep calls "
-               f"{sorted(TARGETS)}")
+  if consts["fp8_block"] != _config.FP8_BLOCK:
+    out.append(f"fp8_block: extension has {consts['fp8_block']}, jaxep.config.FP8_BLOCK is "
+               f"{_config.FP8_BLOCK}")
   for key, mine in (("dispatch_kernels", _config.DISPATCH_KERNELS),
                     ("combine_kernels", _config.COMBINE_KERNELS)):
     if tuple(consts[key]) != tuple(mine):
@@ -101,7 +100,7 @@ def _stale(what: str) -> str:
 
 def _load() -> None:
   """Imports the extension, checks it matches, registers its targets once; records why not."""
-  global _module, _constants, _reason, _registered
+  global _module, _constants, _reason, _registered, _targets
   _preload_nvshmem()
   try:
     # import_module rather than `from jaxep import ...`: this runs while jaxep/__init__ is still
@@ -137,17 +136,14 @@ def _load() -> None:
   try:
     import jax  # pylint: disable=g-import-not-at-top
 
-    regs = _jaxep_cuda.registrations()
-    missing = [t for t in TARGETS if t not in regs]
-    if missing:
-      _reason = _stale(f"registrations() lacks FFI targets {missing}")
-      return
-    for name in TARGETS:
-      jax.ffi.register_ffi_target(name, regs[name], platform="CUDA")
+    regs = dict(_jaxep_cuda.registrations())
+    for name, capsule in regs.items():
+      jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
   except Exception as e:  # pylint: disable=broad-except
     _reason = f"registering jaxep FFI targets failed: {type(e).__name__}: {e}"
     return
   _module = _jaxep_cuda
+  _targets = frozenset(regs)
   _registered = True
   _reason = ""
 
@@ -192,10 +188,14 @@ def build_info() -> dict:
   return dict(_module.build_info()) if _module is not None else {}
 
 
-def require(op: str) -> None:
-  """Raises RuntimeError naming `op` and why when the CUDA backend cannot run here."""
+def require(op: str, target: str | None = None) -> None:
+  """Raises RuntimeError naming `op` and why when the CUDA backend cannot run here, or when the
+  extension registered no FFI target `target` (a build older than this Python side)."""
   if not _registered:
     raise RuntimeError(f"jaxep CUDA backend ({op}): the CUDA backend is unavailable: {_reason}")
+  if target is not None and _module is not None and target not in _targets:
+    raise RuntimeError(_stale(f"its registrations() have no FFI target {target!r}; it has "
+                              f"{sorted(_targets)}"))
 
 
 def cubin_runs_on(arch: str, capability: tuple[int, int]) -> bool:

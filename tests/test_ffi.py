@@ -1,17 +1,22 @@
-"""The constants Python and C++ share have one source, the extension's constants(): jaxep._extension
-takes MAX_EXPERTS, the rank limit, the phase and op codes from it and checks at load that the
-extension's target and kernel names are the ones Python sends (jaxep.config, jaxep._extension.TARGETS).
+"""What Python and C++ share has one source, the extension: jaxep._extension takes the limits, the
+phase and op codes from its constants() and checks at load that its kernel names and fp8 block
+are jaxep.config's; it registers every FFI target of its registrations(), and a custom call of a
+target the extension lacks is named at trace time (a stale build).
 
 With the extension built (CI has nvcc) the real lists are compared; without it, the load-time
 checks run on fake modules."""
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 import types
 
+import jax
 import pytest
 
-from jaxep import runtime, _extension, config
+from jaxep import _extension, config
+from jaxep.backends import cuda_calls
 from jaxep.runtime import watchdog
 from test_runtime_checks import CONSTANTS
 
@@ -28,10 +33,22 @@ def test_kernel_names_equal_the_extensions():
     assert c["combine_kernels"] == config.COMBINE_KERNELS
 
 
+def _called_targets() -> set:
+    """The FFI targets the CUDA backend's custom calls name."""
+    return set(re.findall(r'_ffi_call\("(jaxep_\w+)"', inspect.getsource(cuda_calls)))
+
+
 def test_targets_equal_the_extensions():
-    c = _real_constants()
-    assert set(c["targets"]) == set(_extension.TARGETS)
+    _real_constants()
     assert _extension.is_available(), _extension.unavailable_reason()
+    regs = _extension._module.registrations()  # pylint: disable=protected-access
+    assert set(regs) == _called_targets() and len(_called_targets()) == 10
+
+
+def test_limits_and_fp8_block_are_the_extensions():
+    c = _real_constants()
+    assert c["fp8_block"] == config.FP8_BLOCK
+    assert 1 <= c["internode_max_topk"] <= c["ll_max_topk"]
 
 
 def test_codes_are_the_documented_ones():
@@ -51,8 +68,11 @@ def test_config_defaults_are_the_first_names():
 @pytest.fixture
 def load_fake(monkeypatch):
     """Runs _extension._load() against a fake jaxep._jaxep_cuda; _extension's state is restored afterwards."""
-    for name in ("_module", "_constants", "_reason", "_registered"):
+    for name in ("_module", "_constants", "_reason", "_registered", "_targets"):
         monkeypatch.setattr(_extension, name, getattr(_extension, name))
+    registered = {}
+    monkeypatch.setattr(jax.ffi, "register_ffi_target",
+                        lambda name, capsule, platform: registered.setdefault(name, platform))
 
     def load(**attrs):
         mod = types.ModuleType("jaxep._jaxep_cuda")
@@ -71,15 +91,33 @@ def test_an_extension_without_constants_is_stale(load_fake):
 
 
 @pytest.mark.parametrize("change,named", [
-    (dict(targets=_extension.TARGETS[:3]), "FFI targets"),
-    (dict(targets=_extension.TARGETS + ("jaxep_dispatch_ll",)), "FFI targets"),
     (dict(dispatch_kernels=("token",)), "dispatch_kernels"),
     (dict(combine_kernels=("thread", "warp")), "combine_kernels"),
+    (dict(fp8_block=64), "fp8_block: extension has 64, jaxep.config.FP8_BLOCK is 128"),
 ])
 def test_an_extension_whose_names_differ_is_stale(load_fake, change, named):
-    ok, why = load_fake(constants=lambda: {**CONSTANTS, **change}, registrations=dict)
+    ok, why = load_fake(constants=lambda: {**CONSTANTS, **change},
+                        registrations=lambda: dict.fromkeys(_called_targets()))
     assert not ok and "is stale" in why and named in why, why
     assert _extension.constants()["max_experts"] == 8192  # still read, for the message and the tests
+
+
+def test_a_call_of_a_target_the_extension_lacks_names_it(load_fake):
+    """An extension without one of the targets loads (its other ops run); a custom call of the
+    missing one raises at trace time, naming it and the rebuild."""
+    lacking = _called_targets() - {"jaxep_combine"}
+    ok, why = load_fake(constants=lambda: dict(CONSTANTS),
+                        registrations=lambda: dict.fromkeys(lacking))
+    assert ok, why
+    _extension.require("dispatch", "jaxep_dispatch")  # registered: no error
+    with pytest.raises(RuntimeError, match=r"is stale .*no FFI target 'jaxep_combine'.*rebuild"):
+        _extension.require("combine", "jaxep_combine")
+
+
+def test_an_extension_without_the_limits_is_stale(load_fake):
+    old = {k: v for k, v in CONSTANTS.items() if k != "ll_max_topk"}
+    ok, why = load_fake(constants=lambda: old, registrations=lambda: dict.fromkeys(_called_targets()))
+    assert not ok and "is stale" in why and "'ll_max_topk'" in why, why
 
 
 def test_matching_names_have_no_mismatch():

@@ -72,7 +72,19 @@ def test_extension_reports_multi_rank_build():
         assert m.nvshmem_built() and m.nvshmem_version()
         assert m.runtime_info() is None and m.runtime_diag() is None
         # T=4096, K=8, E=256, C=40960, H=7168 bf16: about 588 MB per PE
-        assert 580e6 < m.symmetric_bytes(4096, 8, 256, 40960, 7168 * 2) < 600e6
+        params = m.RuntimeParams(device=0, rank=0, size=1, node_size=1, max_tokens=4096, topk=8,
+                                 experts=256, capacity=40960, row_bytes=7168 * 2,
+                                 return_row_bytes=0, ll_experts=0, ll_cap=0, timeout_s=100.0)
+        assert 580e6 < m.symmetric_bytes(params) < 600e6
+        assert params.capacity == 40960 and "timeout_s=100.0" in repr(params)
+        with pytest.raises(TypeError, match="RuntimeParams: missing timeout_s"):
+            m.RuntimeParams(device=0, rank=0, size=1, node_size=1, max_tokens=1, topk=1,
+                            experts=1, capacity=1, row_bytes=1, return_row_bytes=0,
+                            ll_experts=0, ll_cap=0)
+        with pytest.raises(TypeError, match="RuntimeParams: unknown field hidden"):
+            m.RuntimeParams(device=0, rank=0, size=1, node_size=1, max_tokens=1, topk=1,
+                            experts=1, capacity=1, row_bytes=1, return_row_bytes=0,
+                            ll_experts=0, ll_cap=0, timeout_s=1.0, hidden=1)
 
 
 def test_initialize_single_process_does_not_touch_nvshmem():

@@ -20,13 +20,14 @@ from jaxep.runtime import node_layout
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=16)
 GIB = 1 << 30
 # What the extension's constants() returns (the lead's ffi/module.cc), for the fakes.
-CONSTANTS = dict(max_experts=8192, max_ranks=128,
+CONSTANTS = dict(max_experts=8192, max_ranks=128, internode_max_topk=32, ll_max_topk=64,
+                 fp8_block=128,
                  phases=dict(enumerate(["none", "free", "ready", "zero_copy", "credit",
                                         "remote_meta", "remote_rows", "return", "ll_counts",
                                         "ll_row", "ll_combine_row", "ll_combine_start"])),
                  ops={1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back",
                       5: "ll_dispatch", 6: "ll_combine"},
-                 targets=_extension.TARGETS, dispatch_kernels=("token", "row"),
+                 dispatch_kernels=("token", "row"),
                  combine_kernels=("warp", "thread"))
 
 

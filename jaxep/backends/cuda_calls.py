@@ -23,6 +23,13 @@ from jaxep import config as _config
 from jaxep import _extension
 
 
+def _ffi_call(target: str, out_types):
+  """`jax.ffi.ffi_call` of the extension's FFI target `target` (an extension that lacks it is
+  named at trace time)."""
+  _extension.require(target, target)
+  return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")
+
+
 def _fail(op: str, what: str, expected: str, got) -> None:
   raise ValueError(f"jaxep.backends.cuda_calls.{op}: {what} must be {expected}, got {got}")
 
@@ -46,8 +53,6 @@ def runtime_limits(op: str, ep_size: int) -> dict:
   return info
 
 
-# The internode reducer lists a token's slots in one warp (ffi/cuda/combine.cu kMaxWarpTopk).
-INTERNODE_MAX_TOPK = 32
 
 
 def _check_fits(op: str, ep_size: int, *, ranks_per_node: int = 0, topk: int = 0, slots=0,
@@ -59,8 +64,9 @@ def _check_fits(op: str, ep_size: int, *, ranks_per_node: int = 0, topk: int = 0
   if ranks_per_node != info["node_size"]:
     _fail(op, "ranks_per_node", f"the node layout jaxep.initialize set up ({info['node_size']} "
           "ranks per node)", ranks_per_node)
-  if ranks_per_node < ep_size and topk > INTERNODE_MAX_TOPK:
-    _fail(op, "config.topk", f"<= {INTERNODE_MAX_TOPK} with several nodes on the CUDA backend (the "
+  most_topk = _extension.constant("internode_max_topk")  # the reducer: a token's slots in a warp
+  if ranks_per_node < ep_size and topk > most_topk:
+    _fail(op, "config.topk", f"<= {most_topk} with several nodes on the CUDA backend (the "
           "internode reducer's warp per token)", topk)
   limits = (("T*K (slots)", slots, info["max_tokens"] * info["topk"]),
             ("num_experts", experts, info["experts"]),
@@ -119,7 +125,7 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
       jax.ShapeDtypeStruct((t, k), i32),      # topk_idx_out
       jax.ShapeDtypeStruct((2,), i32),        # stats
   )
-  call = jax.ffi.ffi_call("jaxep_dispatch", out_types, vmap_method="sequential")
+  call = _ffi_call("jaxep_dispatch", out_types)
   return tuple(call(x, topk_idx, topk_weights, num_experts=_i64(config.num_experts),
                     capacity=_i64(c), ep_size=_i64(ep_size), ranks_per_node=_i64(ranks_per_node),
                     **_knob_attrs(config, "num_sms", "dispatch_kernel", "zero_copy")))
@@ -139,7 +145,7 @@ def dispatch_rows(x, recv_slot, send_row, topk_idx, *, config, ep_size: int = 1,
   _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=config.topk,
               slots=x.shape[0] * config.topk, rows=recv_slot.shape[0], staged_bytes=_nbytes(x))
   out_types = (jax.ShapeDtypeStruct((recv_slot.shape[0], x.shape[1]), x.dtype),)  # x_rows
-  call = jax.ffi.ffi_call("jaxep_dispatch_rows", out_types, vmap_method="sequential")
+  call = _ffi_call("jaxep_dispatch_rows", out_types)
   return tuple(call(x, recv_slot, send_row, topk_idx, num_experts=_i64(config.num_experts),
                     ep_size=_i64(ep_size), ranks_per_node=_i64(ranks_per_node),
                     topk=_i64(config.topk), **_knob_attrs(config, "num_sms", "zero_copy")))
@@ -161,7 +167,7 @@ def combine(y, weights, send_row, recv_slot, topk_idx, *, config, ep_size: int =
               slots=send_row.shape[0] * send_row.shape[1], rows=y.shape[0],
               staged_bytes=_nbytes(y))
   out_types = (jax.ShapeDtypeStruct((send_row.shape[0], y.shape[1]), y.dtype),)  # out
-  call = jax.ffi.ffi_call("jaxep_combine", out_types, vmap_method="sequential")
+  call = _ffi_call("jaxep_combine", out_types)
   return tuple(call(y, weights, send_row, recv_slot, topk_idx,
                     num_experts=_i64(config.num_experts), ep_size=_i64(ep_size),
                     ranks_per_node=_i64(ranks_per_node),
@@ -181,7 +187,7 @@ def gather_back(v, send_row, topk_idx, *, config, ep_size: int, ranks_per_node: 
               slots=send_row.shape[0] * send_row.shape[1], rows=v.shape[0],
               staged_bytes=v.shape[0] * 4)
   out_types = (jax.ShapeDtypeStruct(tuple(send_row.shape), np.float32),)
-  call = jax.ffi.ffi_call("jaxep_gather_back", out_types, vmap_method="sequential")
+  call = _ffi_call("jaxep_gather_back", out_types)
   return tuple(call(v, send_row, topk_idx, num_experts=_i64(config.num_experts),
                     ep_size=_i64(ep_size), ranks_per_node=_i64(ranks_per_node)))
 
@@ -197,7 +203,7 @@ def fp8_quantize(x):
     _fail(op, "x.shape[1]", f"a multiple of {_config.FP8_BLOCK}", h)
   out_types = (jax.ShapeDtypeStruct((t, h), np.uint8),
                jax.ShapeDtypeStruct((t, h // _config.FP8_BLOCK), np.float32))
-  call = jax.ffi.ffi_call("jaxep_fp8_quantize", out_types, vmap_method="sequential")
+  call = _ffi_call("jaxep_fp8_quantize", out_types)
   return tuple(call(x))
 
 
@@ -211,14 +217,13 @@ def fp8_quantize_rows(x):
   if h % _config.FP8_BLOCK:
     _fail(op, "x.shape[1]", f"a multiple of {_config.FP8_BLOCK}", h)
   out_types = (jax.ShapeDtypeStruct((t, _config.fp8_row_bytes(h)), np.uint8),)
-  call = jax.ffi.ffi_call("jaxep_fp8_quantize_rows", out_types, vmap_method="sequential")
+  call = _ffi_call("jaxep_fp8_quantize_rows", out_types)
   return call(x)[0]
 
 
 # ---- mode="low_latency", ep_size > 1 (ffi/dispatch_ll.cc, ffi/combine_ll.cc; protocol: ffi/cuda/low_latency.h) ----
 # Command-buffer compatible handlers: the sequence number lives on the device.
 
-LL_MAX_TOPK = 64  # combine_recv orders a token's slots in shared memory (kLLMaxTopk)
 
 
 def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, slots: int,
@@ -236,8 +241,9 @@ def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, 
   if ranks_per_node != info["node_size"]:
     _fail(op, "ranks_per_node", f"the node layout jaxep.initialize set up ({info['node_size']} "
           "ranks per node)", ranks_per_node)
-  if topk > LL_MAX_TOPK:
-    _fail(op, "config.topk", f"<= {LL_MAX_TOPK} in low-latency mode on the CUDA backend", topk)
+  most_topk = _extension.constant("ll_max_topk")  # combine_recv orders a token's slots in smem
+  if topk > most_topk:
+    _fail(op, "config.topk", f"<= {most_topk} in low-latency mode on the CUDA backend", topk)
   limits = (("local experts", experts // ep_size, info["ll_experts"]),
             ("rows per (expert, source) min(M, T*K)", cap, info["ll_cap"]),
             ("T*K (slots)", slots, info["max_tokens"] * info["topk"]),
@@ -268,7 +274,7 @@ def ll_dispatch_send(x, topk_idx, topk_weights, *, config, ep_size: int, ranks_p
   _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=t * k,
                  cap=min(m, t * k), row_bytes=row, topk=k)
   out_types = (jax.ShapeDtypeStruct((t, k), np.int32), jax.ShapeDtypeStruct((1,), np.int32))
-  call = jax.ffi.ffi_call("jaxep_ll_dispatch_send", out_types, vmap_method="sequential")
+  call = _ffi_call("jaxep_ll_dispatch_send", out_types)
   return tuple(call(x, topk_idx, topk_weights, rows_per_expert=_i64(m),
                     fp8=bool(config.fp8_dispatch), **_ll_attrs(config, ep_size, ranks_per_node)))
 
@@ -297,7 +303,7 @@ def ll_dispatch_recv(topk_idx, pos, invalid, *, config, dtype, ep_size: int,
                jax.ShapeDtypeStruct((l * m,), i32),
                jax.ShapeDtypeStruct((t, k), i32),
                jax.ShapeDtypeStruct((2,), i32))
-  call = jax.ffi.ffi_call("jaxep_ll_dispatch_recv", out_types, vmap_method="sequential")
+  call = _ffi_call("jaxep_ll_dispatch_recv", out_types)
   return tuple(call(topk_idx, pos, invalid, rows_per_expert=_i64(m),
                     **_ll_attrs(config, ep_size, ranks_per_node)))
 
@@ -311,8 +317,7 @@ def ll_combine_send(y, weights, recv_slot, *, tokens: int, config, ep_size: int,
   k = config.topk
   _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=tokens * k,
                  cap=0, row_bytes=y.shape[1] * np.dtype(y.dtype).itemsize, topk=k)
-  call = jax.ffi.ffi_call("jaxep_ll_combine_send", (jax.ShapeDtypeStruct((1,), np.int32),),
-                          vmap_method="sequential")
+  call = _ffi_call("jaxep_ll_combine_send", (jax.ShapeDtypeStruct((1,), np.int32),))
   return tuple(call(y, weights, recv_slot, tokens=_i64(tokens), topk=_i64(k),
                     **_ll_attrs(config, ep_size, ranks_per_node)))
 
@@ -326,7 +331,6 @@ def ll_combine_recv(marker, send_row, topk_idx, *, hidden: int, dtype, config, e
   t, k = send_row.shape
   _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=t * k, cap=0,
                  row_bytes=hidden * np.dtype(dtype).itemsize, topk=k)
-  call = jax.ffi.ffi_call("jaxep_ll_combine_recv", (jax.ShapeDtypeStruct((t, hidden), dtype),),
-                          vmap_method="sequential")
+  call = _ffi_call("jaxep_ll_combine_recv", (jax.ShapeDtypeStruct((t, hidden), dtype),))
   return tuple(call(marker, send_row, topk_idx, combine_wire_dtype=str(config.combine_wire_dtype),
                     **_ll_attrs(config, ep_size, ranks_per_node)))

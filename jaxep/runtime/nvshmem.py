@@ -10,8 +10,9 @@ steps of `start`, in order, each named for what it establishes.
      memory outside XLA's pool (cudaSetDevice + cudaFree(0) on this thread first);
   4. on several hosts, `bootstrap.pin_interface`; `zero_copy.prepare_env`; then
      `bootstrap.exchange_unique_id`;
-  5. `_init`: the extension's runtime_init with the one `sizes.Params` record (nvshmem init, the
-     symmetric block, the peer table, the host-mapped diagnostic record);
+  5. `_init`: the extension's runtime_init with the one `sizes.Params` record, as its
+     `RuntimeParams` (nvshmem init, the symmetric block, the peer table, the host-mapped
+     diagnostic record);
   6. `zero_copy.setup` (every rank takes the same decision).
 
 The network facts of several hosts come from the doctor (`jaxep.doctor.topology`), imported only
@@ -118,15 +119,9 @@ def _check_memory(ext, params: Params, sym: int, n_configs: int, rec: dict) -> t
     return heap, free
 
 
-def _record(params: Params, *, symmetric: bool = False, unique_id: bytes = b"") -> dict:
-    """`params` as the extension's keyword arguments (symmetric_bytes takes the sizes and the
-    layout only; runtime_init also the device, the rank, the unique id and the timeout)."""
-    d = dataclasses.asdict(params)
-    if symmetric:
-        for k in ("device", "rank", "timeout_s"):
-            d.pop(k)
-        return d
-    return dict(d, unique_id=unique_id)
+def _record(ext, params: Params):
+    """`params` as the extension's one record (`RuntimeParams`, ffi/cuda/runtime.h InitParams)."""
+    return ext.RuntimeParams(**dataclasses.asdict(params))
 
 
 def network_findings(hosts: int) -> list[dict]:
@@ -136,9 +131,9 @@ def network_findings(hosts: int) -> list[dict]:
             if f["level"] in ("warn", "error")]
 
 
-def _init(ext, params: Params, uid: bytes, n_hosts: int, network) -> None:
+def _init(ext, record, uid: bytes, n_hosts: int, network) -> None:
     try:
-        ext.runtime_init(**_record(params, unique_id=uid))
+        ext.runtime_init(record, uid)
     except RuntimeError as e:
         if n_hosts > 1 and network is None:
             network = network_findings(n_hosts)
@@ -164,7 +159,8 @@ def start(configs, generation: int) -> Started:
     node = node_layout.layout_from_hosts(list(hosts), config.ranks_per_node)
     n_hosts = len(set(hosts))
     params = Params.of(configs, device=proc.ordinal, rank=proc.pe, size=proc.nproc, node_size=node)
-    sym = ext.symmetric_bytes(**_record(params, symmetric=True))
+    record = _record(ext, params)  # the one crossing into C++: sized here, started by _init
+    sym = ext.symmetric_bytes(record)
     rec = recommended_env(sym, ranks_on_gpu=proc.nproc if shares_gpu() else 1, hosts=n_hosts)
     heap, free = _check_memory(ext, params, sym, len(configs), rec)
     # Several hosts: what would stop or slow NVSHMEM's network transports, logged before its init
@@ -175,7 +171,7 @@ def start(configs, generation: int) -> Started:
     bootstrap.pin_interface(n_hosts)  # before NVSHMEM opens its sockets (uid, init)
     zero_copy.prepare_env(config.zero_copy)  # before NVSHMEM reads its environment (uid, init)
     uid = bootstrap.exchange_unique_id(client, ext, proc.pe, generation, wait_ms)
-    _init(ext, params, uid, n_hosts, network)
+    _init(ext, record, uid, n_hosts, network)
     try:
         zc = zero_copy.setup(ext, client, proc.pe, proc.nproc, proc.device, generation, wait_ms,
                              requested=config.zero_copy)

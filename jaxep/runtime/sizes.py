@@ -60,8 +60,9 @@ def ll_area_sizes(configs, ep_size: int) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Params:
-    """The extension runtime's parameters (ffi/cuda/runtime.h InitParams), one record: where this
-    process runs (device, rank, size, node_size), the buffer sizes, the timeout."""
+    """The extension runtime's parameters, one record (the extension's `RuntimeParams`,
+    ffi/cuda/runtime.h InitParams): where this process runs (device, rank, size, node_size), the
+    buffer sizes, the timeout (Config.timeout_s: its one default)."""
     device: int
     rank: int
     size: int
