@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxep
-from jaxep import _extension, runtime
+from jaxep import runtime
 from jaxep.backends import cuda_calls
 from jaxep.bench import check, routing, timing
 

@@ -25,10 +25,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxep
-from jaxep import runtime
+from jaxep import _extension, backends, runtime
 from jaxep.bench import accounting, check, model, peaks, presets, routing, timing
 from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS, fp8_row_bytes
-from jaxep.runtime import select_backend
 
 SCHEMA_VERSION = 1
 AXIS = "ep"
@@ -425,7 +424,6 @@ def phase_times() -> dict:
     """JAXEP_PHASE_TIMES=1 (ffi/phase_times.h): {"op/step": {"calls", "total_ms", "mean_ms"}} of
     this process's cross-rank calls so far, the GPU time of each step of each call (waits for
     peers included); {} when off or without the multi-rank runtime."""
-    from jaxep import _extension  # pylint: disable=g-import-not-at-top
     info = _extension.runtime_info() if _extension.is_available() else None
     raw = (info or {}).get("phase_ms") or {}
     return {k: dict(calls=int(n), total_ms=float(ms), mean_ms=float(ms) / max(1, int(n)))
@@ -454,7 +452,7 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     if bc.mode == "low_latency":  # the decode ops at one small T: their own report
         from jaxep.bench import low_latency  # pylint: disable=g-import-not-at-top
         stage.total = int(bc.check) + 6
-        return low_latency.run(bc, mesh, R, select_backend("bench", bc.backend, R), emit, stage)
+        return low_latency.run(bc, mesh, R, backends.select("bench", bc.backend, R), emit, stage)
     dev = mesh.devices.flat[0]
     platform = dev.platform
     rpg = _ranks_per_gpu(bc, R, platform)
@@ -464,7 +462,7 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     G = runtime.node_size(cfg, R)  # the layout the kernels run; the bytes are counted in it
     topo = accounting.Topology(R, G)
     capacity = cfg.capacity(R)
-    backend = select_backend("bench", bc.backend, R)  # jaxep's own automatic choice
+    backend = backends.select("bench", bc.backend, R)  # jaxep's own automatic choice
     dtype = jnp.dtype(bc.dtype)
     T, H, K = bc.tokens, bc.hidden, bc.topk
 
