@@ -22,6 +22,8 @@ def __getattr__(name):
 
 
 def console_main():
-    """Entry point of the `jaxep-bench` console script."""
+    """Entry point of the `jaxep-bench` console script and `python -m jaxep.bench`."""
+    from jaxep import _extras
+    _extras.require("bench")
     from jaxep.bench import cli
     cli.console_main()
