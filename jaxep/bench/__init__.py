@@ -4,7 +4,8 @@
     result = run(BenchConfig(tokens=256, hidden=512, topk=4, experts=16))
 
 `jaxep.bench.accounting` (byte accounting) needs only NumPy. Command-line flags live in
-`jaxep.bench.cli` and are defined only when the command line is used.
+`jaxep.bench.cli` and are defined only when the command line is used; the command line needs the
+[bench] extra (absl-py, rich; matplotlib for --plot) and says so when it is missing.
 """
 
 

@@ -72,7 +72,8 @@ def oracle_rows(lay: Layout, idx_all, w_all, rank, capacity, hidden, dtype, seed
 
 
 def fp8_quantize(x):
-    """Host FP8 quantization of one rank's tokens (SPEC section 3): NumPy f32 divisions are IEEE
+    """Host FP8 quantization of one rank's tokens (docs/design.md, low-latency mode): NumPy f32
+    divisions are IEEE
     and ml_dtypes' cast to float8_e4m3fn rounds to nearest even. -> (codes uint8, scales f32)."""
     import ml_dtypes  # pylint: disable=g-import-not-at-top
     T, H = x.shape
@@ -107,7 +108,8 @@ def oracle_combine_of_rows(lay: Layout, w_all, rank, x_src, ranks_per_node=None,
     partial_r[t] = sum_k asc (dest r, kept) of f32(w) * f32(x[t]) and G = ranks_per_node (None:
     one node), out[t] = sum_n asc P_n[t], P_n = sum_{r on node n} asc partial_r, where the P_n of
     every node but `rank`'s own is rounded once to `wire_dtype`; all in f32 without FMA, cast
-    once (SPEC.md section 3). Ranks without a kept slot of t add +0.0 (no partial is -0.0)."""
+    once (docs/design.md, "Combine and its fixed reduction order"). Ranks without a kept slot of
+    t add +0.0 (no partial is -0.0)."""
     T, K = lay.kept.shape[1:]
     R = lay.kept.shape[0]
     G = ranks_per_node or R

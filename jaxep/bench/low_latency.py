@@ -13,12 +13,13 @@ One run times, at T = --tokens per rank (decode sizes: 1 ... 256):
     that land in x: kept (token, expert) rows x row bytes; combine: the same rows back in y's
     dtype), the floor for large T.
 Correctness first: every rank checks its x, counts and combine(x) bitwise against a host oracle
-written from SPEC section 3 (vectorized NumPy here; tests/oracle.py holds the loop version).
+written from docs/design.md's low-latency contract (vectorized NumPy here; tests/oracle.py holds
+the loop version).
 
 M (Config.rows_per_expert) defaults to min(R*T, max(8, 4 * R*T*K/E)) rounded up to 8: room for
 4x the uniform load of an expert (x [L, M, H] is written in full every call, rows past counts
-zero, so M sets the op's least memory traffic). The JSON keeps the keys of the normal bench that
-tools/bench_multirank.py reads (ops.*.time_s, payload, baselines) plus a "low_latency" block.
+zero, so M sets the op's least memory traffic). The JSON has the normal bench's per-op keys
+(ops.*.time_s, payload, baselines) plus a "low_latency" block.
 """
 from __future__ import annotations
 
@@ -76,9 +77,10 @@ def oracle(idx_all, xs, E: int, M: int, d: int):
 
 def oracle_combine(idx_all, w_all, kept, x_r, E: int, r: int, out_dtype, G: int, wire):
     """combine of rows equal to their token's row x_r[t] (the dispatched rows, or their
-    dequantized fp8), source rank r, SPEC section 3: out[t] = sum over nodes n asc of P_n[t],
-    P_n[t] = sum over n's ranks asc of (sum over k asc with expert there and kept of w*x[t]); f32,
-    one rounding per op; P_n of another node than r's rounded once to the wire dtype."""
+    dequantized fp8), source rank r, in docs/design.md's order: out[t] = sum over nodes n asc of
+    P_n[t], P_n[t] = sum over n's ranks asc of (sum over k asc with expert there and kept of
+    w*x[t]); f32, one rounding per op; P_n of another node than r's rounded once to the wire
+    dtype."""
     R, T, K = idx_all.shape
     L = E // R
     x32 = x_r.astype(np.float32)

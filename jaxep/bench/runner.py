@@ -10,6 +10,11 @@ Correctness is checked by every process on its own shard and the outcome gathere
 distributed key-value store, so every process fails together; timings are gathered the same way to
 process 0. With several ranks on one GPU XLA collectives cannot run, so the reference backend is
 not run there: correctness is checked against the host oracle instead.
+
+A normal-mode run, step by step (`_run`): `_setup` (mesh, node layout, backend, routing, inputs),
+`_programs`, `check.every_process`, `_time_ops`, `_baselines` (the copies, the peaks),
+`_link_bytes`, `_op_reports` (figures.op_report per op), `_result` (with the sweep and, with a
+preset, figures.modeled). --mode=low_latency runs `jaxep.bench.low_latency.run` instead.
 """
 from __future__ import annotations
 
@@ -539,7 +544,7 @@ def _result(s: _Setup, checked, base: _Baselines, moved: _Bytes, out_ops, notes,
 
 
 def _layout_source(cfg) -> str:
-    """Where the node layout G came from (topology.node_layout)."""
+    """Where the node layout G came from (jaxep.runtime.node_layout)."""
     if cfg.ranks_per_node is not None:
         return "Config.ranks_per_node"
     return "machine" if runtime.machine_ranks_per_node() is not None else "one node"

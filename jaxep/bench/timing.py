@@ -72,8 +72,8 @@ def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: fl
     inner=0 picks inner so that one sample takes about target_s (from a 1-iteration probe). With
     several processes every process runs the same number of ops (a multi-rank op's n-th call must
     be the same op on every rank; XLA collectives likewise): `inner` is the largest any process
-    picked, and the processes meet at a barrier before the timed samples (as
-    tools/bench_multirank.py did), so that they start together.
+    picked, and the processes meet at a barrier before the timed samples, so that they start
+    together.
 
     calls_per_op > 0 (the multi-rank CUDA backend): also reports `handler_runs_per_op`, the runs of
     jaxep's multi-rank host handlers per op during the samples, from the runtime's call counter

@@ -118,9 +118,9 @@ def mps_stop(daemon: MpsDaemon, environ, wait_s: float = 15.0) -> str | None:
 def _mps_alive(daemon: MpsDaemon) -> bool:
     """The daemon's pid file (when it wrote one) names a live process; else a live MPS process
     (control daemon or server) has this daemon's pipe directory in its environment; else (the
-    platform cannot read other processes' environments) its control pipe is still there. On the
-    lent GPU machine the daemon writes no pid file and leaves its `control` pipe behind after
-    'quit', so the pipe alone proves nothing."""
+    platform cannot read other processes' environments) its control pipe is still there. A
+    daemon may write no pid file and leave its `control` pipe behind after 'quit', so the pipe
+    alone proves nothing."""
     pid = _pid_file(daemon)
     if pid is None:
         pids = _mps_pids(daemon.pipe_dir)
@@ -189,8 +189,8 @@ def _mps_state(daemon: MpsDaemon) -> str:
 def _exited(pid: int) -> bool:
     """True for a process that is gone or a zombie (exited, not yet reaped). The daemon forks away
     from us, so its parent is the container's init, which may never reap it: kill(pid, 0) still
-    succeeds on a zombie (every --share-gpu launch on the lent GPU machine warned that the daemon
-    "still runs" after 'quit'). Raises psutil.AccessDenied where its state cannot be read."""
+    succeeds on a zombie, so it cannot tell a daemon that quit from one that runs. Raises
+    psutil.AccessDenied where its state cannot be read."""
     import psutil  # pylint: disable=g-import-not-at-top  # the [launch] extra
     try:
         return psutil.Process(pid).status() in _GONE
