@@ -490,15 +490,15 @@ def test_preset_seed_2x8_on_cpu(tmp_path):
 
 
 def test_phase_lines_keep_each_ops_steps_in_call_order():
-    """JAXEP_PHASE_TIMES's table (runner.phase_lines): the steps of an op in the order the handler
+    """JAXEP_PHASE_TIMES's table (timing.phase_lines): the steps of an op in the order the handler
     marks them, normal mode's and the low-latency handlers' alike; an unknown step goes last."""
-    from jaxep.bench import runner
+    from jaxep.bench import timing
     phases = {k: dict(calls=2, total_ms=1.0, mean_ms=0.5) for k in (
         "ll_dispatch_send/rows", "ll_dispatch_send/layout", "ll_combine_send/rows",
         "ll_combine_send/start", "dispatch/pull", "dispatch/ready", "dispatch/unknown",
         "combine/pull", "combine/wait returns", "combine/send", "combine/credit", "combine/return",
         "combine/reduce")}
-    lines = runner.phase_lines(phases)
+    lines = timing.phase_lines(phases)
     keys = [line.split("  ")[1].strip() for line in lines[1:]]  # "  key   N us": keys have spaces
     assert keys == ["combine/credit", "combine/send", "combine/reduce", "combine/return",
                     "combine/wait returns", "combine/pull",

@@ -19,7 +19,7 @@ from jaxep import _extension
 from jaxep.doctor import report as doctor
 
 KEYS = {"python", "os", "machine", "packages", "jax", "nvidia_smi", "nvshmem", "extension", "cuda",
-        "infiniband", "gpu_nic_affinity", "mps", "env", "topology", "problems"}
+        "infiniband", "mps", "env", "topology", "problems"}
 
 
 def test_facts_keys_and_json():
@@ -84,9 +84,19 @@ def test_topology_section_from_the_seed_fixture(monkeypatch, capsys):
     assert e.value.code == 2 and "--nodes must be at least 1, got 0" in capsys.readouterr().err
 
 
-def test_affinity_without_sysfs():
-    rows = doctor.gpu_nic_affinity([{"index": "0", "pci_bus_id": "00000000:18:00.0"}], [])
-    assert rows[0]["nearest_nic"] is None
+def test_infiniband_ports_come_from_the_one_nic_reader(tmp_path):
+    """The doctor's port list is machine.read_nics' NICs, port by port; no sysfs: none."""
+    root = os.path.join(os.path.dirname(__file__), "fixtures", "topology", "seed", "root")
+    ports = doctor.infiniband_ports(root)
+    nics = doctor.machine.read_nics(root)
+    assert [p["device"] for p in ports] == [n for n, nic in nics.items() for _ in nic.ports]
+    p7 = next(p for p in ports if p["device"] == "mlx5_7")
+    port = nics["mlx5_7"].port
+    assert p7 == dict(device="mlx5_7", port=port.number, state=port.state, active=port.active,
+                      rate_gbps=port.rate_gbps, link_layer=port.link_layer,
+                      numa_node=nics["mlx5_7"].numa_node)
+    assert p7["rate_gbps"] == 800.0 and p7["active"]
+    assert doctor.infiniband_ports(str(tmp_path)) == []
 
 
 # --- the extension: found by its import spec, its NEEDED entries read from the ELF --------------

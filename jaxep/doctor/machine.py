@@ -1,8 +1,9 @@
 """What this machine has for internode RDMA, read and never changed: `nvidia-smi topo -m`, the
 RDMA NICs in sysfs, what the drivers give (GPUDirect RDMA, the IBGDA doorbell's registry key,
-GDRCopy), and the network interface a route leaves through. Pure Python (no jax); every reader
-takes the root of a /sys + /proc + /dev tree or recorded text, so the tests feed fixtures
-(tests/fixtures/topology/). What NVSHMEM makes of these facts is jaxep.doctor.topology.
+GDRCopy). Pure Python, stdlib only (the runtime imports it through jaxep.doctor.topology); every
+reader takes the root of a /sys + /proc + /dev tree or recorded text, so the tests feed fixtures
+(tests/fixtures/topology/). What NVSHMEM makes of these facts: jaxep.doctor.rules, .findings
+and .topology.
 
   read_topo_text(), parse_topo(text)   `nvidia-smi topo -m` -> Topo
   read_nics(root)          /sys/class/infiniband (+ bonds in /sys/class/net) -> {name: Nic}

@@ -1,19 +1,20 @@
 """`python -m jaxep.doctor`: what this machine has for jaxep, and what is wrong or slow.
 
-`facts()` returns a JSON-able dict (also logged by `jaxep.initialize` at INFO when asked); `problems`
-in it lists {"level", "what", "hint"}. Its "topology" key (jaxep.doctor.topology.summary) holds the NIC
-NVSHMEM would give each GPU, the NVSHMEM transport settings, the drivers' facts and the internode
-findings (no GPUDirect RDMA: neither dma-buf nor a peer-memory module; no libibverbs / libmlx5 for
-NVSHMEM to load; NICs IBGDA skips by name; GPUs sharing a NIC, a NIC far from its GPU, a bond at
-half rate, IBGDA off, IBGDA's doorbell rung by a CPU for want of the driver's
-PeerMappingOverride=1, no GDRCopy for the proxy, no transport to other nodes, RoCE on an Ethernet
-MTU too small for a 4096-byte RDMA MTU), each with the setting that fixes it; they join
-`problems`.
+`facts()` returns a JSON-able dict; `problems` in it lists {"level", "what", "hint"}. Its
+"infiniband" key lists the RDMA ports `jaxep.doctor.machine.read_nics` finds; its "topology" key
+(jaxep.doctor.topology.summary) holds the NIC NVSHMEM would give each GPU, the NVSHMEM transport
+settings, the drivers' facts and the internode findings (no GPUDirect RDMA: neither dma-buf nor a
+peer-memory module; no libibverbs / libmlx5 for NVSHMEM to load; NICs IBGDA skips by name; GPUs
+sharing a NIC, a NIC far from its GPU, a bond at half rate, IBGDA off, IBGDA's doorbell rung by a
+CPU for want of the driver's PeerMappingOverride=1, no GDRCopy for the proxy, no transport to
+other nodes, RoCE on an Ethernet MTU too small for a 4096-byte RDMA MTU), each with the setting
+that fixes it; they join `problems`.
 Every probe tolerates a missing tool, file or device: on a machine without GPU, NVSHMEM or NICs
 the doctor says so and carries on. Nothing is changed.
 
 Sources: GPUs from NVML (nvidia-ml-py, the `cu12`/`cu13` extras) where it loads, else nvidia-smi;
-processes from psutil; the extension from its import spec (so an editable install is found where
+processes from psutil; the NICs from sysfs (jaxep.doctor.machine, the one reader: the nearest-NIC
+rule is topology's); the extension from its import spec (so an editable install is found where
 it really is) and its ELF dynamic section (which libnvshmem_host it links); the CUDA majors from
 the installed distributions (nvidia-nvshmem-cuNN, jax-cudaNN-plugin) and the extension's
 build_info().
@@ -36,7 +37,7 @@ import sys
 import psutil
 
 from jaxep import _jax_private
-from jaxep.doctor import topology
+from jaxep.doctor import machine, topology
 
 _ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
              "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
@@ -350,48 +351,12 @@ def cuda_problems(c) -> list[tuple[str, str, str]]:
     return out
 
 
-def infiniband_ports() -> list:
-    """Every /sys/class/infiniband port: device, port, state, rate (Gb/s), link layer, PCI, NUMA."""
-    ports = []
-    for dev in sorted(glob.glob("/sys/class/infiniband/*")):
-        pci = os.path.realpath(os.path.join(dev, "device"))
-        for port in sorted(glob.glob(os.path.join(dev, "ports", "*"))):
-            rate = _read(os.path.join(port, "rate")) or ""
-            m = re.match(r"([\d.]+)\s*Gb", rate)
-            state = _read(os.path.join(port, "state")) or ""
-            ports.append(dict(device=os.path.basename(dev), port=os.path.basename(port),
-                              state=state, active="ACTIVE" in state,
-                              rate_gbps=float(m.group(1)) if m else None,
-                              link_layer=_read(os.path.join(port, "link_layer")),
-                              pci_path=pci, numa_node=_read(os.path.join(pci, "numa_node"))))
-    return ports
-
-
-def _pci_path(bus_id):
-    """sysfs path of a GPU from nvidia-smi's bus id (00000000:18:00.0 -> 0000:18:00.0)."""
-    m = re.match(r"(?:[0-9A-Fa-f]{4})?([0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d)$", bus_id)
-    if not m:
-        return None
-    path = f"/sys/bus/pci/devices/{m.group(1).lower()}"
-    return os.path.realpath(path) if os.path.exists(path) else None
-
-
-def gpu_nic_affinity(gpus, ports) -> list:
-    """Per GPU: NUMA node and the NIC sharing the longest PCI path prefix (same switch = best)."""
-    rows = []
-    for g in gpus:
-        path = _pci_path(g.get("pci_bus_id", ""))
-        numa = _read(os.path.join(path, "numa_node")) if path else None
-        best, best_len = None, -1
-        for p in ports:
-            n = len(os.path.commonpath([path, p["pci_path"]]).split("/")) if path else 0
-            if n > best_len:
-                best, best_len = p, n
-        rows.append(dict(gpu=g.get("index"), pci_path=path, numa_node=numa,
-                         nearest_nic=best["device"] if best else None,
-                         nic_numa_node=best["numa_node"] if best else None,
-                         shared_pci_depth=best_len if best else None))
-    return rows
+def infiniband_ports(root: str = "/") -> list:
+    """Every RDMA port machine.read_nics finds under root: device, port, state, active, rate
+    (Gb/s), link layer, the NIC's NUMA node (None when unknown)."""
+    return [dict(device=nic.name, port=p.number, state=p.state, active=p.active,
+                 rate_gbps=p.rate_gbps, link_layer=p.link_layer, numa_node=nic.numa_node)
+            for nic in machine.read_nics(root).values() for p in nic.ports]
 
 
 def mps() -> dict:
@@ -456,11 +421,6 @@ def _problems(f) -> list:
         add("info", "no RDMA NICs in /sys/class/infiniband", "single-node only; multi-node EP needs IB/RoCE")
     if any(not p["active"] for p in f["infiniband"]):
         add("warn", "some IB ports are not ACTIVE", "check cabling/subnet manager: ibstat")
-    for a in [] if f["topology"]["gpus"] else f["gpu_nic_affinity"]:  # topology's finer check wins
-        if a["numa_node"] not in (None, "-1") and a["nic_numa_node"] not in (None, "-1") \
-                and a["numa_node"] != a["nic_numa_node"]:
-            add("warn", f"GPU {a['gpu']} nearest NIC {a['nearest_nic']} is on another NUMA node",
-                "RDMA crosses the CPU interconnect; pin ranks to GPUs with a NIC on their switch")
     if env.get("NVSHMEM_DISABLE_NVLS") != "1" and smi["available"]:
         add("warn", "NVSHMEM_DISABLE_NVLS is not 1", "export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0")
     pre, frac = env.get("XLA_PYTHON_CLIENT_PREALLOCATE"), env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -479,7 +439,6 @@ def facts(nodes: int | None = None) -> dict:
     """Everything the doctor knows, as a JSON-able dict (see module docstring). `nodes`: how many
     nodes the job spans, for the internode checks that depend on it (None: unknown)."""
     smi = nvidia_smi()
-    ports = infiniband_ports()
     ext = extension()
     f = {
         "python": sys.version.split()[0], "os": platform.platform(), "machine": platform.machine(),
@@ -487,8 +446,7 @@ def facts(nodes: int | None = None) -> dict:
         "extension": ext,
         "cuda": cuda_majors(installed_distributions(), ext["cuda_major"],
                             smi.get("cuda_driver_version")),
-        "infiniband": ports,
-        "gpu_nic_affinity": gpu_nic_affinity(smi["gpus"], ports), "mps": mps(), "env": environment(),
+        "infiniband": infiniband_ports(), "mps": mps(), "env": environment(),
         "topology": topology.summary(nodes=nodes),
     }
     f["problems"] = _problems(f)
@@ -540,8 +498,6 @@ def format_report(f: dict) -> str:
         "NICs: " + (", ".join(f"{p['device']}/{p['port']} {p['state']} {p['rate_gbps']} Gb/s "
                                 f"numa {p['numa_node']}" for p in f["infiniband"]) or "none"),
     ]
-    lines += [f"GPU {a['gpu']}: numa {a['numa_node']}, nearest NIC {a['nearest_nic']} "
-              f"(numa {a['nic_numa_node']})" for a in f["gpu_nic_affinity"]]
     m = f["mps"]
     lines.append(f"MPS: daemon {'running, pids ' + str(m['daemon_pids']) if m['daemon_running'] else 'not running'}"
                  f", pipe {m['pipe_directory']}")
