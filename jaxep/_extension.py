@@ -212,7 +212,7 @@ def require(op: str) -> None:
 
 
 def _fail(op: str, what: str, expected: str, got) -> None:
-  raise ValueError(f"jaxep._extension.{op}: {what} must be {expected}, got {got}")
+  raise ValueError(f"jaxep.backends.cuda_calls.{op}: {what} must be {expected}, got {got}")
 
 
 def cubin_runs_on(arch: str, capability: tuple[int, int]) -> bool:
@@ -283,14 +283,14 @@ def runtime_limits(op: str, ep_size: int) -> dict:
   """The runtime's limits for a multi-rank call; raises when it cannot run."""
   if not multi_rank_built():
     raise NotImplementedError(
-        f"jaxep._extension.{op}: ep_size = {ep_size} needs the multi-rank CUDA path, but this build of "
+        f"jaxep.backends.cuda_calls.{op}: ep_size = {ep_size} needs the multi-rank CUDA path, but this build of "
         "the extension has no NVSHMEM (build_info()['multi_rank'] is False; rebuild with "
         "JAXEP_CUDA=<CUDA major> and the cu13/cu12 extra, see docs/build.md), or use the "
         "reference backend")
   info = _module.runtime_info()
   if info is None:
     raise RuntimeError(
-        f"jaxep._extension.{op}: ep_size = {ep_size} on the CUDA backend needs the NVSHMEM runtime: call "
+        f"jaxep.backends.cuda_calls.{op}: ep_size = {ep_size} on the CUDA backend needs the NVSHMEM runtime: call "
         "jaxep.initialize(config) in every process of a multi-process run (one GPU per process, "
         "e.g. python -m jaxep.launch --nproc N script.py) before tracing")
   if info["size"] != ep_size:

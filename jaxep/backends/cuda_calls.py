@@ -157,7 +157,7 @@ def gather_back(v, send_row, topk_idx, *, config, ep_size: int, ranks_per_node: 
   op = "gather_back"
   _extension.require(op)
   if ep_size < 2:
-    _fail(op, "ep_size", ">= 2 (EP size 1 gathers locally in jaxep.cuda_backend)", ep_size)
+    _fail(op, "ep_size", ">= 2 (EP size 1 gathers locally in jaxep.backends.cuda)", ep_size)
   _check_fits(op, ep_size, ranks_per_node=ranks_per_node, topk=send_row.shape[1],
               slots=send_row.shape[0] * send_row.shape[1], rows=v.shape[0],
               staged_bytes=v.shape[0] * 4)
