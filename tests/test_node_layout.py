@@ -187,13 +187,13 @@ def test_two_nodes_of_four_processes_agree_through_the_real_store(tmp_path):
 TWO_HOSTS = """
     import json, logging, os
     import jax
-    from jaxep import _jax_private, runtime
-    from jaxep.runtime import node_layout
+    from jaxep import _jax_private
+    from jaxep.runtime import bootstrap, node_layout
 
     logging.basicConfig(level=logging.INFO)
     rank, n = jax.process_index(), jax.process_count()
     got = node_layout.discover(_jax_private.distributed_client(), rank, n, 0, timeout_ms=30_000)
-    runtime._pin_bootstrap_interface(2)
+    bootstrap.pin_interface(2)
     print("RESULT G " + json.dumps(got), flush=True)
     print("RESULT host " + json.dumps(node_layout.this_host()), flush=True)
     print("RESULT ifname " + json.dumps(os.environ.get("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME")), flush=True)
