@@ -277,7 +277,7 @@ def test_node_layout_that_divides_the_ep_size_traces(G, R):
 
 def test_machine_node_layout_that_does_not_divide_the_ep_size(monkeypatch):
     """ranks_per_node=None: the layout jaxep.initialize read (processes per host) is checked."""
-    monkeypatch.setattr(jaxep.runtime._state, "machine_ranks_per_node", 4)
+    monkeypatch.setattr(jaxep.runtime.state.Runtime, "node_size", 4)  # what initialize read
     with pytest.raises(ValueError, match=r"^jaxep.dispatch: the EP size must be a multiple of the "
                                          r"ranks per node: expected ep_size % 4 == 0 \(the "
                                          r"machine's processes per host = 4\), got ep_size=2"):
