@@ -140,7 +140,7 @@ def built(work, major, nvshmem_root):
 IMPORT = textwrap.dedent("""
     import ctypes, importlib.util, json, sys
     so, host = sys.argv[1:3]
-    ctypes.CDLL(host, mode=ctypes.RTLD_GLOBAL)  # as jaxep/_ffi.py's _preload_nvshmem does
+    ctypes.CDLL(host, mode=ctypes.RTLD_GLOBAL)  # as jaxep/_extension.py's _preload_nvshmem does
     spec = importlib.util.spec_from_file_location("_jaxep_cuda", so)
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
