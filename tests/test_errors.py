@@ -51,8 +51,28 @@ def test_non_divisible_experts():
 def test_outside_shard_map():
     x = jnp.zeros((4, 16)); idx = jnp.zeros((4, 2), jnp.int32); w = jnp.zeros((4, 2))
     with pytest.raises(ValueError, match=r"jaxep.dispatch: must be called inside jax.shard_map over "
-                                         r"the EP mesh axis: expected a bound axis named 'ep'"):
+                                         r"the EP mesh axis: expected a bound axis named 'ep', "
+                                         r"got none \("):
         jaxep.dispatch(x, idx, w, axis_name="ep", config=CFG)
+
+
+@pytest.mark.parametrize("axes,got", [
+    (("data",), r"only 'data' \(size 2\)"),
+    (("data", "model"), r"only 'data' \(size 2\), 'model' \(size 2\)"),
+])
+def test_inside_shard_map_over_other_axes_names_them(axes, got):
+    """A shard_map whose mesh has no axis called axis_name: the error names the axes that are
+    bound there (and their sizes), and says to pass axis_name= the EP axis."""
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:2 ** len(axes)]).reshape((2,) * len(axes)), axes)
+
+    def body(x, idx, w):
+        return jaxep.dispatch(x, idx, w, axis_name="ep", config=CFG).x
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * 3, out_specs=P(axes))
+    with pytest.raises(ValueError, match=r"^jaxep.dispatch: must be called inside jax.shard_map "
+                                         r"over the EP mesh axis: expected a bound axis named "
+                                         rf"'ep', got {got} \(.*or pass axis_name= the EP axis\)"):
+        jax.jit(f).trace(*_args(R=2 ** len(axes)))
 
 
 def test_config_differs_from_initialized():
