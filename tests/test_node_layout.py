@@ -1,4 +1,4 @@
-"""CPU tier: the node layout (jaxep.node_layout). The rules on lists of hosts (layout_from_hosts,
+"""CPU tier: the node layout (jaxep.runtime.node_layout). The rules on lists of hosts (layout_from_hosts,
 no key-value store), `discover` over a stand-in store, and once with real processes: two
 `python -m jaxep.launch --nnodes 2 --node_rank i --nproc 4` launchers (two "nodes" on this
 machine, 8 CPU processes, jax.distributed's real key-value store) whose ranks claim hosts A and B
