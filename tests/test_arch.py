@@ -9,8 +9,7 @@ import types
 import jax
 import pytest
 
-from jaxep import _extension, runtime
-from jaxep import backends
+from jaxep import _extension, backends, runtime
 from jaxep.doctor import report as doctor
 
 
@@ -59,7 +58,7 @@ def b300_with_an_h200_build(monkeypatch):
     monkeypatch.setattr(_extension, "build_info", lambda: {"cuda_archs": "90"})
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_gpu("10.3")])
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(backends, "_warned", set())
 
 
 def test_backend_cuda_raises_on_a_gpu_the_build_cannot_run(b300_with_an_h200_build):

@@ -15,6 +15,7 @@ environment (pip's cache keeps the download for the next run). Putting the wheel
 extra instead would bring ~180 MB back into every CPU test install and, with `.[cu12,test]`, a
 cu13 wheel on top of the cu12 one (docs/build.md, "CI and the build test").
 """
+import inspect
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import types
 import pytest
 
 from jaxep import _extension
+from jaxep.backends import cuda_calls
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = os.environ.get("CUDACXX") or shutil.which("nvcc")
@@ -157,7 +159,9 @@ def test_extension_builds_and_matches_jaxep(built, major, nvshmem_root):
     got = json.loads(p.stdout.splitlines()[-1])
     consts = _extension.parse_constants(got["constants"])
     assert _extension.mismatches(consts) == []
-    assert got["registrations"] == sorted(_extension.TARGETS)
+    # Every FFI target the CUDA backend calls, and no other (the extension's one list).
+    called = re.findall(r'_ffi_call\("(jaxep_\w+)"', inspect.getsource(cuda_calls))
+    assert got["registrations"] == sorted(called) and len(called) == 10
     info = got["build_info"]
     assert info["cuda_version"] // 1000 == major
     assert info["multi_rank"] is True
