@@ -154,7 +154,7 @@ def test_bfloat16():
 def test_errors():
     with pytest.raises(ValueError, match="divisible by the EP size"):
         MoE(H, F, 6, K, mesh=_mesh(4), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="experts must be P"):
+    with pytest.raises(ValueError, match="experts dim 0 must be the EP axis alone"):
         MoEShardingConfig(experts=P(None, "ep"))
     with pytest.raises(ValueError, match="tokens dim 0 must include"):
         MoEShardingConfig(tokens=P("data"))
