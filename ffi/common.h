@@ -1,6 +1,6 @@
 // Helpers shared by jaxep's XLA FFI handlers (ffi/*.cc): target names, error formatting, the
 // payload-dtype switch, CUDA error conversion. Shapes, dtypes and attributes are checked once, in
-// Python at trace time (jaxep/ops/, jaxep/_ffi.py); a handler returns an ffi::Error only for what
+// Python at trace time (jaxep/ops/, jaxep/backends/cuda_calls.py); a handler returns an ffi::Error only for what
 // cannot be known there (the runtime's state at run time, scratch, CUDA errors) and for the
 // default branch of a checked switch. Nothing here throws.
 #pragma once
@@ -20,8 +20,9 @@ namespace jaxep {
 
 namespace ffi = xla::ffi;
 
-// The FFI target names (registered by ffi/module.cc; jaxep/_ffi.py calls them by these names and
-// checks at load that the module's registrations are exactly these).
+// The FFI target names, the one list: ffi/module.cc pairs each with its handler in
+// registrations(), which jaxep/_extension.py registers as given; jaxep/backends/cuda_calls.py
+// calls them by these names (a name the module lacks is named at trace time).
 constexpr std::string_view kDispatchTarget = "jaxep_dispatch";
 constexpr std::string_view kDispatchRowsTarget = "jaxep_dispatch_rows";
 constexpr std::string_view kCombineTarget = "jaxep_combine";

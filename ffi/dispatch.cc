@@ -84,7 +84,7 @@ struct DispatchSizes {
   cuda::Fp8Out fp8_out = cuda::Fp8Out::kNone;
 };
 
-// The fp8 wire (Config.dispatch_wire_dtype; jaxep/_ffi.py dispatch): x uint8 [T, H + H/32]
+// The fp8 wire (Config.dispatch_wire_dtype; jaxep/backends/cuda_calls.py dispatch): x uint8 [T, H + H/32]
 // packed rows and x_rows [C, H] in a payload dtype, H % 128 == 0. Anything else with a uint8 x
 // is a plain byte dispatch (x_rows uint8 of x's width).
 ffi::Error Fp8OutOf(ffi::DataType x, int64_t x_width, ffi::DataType rows, int64_t rows_width,
@@ -160,6 +160,59 @@ ffi::Error SingleRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratc
                                          stream, s.fp8_out));
 }
 
+// A cross-rank dispatch's scratch: this source's local layout and the meta kernel's workspace.
+struct CrossRankScratch {
+  void* layout;          // the layout kernels' workspace
+  int32_t* order;        // [T*K] index among my valid slots in (expert, slot) order
+  int32_t* sorted_slot;  // [T*K] my valid slots in that order
+  float* sorted_w;       // [T*K] their weights
+  int32_t* counts;       // [E] my slots per expert
+  int32_t* lstats;       // [2] the local layout's stats
+  void* meta;            // the meta kernel's workspace
+};
+
+ffi::Error CarveCrossRankScratch(ffi::ScratchAllocator& scratch, const DispatchSizes& s,
+                                 CrossRankScratch* out) {
+  const int64_t slots = s.tokens * s.topk;
+  const size_t layout_bytes = cuda::DispatchLayoutScratchBytes(slots, s.experts);
+  const size_t ints = static_cast<size_t>(slots) * 4;
+  const size_t meta_bytes = mr::DispatchMetaScratchBytes(s.ep_size, s.experts);
+  void* buf = nullptr;
+  if (ffi::Error e = AllocateScratch(scratch, Carver::Round(layout_bytes) + 3 * Carver::Round(ints) +
+                                                  Carver::Round(s.experts * 4) + Carver::Round(8) +
+                                                  Carver::Round(meta_bytes),
+                                     &buf);
+      e.failure()) {
+    return e;
+  }
+  Carver c(buf);
+  out->layout = c.Take(layout_bytes);
+  out->order = static_cast<int32_t*>(c.Take(ints));
+  out->sorted_slot = static_cast<int32_t*>(c.Take(ints));
+  out->sorted_w = static_cast<float*>(c.Take(ints));
+  out->counts = static_cast<int32_t*>(c.Take(s.experts * 4));
+  out->lstats = static_cast<int32_t*>(c.Take(8));
+  out->meta = c.Take(meta_bytes);
+  return ffi::Error::Success();
+}
+
+mr::DispatchMetaArgs MetaArgs(const DispatchSizes& s, const CrossRankScratch& b,
+                              const DispatchOut& o) {
+  mr::DispatchMetaArgs ma;
+  ma.tokens = static_cast<int32_t>(s.tokens);
+  ma.topk = static_cast<int32_t>(s.topk);
+  ma.experts = static_cast<int32_t>(s.experts);
+  ma.capacity = static_cast<int32_t>(s.capacity);
+  ma.topk_idx_out = o.topk_idx_out;
+  ma.local_order = b.order;
+  ma.layout_stats = b.lstats;
+  ma.send_row = o.send_row;
+  ma.group_sizes = o.group_sizes;
+  ma.stats = o.stats;
+  ma.scratch = b.meta;
+  return ma;
+}
+
 // Cross-rank: this source's local layout (unbounded capacity) into scratch, then the exchange:
 // stage the layout (and x unless zero-copy), meta (prefix sums over every source's counts), pull.
 ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch,
@@ -175,71 +228,44 @@ ffi::Error CrossRankDispatch(cudaStream_t stream, ffi::ScratchAllocator& scratch
       e.failure()) {
     return e;
   }
-  const size_t layout_bytes = cuda::DispatchLayoutScratchBytes(slots, s.experts);
+  CrossRankScratch b{};
+  if (ffi::Error e = CarveCrossRankScratch(scratch, s, &b); e.failure()) return e;
   const size_t ints = static_cast<size_t>(slots) * 4;
-  const size_t meta_bytes = mr::DispatchMetaScratchBytes(s.ep_size, s.experts);
-  void* buf = nullptr;
-  if (ffi::Error e = AllocateScratch(scratch, Carver::Round(layout_bytes) + 3 * Carver::Round(ints) +
-                                                  Carver::Round(s.experts * 4) + Carver::Round(8) +
-                                                  Carver::Round(meta_bytes),
-                                     &buf);
-      e.failure()) {
-    return e;
-  }
-  Carver c(buf);
-  void* layout_scratch = c.Take(layout_bytes);
-  auto* order = static_cast<int32_t*>(c.Take(ints));
-  auto* sorted_slot = static_cast<int32_t*>(c.Take(ints));
-  auto* sorted_w = static_cast<float*>(c.Take(ints));
-  auto* counts = static_cast<int32_t*>(c.Take(s.experts * 4));
-  auto* lstats = static_cast<int32_t*>(c.Take(8));
-  void* meta = c.Take(meta_bytes);
 
   // 1. This source's layout over all E experts with unbounded capacity: order[slot] = index among
   //    my valid slots in (expert, slot) order, sorted_slot/sorted_w in that order, counts[E].
   const cuda::DispatchLayoutArgs la =
-      LayoutArgs(s, topk_idx, topk_weights, slots, o.topk_idx_out, order, sorted_slot, sorted_w,
-                 counts, lstats, layout_scratch);
+      LayoutArgs(s, topk_idx, topk_weights, slots, o.topk_idx_out, b.order, b.sorted_slot,
+                 b.sorted_w, b.counts, b.lstats, b.layout);
   if (ffi::Error e = ex.Check("local layout", cuda::LaunchDispatchLayout(la, stream)); e.failure()) {
     return e;
   }
   const mr::SymLayout& lay = ex.team().lay;
   auto stage = [&](bool stage_x) {
     const mr::StageCopy copies[6] = {
-        {sorted_slot, ints, lay.sorted_slot},
-        {sorted_w, ints, lay.sorted_w},
-        {counts, static_cast<size_t>(s.experts) * 4, lay.counts},
-        {order, ints, lay.slot_order},
+        {b.sorted_slot, ints, lay.sorted_slot},
+        {b.sorted_w, ints, lay.sorted_w},
+        {b.counts, static_cast<size_t>(s.experts) * 4, lay.counts},
+        {b.order, ints, lay.slot_order},
         {o.topk_idx_out, ints, lay.slot_expert},
         {x, static_cast<size_t>(s.tokens * s.row_bytes), lay.stage}};  // x: last
     return ex.Stage(copies, stage_x ? 6 : 5, s.max_blocks);
-  };
-  auto meta_kernel = [&]() {
-    mr::DispatchMetaArgs ma;
-    ma.tokens = static_cast<int32_t>(s.tokens);
-    ma.topk = static_cast<int32_t>(s.topk);
-    ma.experts = static_cast<int32_t>(s.experts);
-    ma.capacity = static_cast<int32_t>(s.capacity);
-    ma.topk_idx_out = o.topk_idx_out;
-    ma.local_order = order;
-    ma.layout_stats = lstats;
-    ma.send_row = o.send_row;
-    ma.group_sizes = o.group_sizes;
-    ma.stats = o.stats;
-    ma.scratch = meta;
-    return ex.Check("meta", mr::LaunchDispatchMeta(ex.team(), ma, stream));
   };
   auto pull = [&](int32_t set) {
     // The layout (meta) once, with the first pass: it needs every source's counts, which the
     // ready exchange made complete (internode: the metadata arrived before it).
     if (set != mr::kOtherNodeSources) {
-      if (ffi::Error e = meta_kernel(); e.failure()) return e;
+      if (ffi::Error e = ex.Check("meta", mr::LaunchDispatchMeta(ex.team(), MetaArgs(s, b, o),
+                                                                 stream));
+          e.failure()) {
+        return e;
+      }
       ex.Mark("meta");
     }
     return ex.Check("pull", mr::LaunchDispatchPull(
                                 ex.team(), static_cast<int32_t>(s.tokens),
                                 static_cast<int32_t>(s.topk), static_cast<int32_t>(s.experts),
-                                static_cast<int32_t>(s.capacity), s.row_bytes, meta, o.x_rows,
+                                static_cast<int32_t>(s.capacity), s.row_bytes, b.meta, o.x_rows,
                                 o.weights, o.recv_slot, kernel, set, s.max_blocks, stream,
                                 s.fp8_out));
   };

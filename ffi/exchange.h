@@ -22,7 +22,7 @@
 
 namespace jaxep {
 
-// What a cross-rank call needs of the buffers jaxep.initialize sized (jaxep/_ffi.py checks the
+// What a cross-rank call needs of the buffers jaxep.initialize sized (jaxep/backends/cuda_calls.py checks the
 // same at trace time; here it guards an executable that outlived a finalize/initialize).
 struct ExchangeFit {
   int64_t slots = 0;        // T*K

@@ -8,7 +8,7 @@
 // the call's buffers and shapes); the sequence number is incremented on the device by the op's
 // first kernel, so a replayed graph takes a fresh one each time. The host part counts its runs
 // (runtime_info()["ll_host_calls"]), which is how tests/gpu sees that XLA replayed a graph.
-// Shapes, dtypes and config were checked at trace time (jaxep/ops/, jaxep/_ffi.py); here only what
+// Shapes, dtypes and config were checked at trace time (jaxep/ops/, jaxep/backends/cuda_calls.py); here only what
 // the runtime alone knows: that it is up, its EP size and node layout, and that the call fits the
 // low-latency area jaxep.initialize sized.
 #pragma once

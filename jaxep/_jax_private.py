@@ -91,3 +91,13 @@ def distributed_client():
 def coordinator_address() -> str | None:
     """The coordinator's "host:port" `jax.distributed.initialize` used, or None before it."""
     return resolve(COORDINATOR_ADDRESS)
+
+
+def bound_axes() -> dict | None:
+    """The mapped axes bound where this is called ({name: size}), or None when this JAX keeps
+    them elsewhere (jax._src.core.get_axis_env().axis_sizes); only error messages use it."""
+    try:
+        from jax._src import core  # pylint: disable=g-import-not-at-top
+        return dict(core.get_axis_env().axis_sizes)
+    except Exception:  # pylint: disable=broad-except
+        return None

@@ -6,7 +6,7 @@ in the jit cache key, and checked equal on every rank by `jaxep.initialize`), an
 measurable. No environment variable changes what jaxep computes or how.
 
 The names below are THE Python definition of what the CUDA extension accepts; when the extension
-is loaded, `jaxep._ffi` checks they equal its own lists (`_jaxep_cuda.constants()`).
+is loaded, `jaxep._extension` checks they equal its own lists (`_jaxep_cuda.constants()`).
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import math
 
 import numpy as np
 
-# Payload dtypes of x / y (what the kernels move); written once, imported by the ops, _ffi, bench.
+# Payload dtypes of x / y (what the kernels move); written once, imported by the ops, the backends,
+# the bench.
 PAYLOAD_DTYPES = ("bfloat16", "float16", "float32")
-# Modes of SPEC.md section 3; only those in BUILT_MODES run, the others raise at construction.
+# The modes: normal (throughput: training, prefill) and low_latency (decode), both built.
 MODES = ("normal", "low_latency")
-BUILT_MODES = ("normal", "low_latency")
 # FP8 dispatch (low_latency): one f32 scale per FP8_BLOCK channels of a token, e4m3 codes up to
-# FP8_MAX (SPEC section 3; jaxep.reference.fp8_quantize).
+# FP8_MAX (jaxep.fp8.quantize).
 FP8_BLOCK = 128
 FP8_MAX = 448.0
 # The normal-mode dispatch wire in fp8 (Config.dispatch_wire_dtype): the same quantization.
@@ -139,16 +139,15 @@ class Config:
         a numpy/JAX dtype or scalar type (np.dtype('float32'), jnp.float32); stored as the name.
       mode: "normal" (throughput: training and prefill) or "low_latency" (decode: dispatch
         returns `jaxep.LowLatencyDispatchResult`, x [L, M, H] per local expert, and each op has
-        a send and a receive half; docs/design.md "Low-latency mode"). low_latency is built on
-        the reference backend only; the CUDA backend raises at trace time, it never runs normal
-        mode in its place. The capacity fields (capacity_factor, recv_capacity) are normal-mode
-        settings: recv_capacity with low_latency raises (it would do nothing).
+        a send and a receive half; docs/design.md "Low-latency mode"), on both backends. The
+        capacity fields (capacity_factor, recv_capacity) are normal-mode settings: recv_capacity
+        with low_latency raises (it would do nothing).
       rows_per_expert: low_latency only (raises with "normal"): M, the rows per local expert of
         dispatch's x [L, M, H]. None = ep_size * max_tokens_per_rank, the no-drop worst case when
         no token names an expert twice (`expert_rows(ep_size)`). Rows of an expert past M are
         dropped (the last in layout order first) and counted. Bounded so that L * M rows fit int32.
       fp8_dispatch: low_latency only (raises with "normal"): dispatch quantizes each token to
-        float8_e4m3fn with one f32 scale per 128 channels (SPEC section 3) and returns x_fp8 and
+        float8_e4m3fn with one f32 scale per 128 channels (`jaxep.fp8.quantize`) and returns x_fp8 and
         scales [L, M, H/128]; needs hidden % 128 == 0. Its outputs are not differentiable.
       ranks_per_node: the node layout G (ranks r = node * G + local index). None (recommended on
         real clusters) = read from the machine at `jaxep.initialize` (processes per host, agreed
@@ -158,7 +157,7 @@ class Config:
         and on the CUDA backend which peers are reached over NVLink and which over the network.
       dispatch_wire_dtype: normal mode only: the dtype dispatch's rows cross the links in. None
         (default) = the payload dtype. "float8_e4m3fn": each source quantizes its tokens once
-        (fp8_dispatch's rule, SPEC section 3: e4m3 codes and one f32 scale per 128 channels,
+        (fp8_dispatch's rule, `jaxep.fp8.quantize`: e4m3 codes and one f32 scale per 128 channels,
         H + H/32 bytes a row instead of H x itemsize) and every destination dequantizes the rows
         it receives to the payload dtype (f32(code) x scale, cast once), so x_rows keep their
         dtype and shape and feed ragged_dot as before, on every backend alike. Gradients pass
@@ -242,10 +241,6 @@ class Config:
             _int(self, "recv_capacity", 1, "int32 rows")
         _dtype(self)
         _choice(self, "mode", MODES)
-        if self.mode not in BUILT_MODES:
-            raise NotImplementedError(
-                f"jaxep.Config: mode={self.mode!r} is not built yet: expected one of {BUILT_MODES}, "
-                f"got {self.mode!r} (jaxep never runs another mode in its place)")
         self._check_low_latency()
         if self.ranks_per_node is not None:
             _int(self, "ranks_per_node", 1)

@@ -43,10 +43,13 @@ class Handle:
 
 @dataclasses.dataclass(frozen=True)
 class DispatchResult:
-    """x [C,H] expert-major rows, group_sizes [L] i32, weights [C] f32, handle, stats."""
+    """x [C,H] expert-major rows, group_sizes [L] i32, weights [C] f32, expert [C] i32 (each
+    row's local expert, -1 on rows past sum(group_sizes): what per-expert biases index), handle,
+    stats."""
     x: jax.Array
     group_sizes: jax.Array
     weights: jax.Array
+    expert: jax.Array
     handle: Handle
     stats: Stats
 
@@ -110,7 +113,7 @@ jax.tree_util.register_dataclass(
     Handle, data_fields=["weights", "send_row", "recv_slot", "topk_idx"],
     meta_fields=["config", "axis_name", "backend"])
 jax.tree_util.register_dataclass(
-    DispatchResult, data_fields=["x", "group_sizes", "weights", "handle", "stats"], meta_fields=[])
+    DispatchResult, data_fields=["x", "group_sizes", "weights", "expert", "handle", "stats"], meta_fields=[])
 jax.tree_util.register_dataclass(
     LowLatencyDispatchResult, data_fields=["x", "scales", "counts", "weights", "handle", "stats"],
     meta_fields=[])

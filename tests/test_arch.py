@@ -1,4 +1,4 @@
-"""Which GPUs a build's kernels run on (jaxep._ffi.cubin_runs_on / arch_mismatch), and what the
+"""Which GPUs a build's kernels run on (jaxep._extension.cubin_runs_on / arch_mismatch), and what the
 user is told when theirs is not one of them: backend="cuda" and jaxep.initialize raise with the
 rebuild option, the automatic choice falls back to the reference backend with a warning, and
 the doctor reports it as an error. The module keeps cubins only (no PTX survives the device link
@@ -9,7 +9,9 @@ import types
 import jax
 import pytest
 
-from jaxep import _ffi, doctor, runtime
+from jaxep import _extension, runtime
+from jaxep import backends
+from jaxep.doctor import report as doctor
 
 
 def _gpu(cc, kind="NVIDIA B300"):
@@ -27,18 +29,18 @@ def _gpu(cc, kind="NVIDIA B300"):
     ("native", (8, 0), True), ("all-major", (7, 5), True),  # cannot tell: never blocks
 ])
 def test_cubin_runs_on(arch, cc, runs):
-    assert _ffi.cubin_runs_on(arch, cc) is runs
+    assert _extension.cubin_runs_on(arch, cc) is runs
 
 
 def test_arch_mismatch_names_the_gpu_the_archs_and_the_fix():
-    assert _ffi.arch_mismatch(_gpu("10.3"), "90,100") is None
-    assert _ffi.arch_mismatch(_gpu("9.0", "NVIDIA H200"), "90;100") is None
-    what, fix = _ffi.arch_mismatch(_gpu("10.3"), "90")
+    assert _extension.arch_mismatch(_gpu("10.3"), "90,100") is None
+    assert _extension.arch_mismatch(_gpu("9.0", "NVIDIA H200"), "90;100") is None
+    what, fix = _extension.arch_mismatch(_gpu("10.3"), "90")
     assert "built for CUDA architectures 90" in what and "NVIDIA B300" in what, what
     assert "compute capability 10.3" in what, what
     # The major's first minor: it runs on every 10.x and NVSHMEM's wheels have it.
     assert 'JAXEP_CUDA_ARCHITECTURES="90;100"' in fix and "docs/build.md" in fix, fix
-    what, fix = _ffi.arch_mismatch(_gpu("8.0", "NVIDIA A100-SXM4-80GB"), "90,100")
+    what, fix = _extension.arch_mismatch(_gpu("8.0", "NVIDIA A100-SXM4-80GB"), "90,100")
     assert "A100" in what and 'ARCHITECTURES="90;100;80"' in fix, fix
 
 
@@ -47,14 +49,14 @@ def test_arch_mismatch_names_the_gpu_the_archs_and_the_fix():
     (_gpu("9.x"), "90"), (_gpu("10.3"), ""), (_gpu("10.3"), "unknown"),
 ])
 def test_arch_mismatch_is_none_when_it_cannot_tell(device, archs):
-    assert _ffi.arch_mismatch(device, archs) is None
+    assert _extension.arch_mismatch(device, archs) is None
 
 
 @pytest.fixture
 def b300_with_an_h200_build(monkeypatch):
     """A GPU process whose default device is a B300, the extension built for sm_90 only."""
-    monkeypatch.setattr(_ffi, "is_available", lambda: True)
-    monkeypatch.setattr(_ffi, "build_info", lambda: {"cuda_archs": "90"})
+    monkeypatch.setattr(_extension, "is_available", lambda: True)
+    monkeypatch.setattr(_extension, "build_info", lambda: {"cuda_archs": "90"})
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_gpu("10.3")])
     monkeypatch.setattr(runtime, "_warned", set())
@@ -63,29 +65,29 @@ def b300_with_an_h200_build(monkeypatch):
 def test_backend_cuda_raises_on_a_gpu_the_build_cannot_run(b300_with_an_h200_build):
     with pytest.raises(ValueError, match=r"jaxep.dispatch: backend='cuda': .*compute capability "
                                          r"10.3.*JAXEP_CUDA_ARCHITECTURES=\"90;100\""):
-        runtime.select_backend("dispatch", "cuda", 1)
+        backends.select("dispatch", "cuda", 1)
 
 
 def test_automatic_backend_falls_back_with_one_warning(b300_with_an_h200_build, caplog):
     with caplog.at_level(logging.WARNING, logger="jaxep"):
-        assert runtime.select_backend("dispatch", None, 1) == "reference"
-        assert runtime.select_backend("combine", None, 1) == "reference"
+        assert backends.select("dispatch", None, 1) == "reference"
+        assert backends.select("combine", None, 1) == "reference"
     warned = [r.getMessage() for r in caplog.records if "reference backend" in r.getMessage()]
     assert len(warned) == 1 and "compute capability 10.3" in warned[0], warned
-    assert runtime.select_backend("dispatch", "reference", 1) == "reference"
+    assert backends.select("dispatch", "reference", 1) == "reference"
 
 
 def test_a_gpu_the_build_runs_keeps_the_cuda_backend(b300_with_an_h200_build, monkeypatch):
-    monkeypatch.setattr(_ffi, "build_info", lambda: {"cuda_archs": "90,100"})
-    assert runtime.select_backend("dispatch", None, 1) == "cuda"
-    assert runtime.select_backend("dispatch", "cuda", 1) == "cuda"
+    monkeypatch.setattr(_extension, "build_info", lambda: {"cuda_archs": "90,100"})
+    assert backends.select("dispatch", None, 1) == "cuda"
+    assert backends.select("dispatch", "cuda", 1) == "cuda"
 
 
 def test_doctor_reports_the_mismatch(monkeypatch, capsys):
     real = doctor.jax_facts
     monkeypatch.setattr(doctor, "jax_facts", lambda: dict(
         real(), default_backend="gpu", compute_capabilities=["10.3"],
-        arch_mismatch=_ffi.arch_mismatch(_gpu("10.3"), "90")))
+        arch_mismatch=_extension.arch_mismatch(_gpu("10.3"), "90")))
     f = doctor.facts()
     errors = [p for p in f["problems"] if p["level"] == "error"]
     assert any("compute capability 10.3" in p["what"] and "ARCHITECTURES" in p["hint"]

@@ -279,7 +279,7 @@ def test_knobs_go_from_bench_config_to_jaxep_config():
 def test_cli_low_latency_mode(tmp_path):
     """--mode=low_latency runs the decode bench (jaxep/bench/low_latency.py) on the reference
     backend here: correctness against its host oracle first, then the table and the JSON keys
-    tools/bench_multirank.py reads; with --fp8_dispatch the codes, scales and combine too."""
+    tools/gpu.sh's bench tables read; with --fp8_dispatch the codes, scales and combine too."""
     for extra in ([], ["--fp8_dispatch", "--hidden=256"]):
         out = tmp_path / "ll.json"
         p = subprocess.run([sys.executable, "-m", "jaxep.bench", "--tokens=4", "--hidden=32",
@@ -328,66 +328,18 @@ def test_sweep_table_names_num_sms_and_kernels():
     assert "no cap" in text and "row/thread" in text and "chunk" not in text
 
 
-def test_bench_multirank_passes_the_knobs_as_bench_flags(monkeypatch):
-    """tools/bench_multirank.py: the kernel variants and --staged become jaxep-bench flags (Config
-    fields), never environment variables."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_multirank.py")
-    spec = importlib.util.spec_from_file_location("bench_multirank", path)
-    bm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bm)
-    for argv, want in (([], ["--dispatch_kernel=token", "--combine_kernel=warp", "--zero_copy"]),
-                       (["--dispatch_kernel", "row", "--combine_kernel", "thread", "--staged"],
-                        ["--dispatch_kernel=row", "--combine_kernel=thread", "--nozero_copy"])):
-        a = bm.parse_args(argv)
-        cmd = bm.bench_command(a, 64, "/tmp/x")
-        assert all(f in cmd for f in want), cmd
-        for k in ("JAXEP_ZERO_COPY", "JAXEP_DISPATCH_KERNEL", "JAXEP_COMBINE_KERNEL"):
-            monkeypatch.delenv(k, raising=False)
-        assert not {"JAXEP_ZERO_COPY", "JAXEP_DISPATCH_KERNEL", "JAXEP_COMBINE_KERNEL"} & set(
-            bm.rank_env(a))
-
-
-def test_bench_multirank_names_each_setup_apart():
-    """Two runs of one device call that differ in any knob (here only the combine wire dtype)
-    write different files: the wire-dtype run once overwrote the f32 run's JSON and plot."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_multirank.py")
-    spec = importlib.util.spec_from_file_location("bench_multirank", path)
-    bm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bm)
-    f32 = bm.run_label(bm.parse_args(["--ranks_per_node", "4"]))
-    bf16 = bm.run_label(bm.parse_args(["--ranks_per_node", "4", "--",
-                                       "--combine_wire_dtype=payload"]))
-    assert f32 == ("token/warp 2x4", "_g4"), f32
-    assert bf16 == ("token/warp 2x4 w:payload", "_g4_combine-wire-dtype-payload"), bf16
-    assert bm.run_label(bm.parse_args([]))[1] == ""
-    fp8 = bm.run_label(bm.parse_args(["--", "--dispatch_wire_dtype=float8_e4m3fn"]))
-    assert fp8 == ("token/warp d:fp8", "_dispatch-wire-dtype-float8-e4m3fn"), fp8
-
-
 def test_ranks_share_a_gpu_only_where_there_are_fewer_gpus_than_ranks(monkeypatch):
-    """tools/bench_multirank.py and the GPU tier's launches (tests/gpu/gpu_env.py) put every rank
-    on one GPU under MPS where fewer GPUs than ranks are visible (the one-GPU emulation), and one
-    GPU per rank otherwise (a multi-GPU node); the bench's --share-gpu / --no-share-gpu force it."""
+    """The GPU tier's launches (tests/gpu/gpu_env.py) put every rank on one GPU under MPS where
+    fewer GPUs than ranks are visible (the one-GPU emulation), and one GPU per rank otherwise (a
+    multi-GPU node)."""
     import importlib.util
     here = os.path.dirname(__file__)
-    spec = importlib.util.spec_from_file_location(
-        "bench_multirank", os.path.join(here, "..", "tools", "bench_multirank.py"))
-    bm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bm)
     spec = importlib.util.spec_from_file_location("gpu_env", os.path.join(here, "gpu", "gpu_env.py"))
     ge = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ge)
     for visible, shared in (("0", True), ("0,1,2,3", True), ("0,1,2,3,4,5,6,7", False)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-        cmd = bm.bench_command(bm.parse_args(["--nproc", "8"]), 64, "/tmp/x")
-        assert ("--share-gpu" in cmd) == shared, (visible, cmd)
         assert (ge.launch_gpu_flags(8) == ["--share-gpu"]) == shared, visible
-        assert (bm.run_label(bm.parse_args(["--nproc", "8"]))[1] == "_gpu-per-rank") != shared
-    assert "--share-gpu" in bm.bench_command(bm.parse_args(["--share-gpu"]), 64, "/tmp/x")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    assert "--share-gpu" not in bm.bench_command(bm.parse_args(["--no-share-gpu"]), 64, "/tmp/x")
 
 
 def test_dispatch_over_the_fp8_wire_on_cpu(tmp_path):
@@ -538,15 +490,15 @@ def test_preset_seed_2x8_on_cpu(tmp_path):
 
 
 def test_phase_lines_keep_each_ops_steps_in_call_order():
-    """JAXEP_PHASE_TIMES's table (runner.phase_lines): the steps of an op in the order the handler
+    """JAXEP_PHASE_TIMES's table (timing.phase_lines): the steps of an op in the order the handler
     marks them, normal mode's and the low-latency handlers' alike; an unknown step goes last."""
-    from jaxep.bench import runner
+    from jaxep.bench import timing
     phases = {k: dict(calls=2, total_ms=1.0, mean_ms=0.5) for k in (
         "ll_dispatch_send/rows", "ll_dispatch_send/layout", "ll_combine_send/rows",
         "ll_combine_send/start", "dispatch/pull", "dispatch/ready", "dispatch/unknown",
         "combine/pull", "combine/wait returns", "combine/send", "combine/credit", "combine/return",
         "combine/reduce")}
-    lines = runner.phase_lines(phases)
+    lines = timing.phase_lines(phases)
     keys = [line.split("  ")[1].strip() for line in lines[1:]]  # "  key   N us": keys have spaces
     assert keys == ["combine/credit", "combine/send", "combine/reduce", "combine/return",
                     "combine/wait returns", "combine/pull",

@@ -27,7 +27,7 @@ import types
 
 import pytest
 
-from jaxep import _ffi
+from jaxep import _extension
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = os.environ.get("CUDACXX") or shutil.which("nvcc")
@@ -140,7 +140,7 @@ def built(work, major, nvshmem_root):
 IMPORT = textwrap.dedent("""
     import ctypes, importlib.util, json, sys
     so, host = sys.argv[1:3]
-    ctypes.CDLL(host, mode=ctypes.RTLD_GLOBAL)  # as jaxep/_ffi.py's _preload_nvshmem does
+    ctypes.CDLL(host, mode=ctypes.RTLD_GLOBAL)  # as jaxep/_extension.py's _preload_nvshmem does
     spec = importlib.util.spec_from_file_location("_jaxep_cuda", so)
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
@@ -155,9 +155,9 @@ def test_extension_builds_and_matches_jaxep(built, major, nvshmem_root):
     p = _run([sys.executable, "-c", IMPORT, built, host], 120)
     assert p.returncode == 0, f"the built module does not import:\n{_tail(p)}"
     got = json.loads(p.stdout.splitlines()[-1])
-    consts = _ffi.parse_constants(got["constants"])
-    assert _ffi.mismatches(consts) == []
-    assert got["registrations"] == sorted(_ffi.TARGETS)
+    consts = _extension.parse_constants(got["constants"])
+    assert _extension.mismatches(consts) == []
+    assert got["registrations"] == sorted(_extension.TARGETS)
     info = got["build_info"]
     assert info["cuda_version"] // 1000 == major
     assert info["multi_rank"] is True
@@ -169,10 +169,10 @@ def test_extension_builds_and_matches_jaxep(built, major, nvshmem_root):
     # it: H200 (9.0) and B300 (10.3, the 10.0 cubin) run, A100 (8.0) does not.
     assert info["cuda_archs"] == "90,100", info
     gpu = lambda cc: types.SimpleNamespace(compute_capability=cc, device_kind="GPU")  # noqa: E731
-    assert _ffi.arch_mismatch(gpu("9.0"), info["cuda_archs"]) is None
-    assert _ffi.arch_mismatch(gpu("10.3"), info["cuda_archs"]) is None
-    assert "ARCHITECTURES=\"90;100;80\"" in _ffi.arch_mismatch(gpu("8.0"), info["cuda_archs"])[1]
-    from jaxep import doctor  # pylint: disable=g-import-not-at-top
+    assert _extension.arch_mismatch(gpu("9.0"), info["cuda_archs"]) is None
+    assert _extension.arch_mismatch(gpu("10.3"), info["cuda_archs"]) is None
+    assert "ARCHITECTURES=\"90;100;80\"" in _extension.arch_mismatch(gpu("8.0"), info["cuda_archs"])[1]
+    from jaxep.doctor import report as doctor  # pylint: disable=g-import-not-at-top
     assert "libnvshmem_host.so.3" in (doctor.elf_needed(built) or [])
 
 
@@ -184,8 +184,8 @@ INJECT = textwrap.dedent("""
     m = importlib.util.module_from_spec(spec)
     sys.modules["jaxep._jaxep_cuda"] = m
     spec.loader.exec_module(m)
-    from jaxep import _ffi
-    assert _ffi.is_available(), _ffi.unavailable_reason()
+    from jaxep import _extension
+    assert _extension.is_available(), _extension.unavailable_reason()
     import pytest
     sys.exit(pytest.main(["-q", "-rs", "-p", "no:cacheprovider", *sys.argv[3:]]))
 """)

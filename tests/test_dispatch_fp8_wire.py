@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 import harness
 import jaxep
 import oracle
-from jaxep import cuda_backend, fp8
+from jaxep import fp8
+from jaxep.backends import Sizes, cuda as cuda_backend
 from jaxep.config import fp8_row_bytes
 from test_hlo import cuda_lowering  # noqa: F401  (the fixture)
 
@@ -156,6 +157,11 @@ def test_nn_layer_runs_over_the_fp8_wire():
     assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads))
 
 
+def _sizes(cfg):
+    """EP size 1: one rank holds every expert and the whole capacity."""
+    return Sizes(ep=1, node=1, local_experts=cfg.num_experts, rows=cfg.capacity(1))
+
+
 def test_cuda_path_moves_packed_rows(cuda_lowering):  # noqa: F811
     """The CUDA backend quantizes with jaxep_fp8_quantize and hands jaxep_dispatch uint8 rows of
     H + H/32 bytes (the bytes the links carry); x_rows come back in the payload dtype."""
@@ -164,8 +170,7 @@ def test_cuda_path_moves_packed_rows(cuda_lowering):  # noqa: F811
     idx, w = jax.ShapeDtypeStruct((T, K), jnp.int32), jax.ShapeDtypeStruct((T, K), jnp.float32)
 
     def body(x, idx, w):
-        return cuda_backend.dispatch(x, idx, w, axis_name="ep", config=cfg,
-                                     capacity=cfg.capacity(1))[0]
+        return cuda_backend.dispatch(x, idx, w, axis_name="ep", config=cfg, sizes=_sizes(cfg)).x
     traced = jax.jit(body).trace(x, idx, w)
     assert traced.out_info.shape == (cfg.capacity(1), H) and traced.out_info.dtype == jnp.bfloat16
     hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -176,7 +181,7 @@ def test_cuda_path_moves_packed_rows(cuda_lowering):  # noqa: F811
     # The pull writes the rows dequantized (ffi/cuda/row_format.cuh): bf16 [C, H] out of the call.
     assert f"tensor<{cfg.capacity(1)}x{H}xbf16>" in call[0], call
     plain = jax.jit(lambda x, i, w: cuda_backend.dispatch(
-        x, i, w, axis_name="ep", config=_cfg(wire=None), capacity=cfg.capacity(1))[0]).trace(
+        x, i, w, axis_name="ep", config=_cfg(wire=None), sizes=_sizes(cfg)).x).trace(
         x, idx, w).lower(lowering_platforms=("cuda",)).as_text()
     assert "jaxep_fp8_quantize" not in plain and f"tensor<{T}x{H}xbf16>" in plain
 

@@ -15,10 +15,11 @@ import types
 import psutil
 import pytest
 
-from jaxep import _ffi, doctor
+from jaxep import _extension
+from jaxep.doctor import report as doctor
 
 KEYS = {"python", "os", "machine", "packages", "jax", "nvidia_smi", "nvshmem", "extension", "cuda",
-        "infiniband", "gpu_nic_affinity", "mps", "env", "topology", "problems"}
+        "infiniband", "mps", "env", "topology", "problems"}
 
 
 def test_facts_keys_and_json():
@@ -65,7 +66,7 @@ def test_topology_section_from_the_seed_fixture(monkeypatch, capsys):
         {"NVSHMEM_REMOTE_TRANSPORT": "none"}, os.path.join(fixture, "root"), text, nodes))
     assert doctor.main(["--nodes", "2"]) == 1
     out = capsys.readouterr().out
-    assert "GPU-NIC, as NVSHMEM would pick (jaxep.topology):" in out
+    assert "GPU-NIC, as NVSHMEM would pick (jaxep.doctor.topology):" in out
     assert "  GPU 7: NIC mlx5_7 port 1, 800 Gb/s RoCE, PXB from the GPU (closest)" in out
     assert "[error] NVSHMEM_REMOTE_TRANSPORT=none and IBGDA off on 2 nodes" in out
     # a fixture tree is not this machine: no CUDA driver is asked about dma-buf
@@ -83,9 +84,19 @@ def test_topology_section_from_the_seed_fixture(monkeypatch, capsys):
     assert e.value.code == 2 and "--nodes must be at least 1, got 0" in capsys.readouterr().err
 
 
-def test_affinity_without_sysfs():
-    rows = doctor.gpu_nic_affinity([{"index": "0", "pci_bus_id": "00000000:18:00.0"}], [])
-    assert rows[0]["nearest_nic"] is None
+def test_infiniband_ports_come_from_the_one_nic_reader(tmp_path):
+    """The doctor's port list is machine.read_nics' NICs, port by port; no sysfs: none."""
+    root = os.path.join(os.path.dirname(__file__), "fixtures", "topology", "seed", "root")
+    ports = doctor.infiniband_ports(root)
+    nics = doctor.machine.read_nics(root)
+    assert [p["device"] for p in ports] == [n for n, nic in nics.items() for _ in nic.ports]
+    p7 = next(p for p in ports if p["device"] == "mlx5_7")
+    port = nics["mlx5_7"].port
+    assert p7 == dict(device="mlx5_7", port=port.number, state=port.state, active=port.active,
+                      rate_gbps=port.rate_gbps, link_layer=port.link_layer,
+                      numa_node=nics["mlx5_7"].numa_node)
+    assert p7["rate_gbps"] == 800.0 and p7["active"]
+    assert doctor.infiniband_ports(str(tmp_path)) == []
 
 
 # --- the extension: found by its import spec, its NEEDED entries read from the ELF --------------
@@ -150,8 +161,8 @@ def test_extension_is_found_by_its_spec(fake_extension, monkeypatch):
     assert ext["path"] == fake_extension
     assert ext["needed"] == ["libnvshmem_host.so.3", "libstdc++.so.6"]
     assert ext["nvshmem_host_needed"] == "libnvshmem_host.so.3"
-    monkeypatch.setattr(_ffi, "is_available", lambda: True)
-    monkeypatch.setattr(_ffi, "build_info", lambda: {"cuda_version": 13000, "multi_rank": True})
+    monkeypatch.setattr(_extension, "is_available", lambda: True)
+    monkeypatch.setattr(_extension, "build_info", lambda: {"cuda_version": 13000, "multi_rank": True})
     ext = doctor.extension()
     assert ext["cuda_major"] == 13
     assert doctor._extension_line(ext) == (  # pylint: disable=protected-access

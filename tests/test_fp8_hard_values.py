@@ -5,7 +5,7 @@ f16, f32 values next to every e4m3 rounding boundary, signed zeros).
 - The vectorized host quantize the GPU tier compares the CUDA kernel with
   (jaxep.bench.check.fp8_quantize: NumPy's IEEE f32 division, ml_dtypes' e4m3 rounding) against
   the spec's oracle (tests/oracle.py, written from the text), on a sample of every family.
-- The reference backend (jaxep.reference.fp8_quantize) on XLA:CPU against it, on every block
+- The reference backend (jaxep.fp8.quantize) on XLA:CPU against it, on every block
   whose scale is a normal f32. The blocks whose scale is subnormal (amax < 448 * 2^-126, bf16
   only) differ: XLA:CPU flushes subnormal results and inputs to zero (docs/design.md), a known
   difference pinned by a strict xfail.
@@ -18,7 +18,7 @@ import pytest
 
 import fp8_hard_inputs
 import oracle
-from jaxep import reference
+from jaxep.backends import reference
 from jaxep.bench import check
 
 FAMILIES = ["bf16", "f16", "f32", "special_bf16", "special_f16", "special_f32"]
@@ -43,7 +43,7 @@ def test_host_quantize_is_the_spec_oracle(family):
 
 def _reference_on_cpu(b):
     with jax.default_device(jax.devices("cpu")[0]):
-        q, s = jax.jit(reference.fp8_quantize)(jnp.asarray(b))
+        q, s = jax.jit(jaxep.fp8.quantize)(jnp.asarray(b))
         return np.asarray(q).view(np.uint8), np.asarray(s)
 
 

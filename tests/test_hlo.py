@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import jaxep
-from jaxep import _ffi, cuda_backend, runtime
+from jaxep import _extension, backends, runtime
+from jaxep.backends import Sizes, cuda as cuda_backend, cuda_calls
 from test_runtime_checks import CONSTANTS
 
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4, dtype="bfloat16")
@@ -62,12 +63,12 @@ def test_reference_ep1_has_no_collective_work():
 @pytest.fixture
 def cuda_lowering(monkeypatch):
     """The CUDA backend, for lowering only: extension 'loaded', a roomy multi-rank runtime."""
-    monkeypatch.setattr(_ffi, "_registered", True)
-    if _ffi.constants() is None:
-        monkeypatch.setattr(_ffi, "_constants", _ffi.parse_constants(CONSTANTS))
-    monkeypatch.setattr(runtime, "select_backend", lambda op, requested, ep_size: "cuda")
+    monkeypatch.setattr(_extension, "_registered", True)
+    if _extension.constants() is None:
+        monkeypatch.setattr(_extension, "_constants", _extension.parse_constants(CONSTANTS))
+    monkeypatch.setattr(backends, "select", lambda op, requested, ep_size: "cuda")
     monkeypatch.setitem(NODE_SIZE, "value", None)
-    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep_size: dict(
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep_size: dict(
         size=ep_size, max_tokens=1 << 20, topk=64, experts=1 << 13, capacity=1 << 30,
         stage_bytes=1 << 40, node_size=NODE_SIZE["value"] or ep_size))
 
@@ -115,10 +116,10 @@ def test_cuda_ep1_lowers_to_the_custom_calls(cuda_lowering):
     x, idx, w = _args(1)
 
     def body(x, idx, w):
-        rows, weights, *_, send_row, recv_slot, idx2, stats = cuda_backend.dispatch(
-            x, idx, w, axis_name="ep", config=CFG, capacity=CFG.capacity(1))
-        return cuda_backend.combine(rows, weights, send_row, recv_slot, idx2, axis_name="ep",
-                                    config=CFG)
+        kw = dict(axis_name="ep", config=CFG,
+                  sizes=Sizes(ep=1, node=1, local_experts=CFG.num_experts, rows=CFG.capacity(1)))
+        out = cuda_backend.dispatch(x, idx, w, **kw)
+        return cuda_backend.combine(out.x, out.weights, out.route, **kw)
     traced = jax.jit(body).trace(x, idx, w)
     assert traced.out_info.shape == (4, 16) and traced.out_info.dtype == jnp.bfloat16
     hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -202,7 +203,43 @@ def test_changing_a_knob_changes_the_hlo(cuda_lowering, field, value):
 
 
 def test_cuda_backend_checks_the_extensions_max_experts_once(cuda_lowering, monkeypatch):
-    monkeypatch.setattr(_ffi, "_constants", dict(_ffi.parse_constants(CONSTANTS), max_experts=4))
+    monkeypatch.setattr(_extension, "_constants", dict(_extension.parse_constants(CONSTANTS), max_experts=4))
     with pytest.raises(ValueError, match=r"jaxep.dispatch: config.num_experts must be <= 4 on the "
                                          r"CUDA backend \(the extension's max_experts\), got 8"):
         _grad_hlo(jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=8), 1)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_latency_grad_lowers_on_the_cuda_backend_at_ep_2(cuda_lowering, monkeypatch, fp8):
+    """jax.grad through a low-latency dispatch -> combine on the CUDA backend at EP size 2: the
+    send halves get no tangent (their receive halves' VJPs carry the gradient), so tracing does
+    not fail with "jaxep_ll_combine_send cannot be differentiated"; the backward is the normal
+    mode's transposes on the flat rows (jaxep_combine, jaxep_dispatch_rows, jaxep_gather_back)."""
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep_size: dict(
+        size=ep_size, max_tokens=1 << 20, topk=64, experts=1 << 13, capacity=1 << 30,
+        stage_bytes=1 << 40, node_size=ep_size, ll_experts=1 << 10, ll_cap=1 << 20,
+        ll_row_bytes=1 << 20))
+    cfg = jaxep.Config(num_experts=8, topk=2, hidden=128, max_tokens_per_rank=4,
+                       dtype="bfloat16", mode="low_latency", fp8_dispatch=fp8)
+    R, T = 2, 4
+
+    def loss(x, w, idx):
+        def body(x, idx, w):
+            res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg)
+            rows = jaxep.dequantize_fp8(res.x, res.scales) if fp8 else res.x
+            return jaxep.combine(rows.astype(jnp.bfloat16), res.handle, axis_name="ep")
+        out = jax.shard_map(body, mesh=harness.mesh(R), in_specs=(P("ep"),) * 3,
+                            out_specs=P("ep"))(x, idx, w)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+    sds = jax.ShapeDtypeStruct
+    args = (sds((R * T, 128), jnp.bfloat16), sds((R * T, 2), jnp.float32),
+            sds((R * T, 2), jnp.int32))
+    argnums = (1,) if fp8 else (0, 1)  # fp8 rows are not differentiable: weights only
+    hlo = jax.jit(jax.grad(loss, argnums=argnums)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    targets = [t for t, _ in custom_calls(hlo)]
+    for t in ("jaxep_ll_dispatch_send", "jaxep_ll_dispatch_recv", "jaxep_ll_combine_send",
+              "jaxep_ll_combine_recv", "jaxep_dispatch_rows", "jaxep_gather_back"):
+        assert t in targets, (t, targets)
+    assert ("jaxep_combine" in targets) == (not fp8), targets  # d x: the unweighted combine

@@ -492,7 +492,7 @@ def test_mps_alive_without_a_pid_file_looks_for_the_daemon_process(tmp_path):
 def test_mps_pids_skips_processes_it_cannot_read(monkeypatch):
     """psutil's scan: a process gone meanwhile, one not ours to read, a zombie and another daemon's
     are skipped; the live one with this pipe directory is found."""
-    psutil = launch_mps.psutil
+    import psutil  # pylint: disable=import-outside-toplevel  # mps imports it where it is used
 
     class Proc:
         def __init__(self, pid, cmdline=("nvidia-cuda-mps-control",), env=None, status="sleeping",

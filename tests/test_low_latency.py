@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 import harness
 import jaxep
 import oracle
-from jaxep import _ffi, cuda_backend, reference, runtime
+from jaxep import _extension, backends, runtime
+from jaxep.backends import Route, Sizes, cuda as cuda_backend, cuda_calls, reference
 from test_runtime_checks import CONSTANTS
 
 
@@ -57,8 +58,11 @@ def _program(cfg, R, split):
             out = jaxep.combine(y, res.handle, axis_name="ep")
         h = res.handle
         # the normal-mode backend combine of the same rows, flattened (docs/design.md)
-        flat = reference.combine(y.reshape(L * M, H), h.weights, h.send_row, h.recv_slot,
-                                 h.topk_idx, axis_name="ep", config=cfg)
+        sizes = Sizes(ep=R, node=runtime.node_size(cfg, R) if R > 1 else 1, local_experts=L,
+                      rows=L * M, expert_rows=M)
+        flat = reference.combine(y.reshape(L * M, H), h.weights,
+                                 Route(h.send_row, h.recv_slot, h.topk_idx), axis_name="ep",
+                                 config=cfg, sizes=sizes)
         return (rows, scales, res.counts, res.weights, h.send_row, h.recv_slot, y, out, flat,
                 res.stats.dropped_rows, res.stats.invalid_ids)
 
@@ -223,7 +227,7 @@ def test_fp8_quantize_bits_match_the_oracle_on_edge_values():
     # the reference stops it.
     block[3, :128] = 0.0
     block[3, :3] = [3.0625, 2.734375, 0.68359375]
-    q, s = jax.jit(reference.fp8_quantize)(jnp.asarray(block))
+    q, s = jax.jit(jaxep.fp8.quantize)(jnp.asarray(block))
     codes, scales = oracle.fp8_quantize(block)
     np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(q, jnp.uint8)), codes)
     np.testing.assert_array_equal(_bits(s), _bits(scales))
@@ -555,7 +559,7 @@ def test_cuda_backend_ep1_runs_the_local_math(monkeypatch):
                                   out_specs=(P("ep"), P("ep"))))
         return [np.asarray(a) for a in f(x, idx, w)]
 
-    monkeypatch.setattr(runtime, "select_backend", lambda op, requested, ep_size: requested)
+    monkeypatch.setattr(backends, "select", lambda op, requested, ep_size: requested)
     ref, cuda = run("reference"), run("cuda")
     for a, b in zip(ref, cuda):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
@@ -565,16 +569,18 @@ def _cuda_ll_ops(cfg, R, monkeypatch, ll_experts):
     """The CUDA backend's four low-latency ops at EP size R: name -> a function that traces the op
     under shard_map (no GPU: the extension 'loaded', a fake runtime whose low-latency area has
     `ll_experts` local experts, 0: none), with argument shapes of a T=8 dispatch."""
-    monkeypatch.setattr(_ffi, "_registered", True)
-    if _ffi.constants() is None:
-        monkeypatch.setattr(_ffi, "_constants", _ffi.parse_constants(CONSTANTS))
-    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep_size: dict(
+    monkeypatch.setattr(_extension, "_registered", True)
+    if _extension.constants() is None:
+        monkeypatch.setattr(_extension, "_constants", _extension.parse_constants(CONSTANTS))
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep_size: dict(
         size=ep_size, node_size=ep_size, max_tokens=1 << 10, topk=64, experts=1 << 13,
         capacity=1 << 20, stage_bytes=1 << 30, ll_experts=ll_experts, ll_cap=1 << 10,
         ll_row_bytes=1 << 16))
     T, K, H = 8, cfg.topk, cfg.hidden
     LM = cfg.local_experts(R) * cfg.expert_rows(R)
-    kw = dict(axis_name="ep", config=cfg)
+    kw = dict(axis_name="ep", config=cfg,
+              sizes=Sizes(ep=R, node=R, local_experts=cfg.local_experts(R), rows=LM,
+                          expert_rows=cfg.expert_rows(R)))
     sds = jax.ShapeDtypeStruct
     i32, f32 = jnp.int32, jnp.float32
     rows, tk = sds((R * LM,), i32), sds((R * T, K), i32)
@@ -583,7 +589,7 @@ def _cuda_ll_ops(cfg, R, monkeypatch, ll_experts):
                              (sds((R * T, H), jnp.bfloat16), tk, sds((R * T, K), f32))),
         "ll_dispatch_recv": (lambda i, p, n: cuda_backend.ll_dispatch_recv((i, p, n), **kw)[0],
                              (tk, tk, sds((R,), i32))),
-        "ll_combine_send": (lambda y, w, s, r, i: cuda_backend.combine_send(y, w, s, r, i, **kw),
+        "ll_combine_send": (lambda y, w, s, r, i: cuda_backend.combine_send(y, w, Route(s, r, i), **kw),
                             (sds((R * LM, H), jnp.bfloat16), sds((R * LM,), f32), tk, rows, tk)),
         "ll_combine_recv": (lambda m, s, i: cuda_backend.combine_recv(
             (m, s, i), dtype=jnp.bfloat16, **kw), (sds((R,), i32), tk, tk)),
@@ -602,7 +608,7 @@ def test_cuda_backend_low_latency_without_the_area_raises_at_trace_time(monkeypa
     refuses at trace time, naming the fix (there is no fallback to normal mode's exchange)."""
     for name, trace in _cuda_ll_ops(_cfg(hidden=128), 2, monkeypatch, ll_experts=0).items():
         with pytest.raises(RuntimeError, match=(
-                rf"jaxep\._ffi\.{name}: mode='low_latency' at ep_size = 2 on the CUDA backend "
+                rf"jaxep\.backends\.cuda_calls\.{name}: mode='low_latency' at ep_size = 2 on the CUDA backend "
                 r"needs the runtime's low-latency area: expected .* got one without that area .*"
                 r"jaxep\.initialize\(\[train_config, decode_config\]\)")):
             trace()

@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 
-from jaxep import launch, node_layout
+from jaxep import launch
+from jaxep.runtime import node_layout
 
 import harness  # noqa: E402
 
@@ -128,7 +129,8 @@ def test_discover_default_host_and_errors():
 LAYOUT = """
     import json, os
     import jax
-    from jaxep import _jax_private, node_layout
+    from jaxep import _jax_private
+    from jaxep.runtime import node_layout
 
     rank, n = jax.process_index(), jax.process_count()
     client = _jax_private.distributed_client()
@@ -185,7 +187,8 @@ def test_two_nodes_of_four_processes_agree_through_the_real_store(tmp_path):
 TWO_HOSTS = """
     import json, logging, os
     import jax
-    from jaxep import _jax_private, node_layout, runtime
+    from jaxep import _jax_private, runtime
+    from jaxep.runtime import node_layout
 
     logging.basicConfig(level=logging.INFO)
     rank, n = jax.process_index(), jax.process_count()
@@ -221,7 +224,7 @@ def test_two_real_hosts_by_boot_id_agree_and_pin_nvshmems_bootstrap(tmp_path):
     share a name). No hostname is injected: each rank's own `this_host()` differs, the ranks agree
     on 2 per node, and each points NVSHMEM's bootstrap at the interface that holds the
     coordinator's address (not loopback). Needs root and unshare(1); the GPU run of the same
-    launch is tools/gpu_hosts.sh (docs/performance.md §14)."""
+    launch is `tools/gpu.sh hosts` (docs/gpu.md; its result in docs/performance.md)."""
     boot = tmp_path / "boot_id"
     boot.write_text(_BOOT_ID_B + "\n")
     if not _namespaces_work(boot):

@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import pytest
 
 import jaxep
-from jaxep import _ffi, runtime
+from jaxep import _extension, runtime
+from jaxep import backends
+from jaxep.runtime import sizes
+from jaxep.backends import cuda_calls
 
 
 def test_check_is_a_noop_without_runtime():
@@ -21,55 +24,67 @@ def test_timeout_error_is_a_builtin_timeout_error():
 @pytest.mark.parametrize("text,value", [("1073741824", 1 << 30), ("2G", 2 << 30), ("512M", 512 << 20),
                                         ("64k", 64 << 10), ("1.5G", int(1.5 * (1 << 30)))])
 def test_parse_symmetric_size(text, value):
-    assert runtime._parse_size(text) == value
+    assert sizes.parse_size(text) == value
 
 
 def test_recommended_env():
-    rec = runtime.recommended_env(3 << 30, ranks_on_gpu=8)
+    rec = sizes.recommended_env(3 << 30, ranks_on_gpu=8)
     assert rec["NVSHMEM_DISABLE_NVLS"] == "1"
     assert int(rec["NVSHMEM_SYMMETRIC_SIZE"]) >= 3 << 30
     assert rec["NVSHMEM_DISABLE_NCCL"] == "1"
-    assert "NVSHMEM_DISABLE_NCCL" not in runtime.recommended_env(1 << 20)
+    assert "NVSHMEM_DISABLE_NCCL" not in sizes.recommended_env(1 << 20)
 
 
 def test_cuda_backend_multi_rank_needs_the_runtime():
     with pytest.raises(ValueError, match=r"backend='cuda'.*EP size 2|needs the CUDA extension and a GPU"):
-        runtime.select_backend("dispatch", "cuda", 2)
-    assert runtime.select_backend("dispatch", None, 2) == "reference"
+        backends.select("dispatch", "cuda", 2)
+    assert backends.select("dispatch", None, 2) == "reference"
 
 
-@pytest.mark.skipif(not _ffi.is_available(), reason="CUDA extension not built")
+@pytest.mark.skipif(not _extension.is_available(), reason="CUDA extension not built")
 def test_ffi_multi_rank_without_runtime_raises_at_trace_time():
     x = jax.ShapeDtypeStruct((4, 16), jnp.float32)
     i = jax.ShapeDtypeStruct((4, 2), jnp.int32)
     w = jax.ShapeDtypeStruct((4, 2), jnp.float32)
     cfg = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4, dtype="float32")
-    f = lambda x, i, w: _ffi.dispatch(x, i, w, config=cfg, capacity=16, ep_size=2)
-    exc = RuntimeError if _ffi.multi_rank_built() else NotImplementedError
-    with pytest.raises(exc, match=r"jaxep._ffi.dispatch: ep_size = 2"):
+    f = lambda x, i, w: cuda_calls.dispatch(x, i, w, config=cfg, capacity=16, ep_size=2)
+    exc = RuntimeError if _extension.multi_rank_built() else NotImplementedError
+    with pytest.raises(exc, match=r"jaxep.backends.cuda_calls.dispatch: ep_size = 2"):
         jax.jit(f).trace(x, i, w)
 
 
 def test_unloaded_extension_raises_naming_the_reason(monkeypatch):
-    monkeypatch.setattr(_ffi, "_registered", False)
-    monkeypatch.setattr(_ffi, "_reason", "no extension here")
+    monkeypatch.setattr(_extension, "_registered", False)
+    monkeypatch.setattr(_extension, "_reason", "no extension here")
     cfg = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4)
-    with pytest.raises(RuntimeError, match="jaxep._ffi.combine: the CUDA backend is unavailable: "
+    with pytest.raises(RuntimeError, match="jaxep.backends.cuda_calls.combine: the CUDA backend is unavailable: "
                                            "no extension here"):
-        _ffi.combine(None, None, None, None, None, config=cfg)
+        cuda_calls.combine(None, None, None, None, None, config=cfg)
 
 
-@pytest.mark.skipif(not _ffi.is_available(), reason="CUDA extension not built")
+@pytest.mark.skipif(not _extension.is_available(), reason="CUDA extension not built")
 def test_extension_reports_multi_rank_build():
-    info = _ffi.build_info()
+    info = _extension.build_info()
     assert "multi_rank" in info and "nvshmem" in info
-    assert "jaxep_gather_back" in _ffi._module.registrations()
-    if _ffi.multi_rank_built():
-        m = _ffi._module
+    assert "jaxep_gather_back" in _extension._module.registrations()
+    if _extension.multi_rank_built():
+        m = _extension._module
         assert m.nvshmem_built() and m.nvshmem_version()
         assert m.runtime_info() is None and m.runtime_diag() is None
         # T=4096, K=8, E=256, C=40960, H=7168 bf16: about 588 MB per PE
-        assert 580e6 < m.symmetric_bytes(4096, 8, 256, 40960, 7168 * 2) < 600e6
+        params = m.RuntimeParams(device=0, rank=0, size=1, node_size=1, max_tokens=4096, topk=8,
+                                 experts=256, capacity=40960, row_bytes=7168 * 2,
+                                 return_row_bytes=0, ll_experts=0, ll_cap=0, timeout_s=100.0)
+        assert 580e6 < m.symmetric_bytes(params) < 600e6
+        assert params.capacity == 40960 and "timeout_s=100.0" in repr(params)
+        with pytest.raises(TypeError, match="RuntimeParams: missing timeout_s"):
+            m.RuntimeParams(device=0, rank=0, size=1, node_size=1, max_tokens=1, topk=1,
+                            experts=1, capacity=1, row_bytes=1, return_row_bytes=0,
+                            ll_experts=0, ll_cap=0)
+        with pytest.raises(TypeError, match="RuntimeParams: unknown field hidden"):
+            m.RuntimeParams(device=0, rank=0, size=1, node_size=1, max_tokens=1, topk=1,
+                            experts=1, capacity=1, row_bytes=1, return_row_bytes=0,
+                            ll_experts=0, ll_cap=0, timeout_s=1.0, hidden=1)
 
 
 def test_initialize_single_process_does_not_touch_nvshmem():
@@ -135,12 +150,12 @@ def test_initialize_with_several_configs():
     finally:
         jaxep.finalize()
     assert runtime.initialized_configs() == ()
-    sizes = runtime.runtime_sizes((train, decode), 4)
+    sizes = sizes.runtime_sizes((train, decode), 4)
     # Rows: normal C = ceil(1.25 * 32 * 2) -> 80; low latency L * M = 2 * 16 = 32.
     assert sizes == dict(max_tokens=32, topk=2, experts=8, capacity=80, row_bytes=128,
                          return_row_bytes=256), sizes
     big = dataclasses.replace(decode, rows_per_expert=64)  # L * M = 128 > 80
-    assert runtime.runtime_sizes((train, big), 4)["capacity"] == 128
+    assert sizes.runtime_sizes((train, big), 4)["capacity"] == 128
     for field, value in (("timeout_s", 5.0), ("zero_copy", False), ("ranks_per_node", 2)):
         with pytest.raises(ValueError, match=f"must agree on {field}"):
             jaxep.initialize([train, dataclasses.replace(decode, **{field: value})])

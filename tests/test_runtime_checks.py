@@ -13,18 +13,21 @@ import types
 import pytest
 
 import jaxep
-from jaxep import _ffi, node_layout, runtime
+from jaxep import _extension, runtime
+from jaxep.backends import cuda_calls
+from jaxep.runtime import node_layout
 
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=16)
 GIB = 1 << 30
 # What the extension's constants() returns (the lead's ffi/module.cc), for the fakes.
-CONSTANTS = dict(max_experts=8192, max_ranks=128,
+CONSTANTS = dict(max_experts=8192, max_ranks=128, internode_max_topk=32, ll_max_topk=64,
+                 fp8_block=128,
                  phases=dict(enumerate(["none", "free", "ready", "zero_copy", "credit",
                                         "remote_meta", "remote_rows", "return", "ll_counts",
                                         "ll_row", "ll_combine_row", "ll_combine_start"])),
                  ops={1: "dispatch", 2: "dispatch_rows", 3: "combine", 4: "gather_back",
                       5: "ll_dispatch", 6: "ll_combine"},
-                 targets=_ffi.TARGETS, dispatch_kernels=("token", "row"),
+                 dispatch_kernels=("token", "row"),
                  combine_kernels=("warp", "thread"))
 
 
@@ -104,9 +107,9 @@ def fake(monkeypatch):
     """Two processes, this one is process 0 with one device; every check passes by default."""
     ext = FakeExt()
     state = types.SimpleNamespace(local=[_device(0)], client=None)
-    monkeypatch.setattr(_ffi, "_module", ext)
-    monkeypatch.setattr(_ffi, "_constants", _ffi.parse_constants(ext.constants()))
-    monkeypatch.setattr(_ffi, "multi_rank_built", lambda: True)
+    monkeypatch.setattr(_extension, "_module", ext)
+    monkeypatch.setattr(_extension, "_constants", _extension.parse_constants(ext.constants()))
+    monkeypatch.setattr(_extension, "multi_rank_built", lambda: True)
     monkeypatch.setattr(runtime.jax, "process_count", lambda: 2)
     monkeypatch.setattr(runtime.jax, "process_index", lambda: 0)
     monkeypatch.setattr(runtime.jax, "local_devices", lambda: state.local)
@@ -164,7 +167,7 @@ def test_a_gpu_no_kernel_of_the_build_runs_on_is_refused(fake, monkeypatch):
     """Before anything collective: the build's archs, the GPU and the rebuild option."""
     fake.local = [types.SimpleNamespace(id=0, process_index=0, local_hardware_id=0,
                                         device_kind="NVIDIA B300", compute_capability="10.3")]
-    monkeypatch.setattr(_ffi, "build_info", lambda: {"cuda_archs": "90"})
+    monkeypatch.setattr(_extension, "build_info", lambda: {"cuda_archs": "90"})
     msg = _refusal("NVIDIA B300 \\(compute capability 10.3\\) runs none of them")
     assert 'JAXEP_CUDA_ARCHITECTURES="90;100"' in msg, msg
 
@@ -258,7 +261,7 @@ def test_finalize_then_initialize_again_uses_a_fresh_unique_id(fake, monkeypatch
     """initialize -> finalize (collective) -> initialize with another config: NVSHMEM is set up
     again under a new key-value key (a late rank can never read the previous run's unique id)."""
     client = _client(monkeypatch)
-    monkeypatch.setattr(_ffi, "is_available", lambda: True)
+    monkeypatch.setattr(_extension, "is_available", lambda: True)
     monkeypatch.setattr(runtime.jax, "default_backend", lambda: "gpu")
     other = jaxep.Config(num_experts=16, topk=2, hidden=64, max_tokens_per_rank=16)
     try:
@@ -350,18 +353,18 @@ def _ll_info(**over):
     (dict(node_size=1), r"ranks_per_node must be the node layout jaxep.initialize set up \(1 "),
 ])
 def test_low_latency_calls_that_do_not_fit_the_area_are_refused(monkeypatch, over, match):
-    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep: _ll_info(**over))
-    with pytest.raises(ValueError, match=r"jaxep\._ffi\.ll_dispatch_send: " + match):
-        _ffi._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep: _ll_info(**over))
+    with pytest.raises(ValueError, match=r"jaxep\._extension\.ll_dispatch_send: " + match):
+        cuda_calls._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
                             row_bytes=128, topk=2)
 
 
 def test_low_latency_calls_that_fit_the_area_pass(monkeypatch):
-    monkeypatch.setattr(_ffi, "runtime_limits", lambda op, ep: _ll_info())
-    _ffi._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep: _ll_info())
+    cuda_calls._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
                         row_bytes=128, topk=2)
     with pytest.raises(ValueError, match=r"config.topk must be <= 64"):
-        _ffi._check_ll_fits("ll_combine_recv", 2, 2, experts=8, slots=8, cap=0,  # pylint: disable=protected-access
+        cuda_calls._check_ll_fits("ll_combine_recv", 2, 2, experts=8, slots=8, cap=0,  # pylint: disable=protected-access
                             row_bytes=128, topk=65)
 
 

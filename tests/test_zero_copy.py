@@ -11,7 +11,8 @@ import re
 import pytest
 
 import test_runtime_checks as trc  # tests/ is on sys.path (pytest's rootdir-relative import)
-from jaxep import runtime, zero_copy
+from jaxep import runtime
+from jaxep.runtime import zero_copy
 
 GIB = 1 << 30
 POOL = 13 * GIB + 2 * (1 << 20)  # a 2 MiB multiple, like XLA's preallocated BFC pool
@@ -184,10 +185,10 @@ def _fake_runtime(monkeypatch):
     """The minimum of test_runtime_checks.py's fake for _init_multi_rank to reach runtime_init."""
     from jax._src import distributed
     ext = trc.FakeExt()
-    monkeypatch.setattr(runtime._ffi, "_module", ext)  # pylint: disable=protected-access
-    monkeypatch.setattr(runtime._ffi, "_constants",  # pylint: disable=protected-access
-                        runtime._ffi.parse_constants(ext.constants()))  # pylint: disable=protected-access
-    monkeypatch.setattr(runtime._ffi, "multi_rank_built", lambda: True)  # pylint: disable=protected-access
+    monkeypatch.setattr(runtime._extension, "_module", ext)  # pylint: disable=protected-access
+    monkeypatch.setattr(runtime._extension, "_constants",  # pylint: disable=protected-access
+                        runtime._extension.parse_constants(ext.constants()))  # pylint: disable=protected-access
+    monkeypatch.setattr(runtime._extension, "multi_rank_built", lambda: True)  # pylint: disable=protected-access
     monkeypatch.setattr(runtime.jax, "process_count", lambda: 2)
     monkeypatch.setattr(runtime.jax, "process_index", lambda: 0)
     monkeypatch.setattr(runtime.jax, "local_devices", lambda: [trc._device(0)])  # pylint: disable=protected-access

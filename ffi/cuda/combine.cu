@@ -195,8 +195,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-// Warp per token (topk <= 32): the default pull, and the internode reducer.
-constexpr int kMaxWarpTopk = 32;
+// Warp per token (topk <= kMaxWarpTopk, combine.h): the default pull, and the internode reducer.
 constexpr int kWarpBatch = 8;
 // Rows in flight per lane where a token's list holds only the slots on this node (~K / nodes:
 // the internode reducer and, with several nodes, the pull): a batch of 4 loses little there, and
@@ -418,7 +417,7 @@ cudaError_t LaunchCombineReduceAs(const Team& team, int32_t tokens, int32_t topk
                                   int32_t experts, int32_t rows, int64_t hidden, uint64_t seq,
                                   int64_t max_blocks, cudaStream_t stream) {
   if (Nodes(team) < 2 || tokens <= 0 || hidden <= 0) return cudaSuccess;
-  if (topk > kMaxWarpTopk) return cudaErrorInvalidValue;  // jaxep/_ffi.py refuses it at trace time
+  if (topk > kMaxWarpTopk) return cudaErrorInvalidValue;  // jaxep/backends/cuda_calls.py refuses it at trace time
   constexpr int kVec = 16 / sizeof(T);
   const int64_t items =  // the other nodes' tokens, padded to whole return chunks (the kernel)
       static_cast<int64_t>(Nodes(team) - 1) * CeilDiv(tokens, kReturnChunk) * kReturnChunk;

@@ -42,6 +42,10 @@ cudaError_t LaunchStageRows(const Team& team, int32_t rows, int64_t row_bytes,
 // pairs itself; kThread also serves topk > 32. Both give the same bits.
 enum class CombineKernel : int32_t { kWarp = 0, kThread = 1 };
 constexpr const char* kCombineKernelNames[] = {"warp", "thread"};  // by enum value
+// Most slots per token of the warp-per-token kernels (a token's kept slots listed in one warp's
+// shared memory): kWarp, and the internode reducer, which has no other kernel, so several nodes
+// need topk <= kMaxWarpTopk (constants()["internode_max_topk"], checked at trace time).
+constexpr int kMaxWarpTopk = 32;
 
 // Combine pull (source side): the fixed order above over this node's ranks, where the rows of
 // rank r are its stage, or its y in its pool when the team has a pool and r's src_off is not
@@ -55,10 +59,10 @@ cudaError_t LaunchCombinePull(const Team& team, int32_t tokens, int32_t topk, in
                               const int32_t* topk_idx, T* out, CombineKernel kernel,
                               bool wire_f32, int64_t max_blocks, cudaStream_t stream);
 
-// Internode reducer (several nodes; topk <= 32): for every other node's peer (the rank there with
-// my local index) and each of its tokens that needs this node (internode.h ARRIVE), this node's
-// P over its ranks, rounded once to the wire dtype, into the region's out area, and put back to
-// that peer by the block that wrote it, a chunk of tokens per put with its flag (internode.h
+// Internode reducer (several nodes; topk <= kMaxWarpTopk): for every other node's peer (the rank
+// there with my local index) and each of its tokens that needs this node (internode.h ARRIVE), this
+// node's P over its ranks, rounded once to the wire dtype, into the region's out area, and put back
+// to that peer by the block that wrote it, a chunk of tokens per put with its flag (internode.h
 // step 5); `seq` is the call's. The combine pull then waits for each of its tokens' chunks.
 template <typename T>
 cudaError_t LaunchCombineReduce(const Team& team, int32_t tokens, int32_t topk, int32_t experts,

@@ -1,5 +1,6 @@
 // Launcher of the FP8 quantization kernel (ffi/cuda/fp8.cu) behind `jaxep_fp8_quantize`: the
-// low-latency dispatch's FP8 option (SPEC section 3), bit for bit with jaxep.reference.
+// low-latency dispatch's FP8 option (docs/design.md, "Low-latency mode"), bit for bit with
+// jaxep.reference.
 // Plain C++: raw device pointers, sizes and a stream.
 #pragma once
 
@@ -9,7 +10,9 @@
 
 namespace jaxep::cuda {
 
-constexpr int kFp8Block = 128;  // channels per scale (jaxep.config.FP8_BLOCK)
+// Channels per f32 scale: part of the fp8 format (docs/design.md), exported as
+// constants()["fp8_block"]; jaxep.config.FP8_BLOCK must equal it (checked when the module loads).
+constexpr int kFp8Block = 128;
 
 // Bytes of one fp8 row as the low-latency dispatch moves it: H e4m3 codes, then H/128 f32 scales.
 __host__ __device__ constexpr int64_t Fp8RowBytes(int64_t hidden) {

@@ -101,8 +101,8 @@ __global__ void CreditKernel(Team team, uint64_t seq, int32_t op) {
 }
 
 // 3b, second half: grid (blocks, nodes). Block 0 of node n puts the metadata, all its threads
-// (a block put: 0.26-0.66 MB at T=4096, K=8, which one warp took ~100 us to copy over P2P, call 4
-// of docs/performance.md section 9); every warp then puts the rows of its tokens that need node n,
+// (a block put: 0.26-0.66 MB at T=4096, K=8, which one warp takes ~100 us to copy over P2P);
+// every warp then puts the rows of its tokens that need node n,
 // row j signalling rin_seq[my node][j] = seq on peer n (the flag the pulls of peer n's whole node
 // wait for: the forwarding starts row by row).
 __global__ void __launch_bounds__(kThreads) PutKernel(Team team, SendArgs a, uint64_t seq) {

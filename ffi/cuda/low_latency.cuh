@@ -60,7 +60,7 @@ __device__ __forceinline__ uint64_t CurrentSeq(const Team& t, int op) {
 // above an earlier store, and the plain loop keeps one load in flight: a warp copies a 14 KB row
 // from global memory in 28 serial round trips, batched in 4. The batch costs registers (4 per
 // unit and thread; the kernel's occupancy), so a copy whose source is shared memory (fp8 rows)
-// or that measured no gain (combine_send, docs/performance.md section 8) keeps the plain loop.
+// or that measured no gain (combine_send) keeps the plain loop.
 constexpr int kCopyBatch = 8;
 
 template <typename U>

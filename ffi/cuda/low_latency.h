@@ -1,11 +1,11 @@
-// The low-latency (decode) protocol of mode="low_latency", shared by the kernels of dispatch_ll.h
-// and combine_ll.h (the device helpers: low_latency.cuh). The kernels of mode="low_latency" (SPEC section 3): the sender PUSHES each
-// (token, expert) row straight into the expert rank's receive area (through the peer pointer on
-// its node; by NVSHMEM put-with-signal from its staging to a rank of another node: LL sends go
-// straight to the expert's rank, no forwarding), no layout pass, no host sequence number, no
-// node-wide round. Launched by
-// ffi/dispatch_ll.cc and ffi/combine_ll.cc, whose handlers are CUDA-graph (XLA command buffer) compatible because every
-// per-call value lives in device memory (SymLayout ll_*, sync.h):
+// The low-latency (decode) protocol of mode="low_latency" (docs/design.md, "Low-latency mode"),
+// shared by the kernels of dispatch_ll.h and combine_ll.h (the device helpers: low_latency.cuh):
+// the sender PUSHES each (token, expert) row straight into the expert rank's receive area
+// (through the peer pointer on its node; by NVSHMEM put-with-signal from its staging to a rank of
+// another node: LL sends go straight to the expert's rank, no forwarding), no layout pass, no host
+// sequence number, no node-wide round. Launched by ffi/dispatch_ll.cc and ffi/combine_ll.cc,
+// whose handlers are CUDA-graph (XLA command buffer) compatible because every per-call value
+// lives in device memory (SymLayout ll_*, sync.h):
 //
 //   dispatch_send   kernel A (one block): seq = ++ll_ctr[0]; p = seq & 1; the ordinal pos[t,k] of
 //                   each valid slot among this rank's slots of its expert (in (t, k) order), then
@@ -41,6 +41,8 @@
 
 namespace jaxep::cuda::mr {
 
-constexpr int kLLMaxTopk = 64;  // combine_recv orders a token's slots in shared memory
+// Most slots per token: combine_recv orders a token's slots in shared memory. Exported as
+// constants()["ll_max_topk"], checked at trace time.
+constexpr int kLLMaxTopk = 64;
 
 }  // namespace jaxep::cuda::mr

@@ -124,9 +124,10 @@ std::string GetUniqueId(std::string* error) {
   return std::string(reinterpret_cast<const char*>(&uid), sizeof(uid));
 }
 
-std::string Init(const InitParams& p) {
-  State& s = S();
-  if (s.up) return "the jaxep NVSHMEM runtime is already initialized in this process";
+namespace {
+
+// Step 1: what Init can refuse before touching NVSHMEM.
+std::string CheckParams(const InitParams& p, const std::string& unique_id) {
   if (p.size < 2 || p.size > mr::kMaxRanks) {
     return "EP size must be in [2, " + std::to_string(mr::kMaxRanks) + "], got " +
            std::to_string(p.size);
@@ -135,10 +136,19 @@ std::string Init(const InitParams& p) {
     return "ranks per node must divide the EP size " + std::to_string(p.size) + ", got " +
            std::to_string(p.node_size);
   }
-  if (p.unique_id.size() != sizeof(nvshmemx_uniqueid_t)) {
-    return "unique id has " + std::to_string(p.unique_id.size()) + " bytes, expected " +
+  if (unique_id.size() != sizeof(nvshmemx_uniqueid_t)) {
+    return "unique id has " + std::to_string(unique_id.size()) + " bytes, expected " +
            std::to_string(sizeof(nvshmemx_uniqueid_t));
   }
+  if (!(p.timeout_s > 0.0)) {
+    return "timeout_s must be > 0 (jaxep.Config.timeout_s), got " + std::to_string(p.timeout_s);
+  }
+  return "";
+}
+
+// Step 2 (collective): NVSHMEM initialized on p.device with PE p.rank of p.size. On success
+// nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED and the PE numbering is the ranks'.
+std::string StartNvshmem(const InitParams& p, const std::string& unique_id) {
   // NVSHMEM binds to the current device of the calling thread: set it first (else its init fails
   // with "nvshmem initialization failed").
   if (cudaError_t e = cudaSetDevice(p.device); e != cudaSuccess) return CudaErr("cudaSetDevice", e);
@@ -149,7 +159,7 @@ std::string Init(const InitParams& p) {
            "own its NVSHMEM initialization";
   }
   nvshmemx_uniqueid_t uid;
-  std::memcpy(&uid, p.unique_id.data(), sizeof(uid));
+  std::memcpy(&uid, unique_id.data(), sizeof(uid));
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
   if (int rc = nvshmemx_set_attr_uniqueid_args(p.rank, p.size, &uid, &attr); rc != 0) {
     return "nvshmemx_set_attr_uniqueid_args failed with status " + std::to_string(rc);
@@ -178,52 +188,78 @@ std::string Init(const InitParams& p) {
            std::to_string(nvshmem_n_pes()) + " does not match rank " + std::to_string(p.rank) +
            " of " + std::to_string(p.size);
   }
+  return "";
+}
+
+// Step 3: the symmetric block all zero (every flag starts at 0) and the zeros on the device.
+std::string ZeroBlock(void* sym, size_t bytes) {
+  if (cudaError_t e = cudaMemset(sym, 0, bytes); e != cudaSuccess) return CudaErr("cudaMemset", e);
+  if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) return CudaErr("sync", e);
+  return "";
+}
+
+// Step 4: team->peer[q] for every rank q. This node's ranks (q / node_size == rank / node_size)
+// get nvshmem_ptr(sym, q), which must be non-NULL (load/store reachable); the others a poison
+// address, kPoisonPeer + q, that faults if a kernel ever dereferenced it (across real nodes
+// nvshmem_ptr is NULL: no load/store path).
+std::string MapPeers(const InitParams& p, void* sym, mr::Team* team) {
+  const int node = p.rank / p.node_size;
+  for (int q = 0; q < p.size; ++q) {
+    if (q / p.node_size != node) {
+      team->peer[q] = reinterpret_cast<char*>(mr::kPoisonPeer + q);
+      continue;
+    }
+    team->peer[q] = static_cast<char*>(nvshmem_ptr(sym, q));
+    if (team->peer[q] == nullptr) {
+      return "PE " + std::to_string(q) + " is not reachable with loads/stores from PE " +
+             std::to_string(p.rank) + " (nvshmem_ptr returned NULL), but the node layout (" +
+             std::to_string(p.node_size) + " ranks per node) puts both on node " +
+             std::to_string(node) + ": set Config.ranks_per_node to the ranks that share NVLink "
+             "(or P2P / MPS on one GPU)";
+    }
+  }
+  return "";
+}
+
+// Step 5: the diagnostic record, zeroed, in mapped host memory: *diag the host address (freed by
+// the caller, also on error), team->diag the device address the kernels write a timeout to.
+std::string MapDiag(mr::Diag** diag, mr::Team* team) {
+  if (cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(diag), sizeof(mr::Diag),
+                                    cudaHostAllocMapped);
+      e != cudaSuccess) {
+    *diag = nullptr;
+    return CudaErr("cudaHostAlloc(diagnostics)", e);
+  }
+  std::memset(*diag, 0, sizeof(mr::Diag));
+  void* dev = nullptr;
+  cudaError_t e = cudaHostGetDevicePointer(&dev, *diag, 0);
+  team->diag = static_cast<mr::Diag*>(dev);
+  return e == cudaSuccess ? "" : CudaErr("cudaHostGetDevicePointer", e);
+}
+
+}  // namespace
+
+// Steps 1-2, then the symmetric block (collective), 3-5, and a barrier that every PE reaches,
+// also after a local error, so that no PE signals before every PE's flags are zero. Only then is
+// the State published (s.up: the handlers may run).
+std::string Init(const InitParams& p, const std::string& unique_id) {
+  State& s = S();
+  if (s.up) return "the jaxep NVSHMEM runtime is already initialized in this process";
+  if (std::string err = CheckParams(p, unique_id); !err.empty()) return err;
+  if (std::string err = StartNvshmem(p, unique_id); !err.empty()) return err;
   const mr::SymLayout lay = LayoutFor(p);
   void* sym = nvshmem_malloc(lay.total);  // collective
   if (sym == nullptr) {
     nvshmem_finalize();
-    return "nvshmem_malloc of " + std::to_string(lay.total) + " bytes failed: the symmetric heap is "
-           "too small; set NVSHMEM_SYMMETRIC_SIZE to at least that plus 256 MiB";
+    return "nvshmem_malloc of " + std::to_string(lay.total) + " bytes failed: the symmetric heap "
+           "is too small; set NVSHMEM_SYMMETRIC_SIZE to at least that plus 256 MiB";
   }
-  std::string err;
-  if (cudaError_t e = cudaMemset(sym, 0, lay.total); e != cudaSuccess) err = CudaErr("cudaMemset", e);
-  if (err.empty()) {
-    if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) err = CudaErr("sync", e);
-  }
-  // The peer table holds this node's ranks only; the others get a poison address that faults if a
-  // kernel ever dereferenced it (across real nodes nvshmem_ptr is NULL: no load/store path).
   mr::Team team{};
-  const int node = p.rank / p.node_size;
-  for (int q = 0; q < p.size && err.empty(); ++q) {
-    if (q / p.node_size != node) {
-      team.peer[q] = reinterpret_cast<char*>(mr::kPoisonPeer + q);
-      continue;
-    }
-    team.peer[q] = static_cast<char*>(nvshmem_ptr(sym, q));
-    if (team.peer[q] == nullptr) {
-      err = "PE " + std::to_string(q) + " is not reachable with loads/stores from PE " +
-            std::to_string(p.rank) + " (nvshmem_ptr returned NULL), but the node layout (" +
-            std::to_string(p.node_size) + " ranks per node) puts both on node " +
-            std::to_string(node) + ": set Config.ranks_per_node to the ranks that share NVLink "
-            "(or P2P / MPS on one GPU)";
-    }
-  }
   team.sym = static_cast<char*>(sym);
   mr::Diag* diag = nullptr;
-  if (err.empty()) {
-    if (cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&diag), sizeof(mr::Diag),
-                                      cudaHostAllocMapped);
-        e != cudaSuccess) {
-      err = CudaErr("cudaHostAlloc(diagnostics)", e);
-    } else {
-      std::memset(diag, 0, sizeof(mr::Diag));
-      void* dev = nullptr;
-      if (cudaError_t e2 = cudaHostGetDevicePointer(&dev, diag, 0); e2 != cudaSuccess) {
-        err = CudaErr("cudaHostGetDevicePointer", e2);
-      }
-      team.diag = static_cast<mr::Diag*>(dev);
-    }
-  }
+  std::string err = ZeroBlock(sym, lay.total);
+  if (err.empty()) err = MapPeers(p, sym, &team);
+  if (err.empty()) err = MapDiag(&diag, &team);
   nvshmem_barrier_all();  // every PE's flags are zero before anyone signals
   if (!err.empty()) {
     if (diag != nullptr) cudaFreeHost(diag);
@@ -344,7 +380,7 @@ std::string GetUniqueId(std::string* error) {
   *error = "jaxep was built without NVSHMEM (multi-rank path unavailable)";
   return "";
 }
-std::string Init(const InitParams&) {
+std::string Init(const InitParams&, const std::string&) {
   return "jaxep was built without NVSHMEM, so the multi-rank CUDA path is unavailable; rebuild "
          "with the nvidia-nvshmem-cu13 (or -cu12) wheel installed (see docs/build.md)";
 }

@@ -13,21 +13,24 @@
 
 namespace jaxep::cuda::rt {
 
+// What the runtime is set up for: placement, node layout, the limits every call is checked
+// against and the wait bound. Python builds it once as `_jaxep_cuda.RuntimeParams(**fields)`
+// (ffi/runtime.cc names the fields; each is required, so none has a default here: timeout_s's one
+// default is jaxep.Config.timeout_s) and passes the same record to SymmetricBytes and Init.
 struct InitParams {
-  int device = 0;            // CUDA ordinal of the process's one GPU
-  int rank = 0;              // PE == process index == position on the EP axis
-  int size = 1;              // number of PEs (EP size)
-  int node_size = 1;         // G, ranks per node (rank = node * G + local index); size: one node
-  std::string unique_id;     // bytes of nvshmemx_uniqueid_t from PE 0
-  int64_t max_tokens = 0;    // limits the handlers check every call against
-  int64_t topk = 0;
-  int64_t experts = 0;
-  int64_t capacity = 0;
-  int64_t row_bytes = 0;     // hidden * payload itemsize (largest row a call may stage)
-  int64_t return_row_bytes = 0;  // largest per-token result a node returns (hidden * 4)
-  int64_t ll_experts = 0;    // low-latency area (sync.h ll_*): local experts L, 0: none
-  int64_t ll_cap = 0;        // rows per (local expert, source): min(M, max_tokens * topk)
-  double timeout_s = 100.0;
+  int device;                // CUDA ordinal of the process's one GPU
+  int rank;                  // PE == process index == position on the EP axis
+  int size;                  // number of PEs (EP size)
+  int node_size;             // G, ranks per node (rank = node * G + local index); size: one node
+  int64_t max_tokens;        // limits the handlers check every call against
+  int64_t topk;
+  int64_t experts;
+  int64_t capacity;
+  int64_t row_bytes;         // hidden * payload itemsize (largest row a call may stage)
+  int64_t return_row_bytes;  // largest per-token result a node returns (hidden * 4)
+  int64_t ll_experts;        // low-latency area (sync.h ll_*): local experts L, 0: none
+  int64_t ll_cap;            // rows per (local expert, source): min(M, max_tokens * topk)
+  double timeout_s;          // bound on every device-side wait (> 0)
 };
 
 struct Limits {
@@ -43,10 +46,13 @@ std::string GetUniqueId(std::string* error);
 // cudaSetDevice + cudaFree(0) on the calling thread, then cudaMemGetInfo. Returns "" or an error.
 std::string DeviceMemInfo(int device, size_t* free_bytes, size_t* total_bytes);
 size_t SymmetricBytes(const InitParams& p);
-// Returns "" on success or the error text (nothing left allocated on failure where avoidable).
-std::string Init(const InitParams& p);
-// collective: barrier + [unregister the pool] + nvshmem_free + nvshmem_finalize (all PEs must call); otherwise only the
-// local host record is dropped (after a timeout a collective finalize could hang on a dead peer).
+// Collective over the p.size PEs: NVSHMEM init with `unique_id` (the bytes of PE 0's
+// nvshmemx_uniqueid_t), the symmetric block, the peer table and the diagnostic record. Returns ""
+// on success or the error text (nothing left allocated on failure where avoidable).
+std::string Init(const InitParams& p, const std::string& unique_id);
+// collective: barrier + [unregister the pool] + nvshmem_free + nvshmem_finalize (all PEs must
+// call); otherwise only the local host record is dropped (after a timeout a collective finalize
+// could hang on a dead peer).
 std::string Finalize(bool collective);
 
 // Zero-copy (Config.zero_copy, on by default; docs/zero_copy.md option B1): peers read dispatch's

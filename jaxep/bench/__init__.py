@@ -4,7 +4,8 @@
     result = run(BenchConfig(tokens=256, hidden=512, topk=4, experts=16))
 
 `jaxep.bench.accounting` (byte accounting) needs only NumPy. Command-line flags live in
-`jaxep.bench.cli` and are defined only when the command line is used.
+`jaxep.bench.cli` and are defined only when the command line is used; the command line needs the
+[bench] extra (absl-py, rich; matplotlib for --plot) and says so when it is missing.
 """
 
 
@@ -22,6 +23,8 @@ def __getattr__(name):
 
 
 def console_main():
-    """Entry point of the `jaxep-bench` console script."""
+    """Entry point of the `jaxep-bench` console script and `python -m jaxep.bench`."""
+    from jaxep import _extras
+    _extras.require("bench")
     from jaxep.bench import cli
     cli.console_main()

@@ -6,9 +6,12 @@ Failures raise `BenchCorrectnessError`: a benchmark of a wrong answer is worthle
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxep.bench import routing
+import jaxep
+from jaxep.bench import routing, timing
 from jaxep.bench.accounting import Layout
 
 
@@ -69,7 +72,8 @@ def oracle_rows(lay: Layout, idx_all, w_all, rank, capacity, hidden, dtype, seed
 
 
 def fp8_quantize(x):
-    """Host FP8 quantization of one rank's tokens (SPEC section 3): NumPy f32 divisions are IEEE
+    """Host FP8 quantization of one rank's tokens (docs/design.md, low-latency mode): NumPy f32
+    divisions are IEEE
     and ml_dtypes' cast to float8_e4m3fn rounds to nearest even. -> (codes uint8, scales f32)."""
     import ml_dtypes  # pylint: disable=g-import-not-at-top
     T, H = x.shape
@@ -104,7 +108,8 @@ def oracle_combine_of_rows(lay: Layout, w_all, rank, x_src, ranks_per_node=None,
     partial_r[t] = sum_k asc (dest r, kept) of f32(w) * f32(x[t]) and G = ranks_per_node (None:
     one node), out[t] = sum_n asc P_n[t], P_n = sum_{r on node n} asc partial_r, where the P_n of
     every node but `rank`'s own is rounded once to `wire_dtype`; all in f32 without FMA, cast
-    once (SPEC.md section 3). Ranks without a kept slot of t add +0.0 (no partial is -0.0)."""
+    once (docs/design.md, "Combine and its fixed reduction order"). Ranks without a kept slot of
+    t add +0.0 (no partial is -0.0)."""
     T, K = lay.kept.shape[1:]
     R = lay.kept.shape[0]
     G = ranks_per_node or R
@@ -122,3 +127,62 @@ def oracle_combine_of_rows(lay: Layout, w_all, rank, x_src, ranks_per_node=None,
             p_n[toks] = p_n[toks] + partial
         out = out + (p_n if n == rank // G else _round_to(p_n, wire_dtype))
     return out.astype(x_src.dtype)
+
+
+def every_process(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R, G):
+    """Every process checks the shards it holds; the outcomes are gathered (key-value store), so
+    every process raises if any failed, naming the process. Returns what was checked."""
+    error = None
+    try:
+        done = _on_this_process(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all,
+                                  capacity, R, G)
+    except BenchCorrectnessError as e:
+        error, done = str(e), []
+    errors = timing.allgather(error)
+    bad = [(p, e) for p, e in enumerate(errors) if e is not None]
+    if bad:
+        raise BenchCorrectnessError("; ".join(
+            (f"process {p}: " if len(errors) > 1 else "") + e for p, e in bad))
+    if len(errors) > 1:
+        done = [d + f" (each of {len(errors)} processes on its own shard)" for d in done]
+    return done
+
+
+def _on_this_process(bc, backend, ops, ref_ops, x, idx, w, lay, idx_all, w_all, capacity, R, G):
+    cfg = bc.jaxep_config()
+    res = ops.dispatch_once(x, idx, w)
+    out = ops.combine_once(res.x, res.handle)
+    jax.block_until_ready(out)
+    jaxep.check()
+    T, H = bc.tokens, bc.hidden
+    L = bc.experts // R
+    sh = lambda a, n: local_shards(a, n)
+    against_layout(lay, sh(res.group_sizes, L), sh(res.stats.dropped_rows, 1),
+                         sh(res.stats.invalid_ids, 1))
+    done = ["group_sizes/dropped_rows/invalid_ids == host layout"]
+    if ref_ops is not None:
+        ref = ref_ops.dispatch_once(x, idx, w)
+        ref_out = ref_ops.combine_once(ref.x, ref.handle)
+        for name, a, b, n in (("dispatch x", res.x, ref.x, capacity),
+                              ("dispatch weights", res.weights, ref.weights, capacity),
+                              ("group_sizes", res.group_sizes, ref.group_sizes, L),
+                              ("combine out", out, ref_out, T)):
+            got, want = sh(a, n), sh(b, n)
+            for r in got:
+                bitwise_equal(f"{name}: backend {backend} vs reference", r, got[r], want[r])
+        done.append("dispatch rows/weights and combine output bitwise == reference backend")
+    else:
+        dt = np.dtype(jnp.dtype(bc.dtype))
+        wire = cfg.dispatch_wire_dtype  # the sources' tokens as the destinations see them
+        rows, wts, outs = sh(res.x, capacity), sh(res.weights, capacity), sh(out, T)
+        for r in rows:
+            want_rows, want_w = oracle_rows(lay, idx_all, w_all, r, capacity, H, dt, bc.seed,
+                                                  wire)
+            bitwise_equal("dispatch x vs host oracle", r, rows[r], want_rows)
+            bitwise_equal("dispatch weights vs host oracle", r, wts[r], want_w)
+            x_r = wire_tokens(routing.tokens_for_rank(r, T, H, dt, seed=bc.seed), dt, wire)
+            bitwise_equal("combine(dispatched rows) vs host oracle", r, outs[r],
+                                oracle_combine_of_rows(lay, w_all, r, x_r, G,
+                                                             jnp.dtype(cfg.combine_wire_dtype)))
+        done.append("dispatch rows/weights and combine output bitwise == host oracle (docs/design.md)")
+    return done

@@ -12,6 +12,7 @@ import sys
 
 from absl import app, flags
 
+from jaxep import _extras
 from jaxep.bench import presets
 from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS, MODES, PAYLOAD_DTYPES
 
@@ -175,6 +176,8 @@ def progress_bar(console, enabled: bool = True):
 
 def main(argv):
     del argv
+    if PLOT.value and MODE.value != "low_latency":  # the plot's matplotlib, before any work
+        _extras.require("bench", ("matplotlib",))
     quiet_backend_probe()
     if CPU_DEVICES.value:  # asked for on the command line; must precede the first jax import
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

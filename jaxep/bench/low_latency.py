@@ -13,12 +13,13 @@ One run times, at T = --tokens per rank (decode sizes: 1 ... 256):
     that land in x: kept (token, expert) rows x row bytes; combine: the same rows back in y's
     dtype), the floor for large T.
 Correctness first: every rank checks its x, counts and combine(x) bitwise against a host oracle
-written from SPEC section 3 (vectorized NumPy here; tests/oracle.py holds the loop version).
+written from docs/design.md's low-latency contract (vectorized NumPy here; tests/oracle.py holds
+the loop version).
 
 M (Config.rows_per_expert) defaults to min(R*T, max(8, 4 * R*T*K/E)) rounded up to 8: room for
 4x the uniform load of an expert (x [L, M, H] is written in full every call, rows past counts
-zero, so M sets the op's least memory traffic). The JSON keeps the keys of the normal bench that
-tools/bench_multirank.py reads (ops.*.time_s, payload, baselines) plus a "low_latency" block.
+zero, so M sets the op's least memory traffic). The JSON has the normal bench's per-op keys
+(ops.*.time_s, payload, baselines) plus a "low_latency" block.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxep
-from jaxep import _ffi, runtime
+from jaxep import runtime
+from jaxep.backends import cuda_calls
 from jaxep.bench import check, routing, timing
 
 AXIS = "ep"
@@ -75,9 +77,10 @@ def oracle(idx_all, xs, E: int, M: int, d: int):
 
 def oracle_combine(idx_all, w_all, kept, x_r, E: int, r: int, out_dtype, G: int, wire):
     """combine of rows equal to their token's row x_r[t] (the dispatched rows, or their
-    dequantized fp8), source rank r, SPEC section 3: out[t] = sum over nodes n asc of P_n[t],
-    P_n[t] = sum over n's ranks asc of (sum over k asc with expert there and kept of w*x[t]); f32,
-    one rounding per op; P_n of another node than r's rounded once to the wire dtype."""
+    dequantized fp8), source rank r, in docs/design.md's order: out[t] = sum over nodes n asc of
+    P_n[t], P_n[t] = sum over n's ranks asc of (sum over k asc with expert there and kept of
+    w*x[t]); f32, one rounding per op; P_n of another node than r's rounded once to the wire
+    dtype."""
     R, T, K = idx_all.shape
     L = E // R
     x32 = x_r.astype(np.float32)
@@ -148,7 +151,7 @@ def _sync_floor(bc, cfg, mesh, R, G, backend):
         return None
 
     def ping(v, send_row, idx):
-        return _ffi.gather_back(v, send_row, idx, config=cfg, ep_size=R, ranks_per_node=G)[0]
+        return cuda_calls.gather_back(v, send_row, idx, config=cfg, ep_size=R, ranks_per_node=G)[0]
 
     v = _global(mesh, R, [np.zeros((1,), np.float32)] * R, np.float32)
     neg = _global(mesh, R, [np.full((1, 1), -1, np.int32)] * R, np.int32)
@@ -167,8 +170,8 @@ def _signal_floor(bc, cfg, mesh, R, G, ll_kernels):
     kw = dict(config=cfg, ep_size=R, ranks_per_node=G)
 
     def ping(y, w, slot, send_row, idx):
-        (marker,) = _ffi.ll_combine_send(y, w, slot, tokens=1, **kw)
-        return _ffi.ll_combine_recv(marker, send_row, idx, hidden=cfg.hidden,
+        (marker,) = cuda_calls.ll_combine_send(y, w, slot, tokens=1, **kw)
+        return cuda_calls.ll_combine_recv(marker, send_row, idx, hidden=cfg.hidden,
                                     dtype=jnp.dtype(cfg.dtype), **kw)[0]
 
     dt = np.dtype(jnp.dtype(cfg.dtype))
@@ -186,62 +189,119 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
     """The low-latency bench on `mesh` (R ranks); returns the JSON document."""
     cfg = config(bc, R)
     G = runtime.node_size(cfg, R)
-    M, L = cfg.expert_rows(R), bc.experts // R
+    inp = _inputs(bc, mesh, R)
+    disp_once, check_once, loops, expert_input = _programs(cfg, backend, mesh)
+    checked = []
+    if bc.check:
+        stage("checking correctness")
+        checked = _check(bc, cfg, check_once, inp, R, G)
+        emit("correctness: OK (" + "; ".join(checked) + ")")
+    res = disp_once(inp.x, inp.idx, inp.w)
+    y = jax.jit(jax.shard_map(expert_input, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(res)
+    args = {"dispatch": (inp.x, inp.idx, inp.w), "combine": (y, res.handle),
+            "both": (inp.x, inp.idx, inp.w, y)}
+    # The CUDA backend at R > 1 runs the low-latency kernels: the runtime holds this low-latency
+    # config, hence their area (runner.py initialized it so, or the caller did: jaxep.dispatch
+    # refuses a config the runtime was not given); two host handler runs per op (send, recv).
+    # EP size 1 and the reference backend run XLA ops: no handler runs to count.
+    ll_kernels = backend == "cuda" and R > 1
+    times = _time_ops(bc, loops, args, ll_kernels, stage)
+    stage("timing the sync floor")
+    floor = _sync_floor(bc, cfg, mesh, R, G, backend)
+    stage("timing the signal round trip")
+    signal = _signal_floor(bc, cfg, mesh, R, G, ll_kernels)
+    pay = _payload(bc, cfg, inp.idx_all, R)
+    stage("timing the payload copies")
+    copies = {op: timing.time_copy(bc, mesh, AXIS, R, 2 * pay[op] // R)
+              for op in ("dispatch", "combine")}
+    copies["both"] = dict(copies["dispatch"], median=copies["dispatch"]["median"] +
+                          copies["combine"]["median"])
+    # The bytes dispatch must write whatever the kernel (x [L, M, H] in full: the contract zeroes
+    # the rows past the counts): a copy of them, the floor of any dispatch with this M.
+    x_total = R * (bc.experts // R) * cfg.expert_rows(R) * pay["row_d"]
+    x_copy = timing.time_copy(bc, mesh, AXIS, R, 2 * x_total // R)
+    return dict(
+        schema_version=1, tool="jaxep-bench", mode="low_latency", jaxep_version=jaxep.__version__,
+        jax_version=jax.__version__,
+        time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        config={**dataclasses.asdict(bc), "backend_used": backend,
+                "jaxep_config": dataclasses.asdict(cfg)},
+        topology=dict(ep_size=R, num_processes=jax.process_count(), ranks_per_node=G,
+                      zero_copy_enabled=runtime.zero_copy_enabled(),
+                      device_kind=mesh.devices.flat[0].device_kind),
+        correctness=dict(checked=checked, passed=bool(checked) or None),
+        copy_baseline=dict(payload=dict(bytes_total=pay["both"], time_s=copies["both"])),
+        low_latency=_low_latency_block(bc, cfg, inp.idx_all, R, pay, times, x_copy, floor, signal,
+                                       ll_kernels),
+        ops=_op_figures(times, pay, copies, floor, signal),
+        notes=["low-latency mode; link classes emulated when ranks share a GPU"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """The routing of every rank (idx_all [R,T,K], w_all, the token rows xs) and the sharded
+    inputs x, idx, w built from it."""
+    idx_all: np.ndarray
+    w_all: np.ndarray
+    xs: list
+    x: object
+    idx: object
+    w: object
+
+
+def _inputs(bc, mesh, R: int) -> _Inputs:
     T, H, K, E = bc.tokens, bc.hidden, bc.topk, bc.experts
     dt = np.dtype(jnp.dtype(bc.dtype))
     idx_all = routing.topk_ids(bc.routing, R, T, K, E, seed=bc.seed, zipf_alpha=bc.zipf_alpha,
                                imbalance=bc.imbalance)
     w_all = routing.topk_weights(R, T, K, seed=bc.seed)
     xs = [routing.tokens_for_rank(r, T, H, dt, seed=bc.seed) for r in range(R)]
-    x = _global(mesh, R, xs, dt)
-    idx = _global(mesh, R, list(idx_all), np.int32)
-    w = _global(mesh, R, list(w_all), np.float32)
-    disp_once, check_once, loops, expert_input = _programs(cfg, backend, mesh)
+    return _Inputs(idx_all, w_all, xs, _global(mesh, R, xs, dt),
+                   _global(mesh, R, list(idx_all), np.int32),
+                   _global(mesh, R, list(w_all), np.float32))
 
-    checked, error = [], None
-    if bc.check:
-        stage("checking correctness")
-        got_x, got_s, got_counts, got_out = check_once(x, idx, w)
-        jax.block_until_ready(got_out)
-        jaxep.check()
-        sh = check.local_shards
-        gx, gs, gc, go = sh(got_x, L), sh(got_s, L), sh(got_counts, L), sh(got_out, T)
-        q = [check.fp8_quantize(v) for v in xs] if cfg.fp8_dispatch else None
-        wire = np.dtype(jnp.dtype(cfg.combine_wire_dtype))
-        try:
-            for r in gx:
-                if q is None:
-                    want_x, want_c, kept = oracle(idx_all, xs, E, M, r)
-                    check.bitwise_equal("x vs host oracle", r, gx[r], want_x)
-                    y_r = xs[r]
-                else:
-                    want_x, want_c, kept = oracle(idx_all, [c for c, _ in q], E, M, r)
-                    want_s, _, _ = oracle(idx_all, [s_ for _, s_ in q], E, M, r)
-                    check.bitwise_equal("fp8 codes vs host oracle", r,
-                                        np.asarray(gx[r]).view(np.uint8), want_x)
-                    check.bitwise_equal("fp8 scales vs host oracle", r, gs[r], want_s)
-                    y_r = check.dequantize(*q[r], dt)
-                check.bitwise_equal("counts vs host oracle", r, gc[r], want_c)
-                check.bitwise_equal("combine(x) vs host oracle", r, go[r],
-                                    oracle_combine(idx_all, w_all, kept, y_r, E, r, dt, G, wire))
-        except check.BenchCorrectnessError as e:
-            error = str(e)
-        errors = timing.allgather(error)
-        bad = [e for e in errors if e is not None]
-        if bad:
-            raise check.BenchCorrectnessError("; ".join(bad))
-        checked = ["x [L,M,H]" + (" fp8 codes and scales" if cfg.fp8_dispatch else "") +
-                   ", counts and combine(x) bitwise == host oracle"]
-        emit("correctness: OK (" + "; ".join(checked) + ")")
 
-    res = disp_once(x, idx, w)
-    y = jax.jit(jax.shard_map(expert_input, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(res)
-    args = {"dispatch": (x, idx, w), "combine": (y, res.handle), "both": (x, idx, w, y)}
-    # The CUDA backend at R > 1 runs the low-latency kernels: the runtime holds this low-latency
-    # config, hence their area (runner.py initialized it so, or the caller did: jaxep.dispatch
-    # refuses a config the runtime was not given); two host handler runs per op (send, recv).
-    # EP size 1 and the reference backend run XLA ops: no handler runs to count.
-    ll_kernels = backend == "cuda" and R > 1
+def _check(bc, cfg, check_once, inp: _Inputs, R: int, G: int) -> list:
+    """Every rank checks its x (fp8: codes and scales), counts and combine(x) bitwise against the
+    host oracle; the outcomes are gathered, so every process raises if any failed."""
+    E, T, L, M = bc.experts, bc.tokens, bc.experts // R, cfg.expert_rows(R)
+    idx_all, w_all, xs = inp.idx_all, inp.w_all, inp.xs
+    dt = np.dtype(jnp.dtype(bc.dtype))
+    got_x, got_s, got_counts, got_out = check_once(inp.x, inp.idx, inp.w)
+    jax.block_until_ready(got_out)
+    jaxep.check()
+    sh = check.local_shards
+    gx, gs, gc, go = sh(got_x, L), sh(got_s, L), sh(got_counts, L), sh(got_out, T)
+    q = [check.fp8_quantize(v) for v in xs] if cfg.fp8_dispatch else None
+    wire = np.dtype(jnp.dtype(cfg.combine_wire_dtype))
+    error = None
+    try:
+        for r in gx:
+            if q is None:
+                want_x, want_c, kept = oracle(idx_all, xs, E, M, r)
+                check.bitwise_equal("x vs host oracle", r, gx[r], want_x)
+                y_r = xs[r]
+            else:
+                want_x, want_c, kept = oracle(idx_all, [c for c, _ in q], E, M, r)
+                want_s, _, _ = oracle(idx_all, [s_ for _, s_ in q], E, M, r)
+                check.bitwise_equal("fp8 codes vs host oracle", r,
+                                    np.asarray(gx[r]).view(np.uint8), want_x)
+                check.bitwise_equal("fp8 scales vs host oracle", r, gs[r], want_s)
+                y_r = check.dequantize(*q[r], dt)
+            check.bitwise_equal("counts vs host oracle", r, gc[r], want_c)
+            check.bitwise_equal("combine(x) vs host oracle", r, go[r],
+                                oracle_combine(idx_all, w_all, kept, y_r, E, r, dt, G, wire))
+    except check.BenchCorrectnessError as e:
+        error = str(e)
+    bad = [e for e in timing.allgather(error) if e is not None]
+    if bad:
+        raise check.BenchCorrectnessError("; ".join(bad))
+    return ["x [L,M,H]" + (" fp8 codes and scales" if cfg.fp8_dispatch else "") +
+            ", counts and combine(x) bitwise == host oracle"]
+
+
+def _time_ops(bc, loops, args, ll_kernels: bool, stage) -> dict:
+    """Each op's timing; with the low-latency kernels, two host handler runs per op to count."""
     calls = {"dispatch": 2, "combine": 2, "both": 4} if ll_kernels else {}
     times = {}
     for op in OPS:
@@ -250,29 +310,28 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
             loops[op], args[op], warmup=bc.warmup, iters=bc.iters, inner=bc.inner,
             calls_per_op=calls.get(op, 0)))
         jaxep.check()
-    stage("timing the sync floor")
-    floor = _sync_floor(bc, cfg, mesh, R, G, backend)
-    stage("timing the signal round trip")
-    signal = _signal_floor(bc, cfg, mesh, R, G, ll_kernels)
+    return times
 
-    # Payload: the rows that land in x (kept slots) and come back from y.
+
+def _payload(bc, cfg, idx_all, R: int) -> dict:
+    """The rows that land in x (kept slots) and come back from y: kept_rows, the row sizes
+    (row_d: dispatch's, fp8 codes + scales with fp8; row_c: combine's) and each op's bytes."""
+    H, L, M = bc.hidden, bc.experts // R, cfg.expert_rows(R)
+    itemsize = np.dtype(jnp.dtype(bc.dtype)).itemsize
     kept_rows = 0
     for r in range(R):
         for e in range(r * L, (r + 1) * L):
             kept_rows += min(int((idx_all == e).sum()), M)
-    row_d = H + 4 * (H // 128) if cfg.fp8_dispatch else H * dt.itemsize
-    row_c = H * dt.itemsize
+    row_d = H + 4 * (H // 128) if cfg.fp8_dispatch else H * itemsize
+    row_c = H * itemsize
     pay = {"dispatch": kept_rows * row_d, "combine": kept_rows * row_c}
     pay["both"] = pay["dispatch"] + pay["combine"]
-    stage("timing the payload copies")
-    copies = {op: timing.time_copy(bc, mesh, AXIS, R, 2 * pay[op] // R)
-              for op in ("dispatch", "combine")}
-    copies["both"] = dict(copies["dispatch"], median=copies["dispatch"]["median"] +
-                          copies["combine"]["median"])
-    # The bytes dispatch must write whatever the kernel (x [L, M, H] in full: the contract zeroes
-    # the rows past the counts): a copy of them, the floor of any dispatch with this M.
-    x_total = R * L * M * row_d
-    x_copy = timing.time_copy(bc, mesh, AXIS, R, 2 * x_total // R)
+    return dict(pay, kept_rows=kept_rows, row_d=row_d, row_c=row_c)
+
+
+def _op_figures(times, pay, copies, floor, signal) -> dict:
+    """Per op: its time, the payload copy and the ratios to the copy, sync floor, signal round
+    trip."""
     ops = {}
     for op in OPS:
         t = times[op]
@@ -289,30 +348,25 @@ def run(bc, mesh, R: int, backend: str, emit, stage) -> dict:
                            signal_round_trip=(dict(time_s=signal["median"],
                                                    ratio=t["median"] / signal["median"])
                                               if signal else None)))
-    dropped = int(sum(max(0, int((idx_all == e).sum()) - M) for e in range(E)))
-    return dict(
-        schema_version=1, tool="jaxep-bench", mode="low_latency", jaxep_version=jaxep.__version__,
-        jax_version=jax.__version__,
-        time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        config={**dataclasses.asdict(bc), "backend_used": backend,
-                "jaxep_config": dataclasses.asdict(cfg)},
-        topology=dict(ep_size=R, num_processes=jax.process_count(), ranks_per_node=G,
-                      zero_copy_enabled=runtime.zero_copy_enabled(),
-                      device_kind=mesh.devices.flat[0].device_kind),
-        correctness=dict(checked=checked, passed=bool(checked) or None),
-        copy_baseline=dict(payload=dict(bytes_total=pay["both"], time_s=copies["both"])),
-        low_latency=dict(tokens=T, rows_per_expert=M, local_experts=L, fp8_dispatch=cfg.fp8_dispatch,
-                         kept_rows=kept_rows, dropped_rows=dropped,
-                         row_bytes_dispatch=row_d, row_bytes_combine=row_c,
-                         x_bytes_per_rank=L * M * row_d,
-                         x_copy_s=x_copy,
-                         x_copy_over_dispatch=x_copy["median"] / times["dispatch"]["median"],
-                         sync_floor_s=floor,
-                         signal_round_trip_s=signal,
-                         kernels="low_latency" if ll_kernels else "XLA ops",
-                         sync_floor_note="one cross-rank exchange of 4 bytes (jaxep_gather_back "
-                                         "of one masked slot): free wait, ready round, free round"),
-        ops=ops, notes=["low-latency mode; link classes emulated when ranks share a GPU"])
+    return ops
+
+
+def _low_latency_block(bc, cfg, idx_all, R, pay, times, x_copy, floor, signal,
+                       ll_kernels) -> dict:
+    """The JSON's "low_latency" block: M, the kept and dropped rows, the x copy, the floors."""
+    L, M = bc.experts // R, cfg.expert_rows(R)
+    dropped = int(sum(max(0, int((idx_all == e).sum()) - M) for e in range(bc.experts)))
+    return dict(tokens=bc.tokens, rows_per_expert=M, local_experts=L,
+                fp8_dispatch=cfg.fp8_dispatch, kept_rows=pay["kept_rows"], dropped_rows=dropped,
+                row_bytes_dispatch=pay["row_d"], row_bytes_combine=pay["row_c"],
+                x_bytes_per_rank=L * M * pay["row_d"],
+                x_copy_s=x_copy,
+                x_copy_over_dispatch=x_copy["median"] / times["dispatch"]["median"],
+                sync_floor_s=floor,
+                signal_round_trip_s=signal,
+                kernels="low_latency" if ll_kernels else "XLA ops",
+                sync_floor_note="one cross-rank exchange of 4 bytes (jaxep_gather_back "
+                                "of one masked slot): free wait, ready round, free round")
 
 
 def report(r: dict) -> str:

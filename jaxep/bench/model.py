@@ -3,18 +3,18 @@
 floor = max over links of (busiest rank's bytes on that link / the link's peak); the link that
 sets it bounds the op. At that floor the bytes that really leave the node move at
 rdma_bytes / floor per GPU: the NIC's line rate when RDMA bounds the op, less when NVLink does.
-The issue's target is >= 90% of line rate in those true cross-node bytes.
+jaxep's target is >= 90% of line rate in those true cross-node bytes.
 
 The floor assumes the two links overlap. `as_built_s` is the same bytes on jaxep's path as built
 (docs/design.md, ffi/cuda/internode.h), and both ops overlap them: dispatch puts its rows while
 the own node's sources are pulled and forwards each remote row over NVLink as soon as it landed;
 combine's reducer puts each finished chunk of 8 tokens' partials while its other blocks still read
 over NVLink, and the final pull adds each token's returned partials as soon as their chunk landed
-(streamed returns, session 12). So for each op it is the floor (the fill and drain of those
-pipelines, one row or one chunk, is not modeled); dispatch + combine ("both") is the two ops one
-after the other. The true cross-node GB/s and the fraction of line rate are given at both times.
-Until session 11 combine took its links in turn (reduce, then return, then final pull): its
-as-built time was the sum of the floors; `links_overlap=False` still models that schedule.
+(streamed returns). So for each op it is the floor (the fill and drain of those pipelines, one
+row or one chunk, is not modeled); dispatch + combine ("both") is the two ops one after the other.
+The true cross-node GB/s and the fraction of line rate are given at both times.
+`links_overlap=False` models a schedule that takes the links in turn (reduce, then return, then
+final pull): its as-built time is the sum of the floors.
 
 `seed_reading` explains the seed's "NVL 149 GB/s, RDMA 44 GB/s" (presets.SEED): both are
 DeepEP-style logical bytes / one time, so their ratio is the routing's byte ratio.

@@ -1,7 +1,7 @@
 """Named benchmark setups (`--preset`) and the figures they are read against.
 
-`seed_2x8` is the seed of this project (SPEC.md section 5): two nodes of 8 GPUs, a peer tool
-printing "NVL 149 GB/s, RDMA 44 GB/s" for dispatch. On one GPU it runs as 16 ranks sharing it,
+`seed_2x8` is the setup jaxep is read against: two nodes of 8 GPUs, where a peer tool prints
+"NVL 149 GB/s, RDMA 44 GB/s" for dispatch. On one GPU it runs as 16 ranks sharing it,
 with the node override Config.ranks_per_node = 8:
 
     python -m jaxep.launch --nproc 16 --share-gpu -m jaxep.bench --preset=seed_2x8
@@ -28,7 +28,7 @@ HARDWARE = {
 }
 
 # What the seed's tool printed (DeepEP-style logical bytes / the dispatch time), what the seed's
-# HybridEP run reached in bytes that really left the node, per GPU, and the issue's target.
+# HybridEP run reached in bytes that really left the node, per GPU, and jaxep's target.
 SEED = dict(nvl_gbps=149.0, rdma_gbps=44.0, hybridep_true_gbps=22.0, nic_gbps=100.0,
             target_line_fraction=0.9, nodes=2, ranks_per_node=8, experts=128, topk=8)
 

@@ -2,8 +2,10 @@
 
 Each sample is one call of a jitted `fori_loop` that runs the op `inner` times on the device;
 wall time / inner is one sample. The loop carries the op's inputs and outputs through an
-`optimization_barrier`, so XLA can neither hoist the op out of the loop nor drop any of its outputs, and the launch
-cost of one jitted call is spread over `inner` iterations. `block_until_ready` ends every sample.
+`optimization_barrier`, so XLA can neither hoist the op out of the loop nor drop any of its
+outputs, and the launch cost of one jitted call is spread over `inner` iterations.
+`block_until_ready` ends every sample. With JAXEP_PHASE_TIMES=1, `phase_times` / `phase_lines`
+give the GPU time of each step of the multi-rank calls.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxep import _extension
 
 _gather_calls = [0]
 
@@ -68,8 +72,8 @@ def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: fl
     inner=0 picks inner so that one sample takes about target_s (from a 1-iteration probe). With
     several processes every process runs the same number of ops (a multi-rank op's n-th call must
     be the same op on every rank; XLA collectives likewise): `inner` is the largest any process
-    picked, and the processes meet at a barrier before the timed samples (as
-    tools/bench_multirank.py did), so that they start together.
+    picked, and the processes meet at a barrier before the timed samples, so that they start
+    together.
 
     calls_per_op > 0 (the multi-rank CUDA backend): also reports `handler_runs_per_op`, the runs of
     jaxep's multi-rank host handlers per op during the samples, from the runtime's call counter
@@ -94,8 +98,7 @@ def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: fl
 
 def _handler_seq() -> int | None:
     """Runs of the multi-rank host handlers so far in this process (None without the runtime)."""
-    from jaxep import _ffi
-    info = _ffi.runtime_info() if _ffi.is_available() else None
+    info = _extension.runtime_info() if _extension.is_available() else None
     # seq: the normal mode's handlers; ll_host_calls: the low-latency kernels' (ffi/low_latency.h)
     return None if info is None else int(info.get("seq", 0)) + int(info.get("ll_host_calls", 0))
 
@@ -186,3 +189,29 @@ def time_copy(bc, mesh, axis: str, R: int, hbm_bytes_per_rank):
         [bc.seed, 5, r]).integers(0, 2**32, n, dtype=np.uint32))
     loop = device_loop(lambda c: c ^ np.uint32(1), mesh, axis)
     return over_processes(time_loop(loop, (a,), warmup=bc.warmup, iters=bc.iters, inner=bc.inner))
+
+
+def phase_times() -> dict:
+    """JAXEP_PHASE_TIMES=1 (ffi/phase_times.h): {"op/step": {"calls", "total_ms", "mean_ms"}} of
+    this process's cross-rank calls so far, the GPU time of each step of each call (waits for
+    peers included); {} when off or without the multi-rank runtime."""
+    info = _extension.runtime_info() if _extension.is_available() else None
+    raw = (info or {}).get("phase_ms") or {}
+    return {k: dict(calls=int(n), total_ms=float(ms), mean_ms=float(ms) / max(1, int(n)))
+            for k, (n, ms) in raw.items()}
+
+
+def phase_lines(phases: dict) -> list:
+    """The phase table, one line per op and step, in the steps' order within each op."""
+    out = [f"phase times (JAXEP_PHASE_TIMES=1, process {jax.process_index()}, GPU time per call "
+           "of each step, waits for peers included):"]
+    order = ("local", "wait free", "grant", "stage", "credit", "send", "arrive", "ready", "meta",
+             "pull own node", "pull other nodes", "reduce", "return", "wait returns", "pull",
+             "signal free", "wait zero-copy readers",
+             "layout", "start", "rows", "receive", "sum")  # the low-latency handlers' steps
+    rank = lambda k: (k.split("/")[0], order.index(k.split("/", 1)[1])  # noqa: E731
+                      if k.split("/", 1)[1] in order else len(order))
+    for key in sorted(phases, key=rank):
+        v = phases[key]
+        out.append(f"  {key:<36} {v['mean_ms'] * 1e3:>9.1f} us  ({v['calls']} calls)")
+    return out

@@ -1,5 +1,8 @@
 """The CUDA MPS control daemon of `--share-gpu`: started before the ranks (or the user's running
 one reused, never stopped), stopped after them, and checked to be gone (docs/launch.md).
+
+psutil (the [launch] extra) is imported where it is used: `import jaxep.launch` (a child's
+`initialize_distributed`) needs nothing beyond the library.
 """
 from __future__ import annotations
 
@@ -10,8 +13,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-
-import psutil
 
 from jaxep.launch.env import LaunchError
 
@@ -117,15 +118,16 @@ def mps_stop(daemon: MpsDaemon, environ, wait_s: float = 15.0) -> str | None:
 def _mps_alive(daemon: MpsDaemon) -> bool:
     """The daemon's pid file (when it wrote one) names a live process; else a live MPS process
     (control daemon or server) has this daemon's pipe directory in its environment; else (the
-    platform cannot read other processes' environments) its control pipe is still there. On the
-    lent GPU machine the daemon writes no pid file and leaves its `control` pipe behind after
-    'quit', so the pipe alone proves nothing."""
+    platform cannot read other processes' environments) its control pipe is still there. A
+    daemon may write no pid file and leave its `control` pipe behind after 'quit', so the pipe
+    alone proves nothing."""
     pid = _pid_file(daemon)
     if pid is None:
         pids = _mps_pids(daemon.pipe_dir)
         if pids is None:
             return os.path.exists(os.path.join(daemon.pipe_dir, "control"))
         return bool(pids)
+    import psutil  # pylint: disable=g-import-not-at-top  # the [launch] extra
     try:
         return not _exited(pid)
     except psutil.AccessDenied:
@@ -142,14 +144,16 @@ def _pid_file(daemon: MpsDaemon) -> int | None:
     return pid if pid > 0 else None
 
 
-# psutil statuses of a process that has exited: a zombie is exited but not yet reaped.
-_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+# psutil's statuses (STATUS_ZOMBIE, STATUS_DEAD) of a process that has exited: a zombie is exited
+# but not yet reaped.
+_GONE = ("zombie", "dead")
 
 
 def _mps_pids(pipe_dir: str) -> list[int] | None:
     """Live (not zombie) processes with "nvidia-cuda-mps" in their command line and
     CUDA_MPS_PIPE_DIRECTORY=pipe_dir in their environment; None where psutil cannot read other
     processes' environments on this platform."""
+    import psutil  # pylint: disable=g-import-not-at-top  # the [launch] extra
     if not hasattr(psutil.Process, "environ"):
         return None
     pids = []
@@ -171,6 +175,7 @@ def _mps_state(daemon: MpsDaemon) -> str:
     pid = _pid_file(daemon)
     if pid is None:
         return f"no pid file; MPS processes with its pipe directory: {_mps_pids(daemon.pipe_dir)}"
+    import psutil  # pylint: disable=g-import-not-at-top  # the [launch] extra
     try:
         p = psutil.Process(pid)
         state, cmd = p.status(), " ".join(p.cmdline())
@@ -184,8 +189,9 @@ def _mps_state(daemon: MpsDaemon) -> str:
 def _exited(pid: int) -> bool:
     """True for a process that is gone or a zombie (exited, not yet reaped). The daemon forks away
     from us, so its parent is the container's init, which may never reap it: kill(pid, 0) still
-    succeeds on a zombie (every --share-gpu launch on the lent GPU machine warned that the daemon
-    "still runs" after 'quit'). Raises psutil.AccessDenied where its state cannot be read."""
+    succeeds on a zombie, so it cannot tell a daemon that quit from one that runs. Raises
+    psutil.AccessDenied where its state cannot be read."""
+    import psutil  # pylint: disable=g-import-not-at-top  # the [launch] extra
     try:
         return psutil.Process(pid).status() in _GONE
     except psutil.NoSuchProcess:

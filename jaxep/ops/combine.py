@@ -11,8 +11,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxep._numerics import exact_f32
-from jaxep.ops import _common, combine_ll
+from jaxep import backends
+from jaxep.backends import Route
+from jaxep.ops import _checks, _transpose, combine_ll
 from jaxep.types import Handle
 
 
@@ -37,41 +38,33 @@ def combine(y, handle: Handle, *, axis_name: str = "ep", weights=None, config=No
     config's dtype: exactly `combine_recv(combine_send(...))` (`jaxep.ops.combine_ll`).
     """
     if isinstance(handle, Handle) and getattr(handle.config, "mode", None) == "low_latency":
-        return combine_ll.combine(y, handle, axis_name=axis_name, weights=weights, config=config)
-    cfg, _ = _common.check_handle("combine", handle, axis_name, config)
-    C = handle.recv_slot.shape[0]
-    _common.check_array("combine", "y", y, (C, cfg.hidden), _common.PAYLOAD)
+        return combine_ll.combine_one_call(y, handle, axis_name=axis_name, weights=weights,
+                                           config=config)
+    call = _checks.check_handle("combine", handle, axis_name, config)
+    C = call.sizes.rows
+    _checks.check_array("combine", "y", y, (C, call.config.hidden), _checks.PAYLOAD)
     if weights is None:
         weights = handle.weights
-    _common.check_array("combine", "weights", weights, (C,), (jnp.float32,))
-    # The static part carries the whole config: its knobs reach combine's custom call and the
+    _checks.check_array("combine", "weights", weights, (C,), (jnp.float32,))
+    # The call carries the whole config: its knobs reach combine's custom call and the
     # dispatch_rows of the transpose as FFI attributes.
-    static = (axis_name, cfg, handle.backend)
-    return _combine(y, weights, (handle.send_row, handle.recv_slot, handle.topk_idx), static)
+    return _combine(y, weights, Route(handle.send_row, handle.recv_slot, handle.topk_idx), call)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _combine(y, weights, ints, static):
-    axis_name, config, backend = static
-    send_row, recv_slot, idx = ints
-    return _common.BACKENDS[backend].combine(y, weights, send_row, recv_slot, idx,
-                                             axis_name=axis_name, config=config)
+def _combine(y, weights, route, call):
+    return backends.get(call.backend).combine(y, weights, route, axis_name=call.axis_name,
+                                              config=call.config, sizes=call.sizes)
 
 
-def _combine_fwd(y, weights, ints, static):
-    return _combine(y, weights, ints, static), (y, weights, ints)
+def _combine_fwd(y, weights, route, call):
+    return _combine(y, weights, route, call), (y, weights, route)
 
 
-def _combine_bwd(static, res, g_out):
+def _combine_bwd(call, res, g_out):
     """g_rows = dispatch of g_out; dy = w * g_rows; dw = <g_rows, y> in f32."""
-    axis_name, config, backend = static
-    y, weights, ints = res
-    send_row, recv_slot, idx = ints
-    g_rows = _common.BACKENDS[backend].dispatch_rows(g_out, recv_slot, send_row, idx,
-                                                     axis_name=axis_name, config=config)
-    g32 = exact_f32(g_rows)
-    dy = (weights[:, None] * g32).astype(y.dtype)
-    dw = jnp.sum(g32 * exact_f32(y), axis=-1)
+    y, weights, route = res
+    dy, dw = _transpose.combine_dy_dw(g_out, y, weights, route, call)
     return dy, dw, None
 
 

@@ -10,15 +10,14 @@ is not differentiated: the pending carries y and the weights for combine_recv's 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxep._numerics import exact_f32
-from jaxep.config import Config
-from jaxep.ops import _common
+from jaxep import backends
+from jaxep.backends import Route
+from jaxep.ops import _checks, _transpose
 from jaxep.ops.dispatch_ll import detach_empty
 from jaxep.types import CombinePending, Handle
 
@@ -41,73 +40,65 @@ def combine_send(y, handle: Handle, *, axis_name: str = "ep", weights=None, conf
     return _send("combine_send", y, handle, axis_name, weights, config)
 
 
-def _send(op, y, handle, axis_name, weights, config):
-    """combine_send, its checks naming `op` (the one-call jaxep.combine names itself)."""
-    cfg, R = _common.check_handle(op, handle, axis_name, config, low_latency=True)
-    L, M, H = cfg.local_experts(R), cfg.expert_rows(R), cfg.hidden
-    dtypes = tuple(dict.fromkeys((jnp.dtype(jnp.bfloat16), jnp.dtype(cfg.dtype))))
-    _common.check_array(op, "y", y, (L, M, H), dtypes)
-    if weights is None:
-        w = handle.weights
-    else:
-        _common.check_array(op, "weights", weights, (L, M), (jnp.float32,))
-        w = weights.reshape(L * M)
-    y_flat = y.reshape(L * M, H)
-    ints = (handle.send_row, handle.recv_slot, handle.topk_idx)
-    sent = _common.BACKENDS[handle.backend].combine_send(
-        jax.lax.stop_gradient(y_flat), jax.lax.stop_gradient(w), *ints, axis_name=axis_name,
-        config=cfg)
-    return CombinePending(arrays=tuple(sent), y=y_flat, weights=w, handle=handle)
-
-
 def combine_recv(pending: CombinePending):
     """The receive half: [T, H] in the config's dtype from `combine_send`'s pending."""
     if not isinstance(pending, CombinePending):
         raise TypeError(f"jaxep.combine_recv: pending must be the jaxep.CombinePending that "
                         f"combine_send returned, got {type(pending).__name__}")
     h = pending.handle
-    _common.check_handle("combine_recv", h, h.axis_name, None, low_latency=True)
-    static = _Static(h.axis_name, h.config, h.backend)
-    return _recv(*detach_empty((pending.y, pending.weights, pending.arrays,
-                                (h.send_row, h.recv_slot, h.topk_idx))), static)
+    call = _checks.check_handle("combine_recv", h, h.axis_name, None, low_latency=True)
+    route = Route(h.send_row, h.recv_slot, h.topk_idx)
+    return _recv(*detach_empty((pending.y, pending.weights, pending.arrays, route)), call)
 
 
-def combine(y, handle, *, axis_name, weights=None, config=None):
+def combine_one_call(y, handle, *, axis_name, weights=None, config=None):
     """`jaxep.combine` with a mode="low_latency" handle: combine_send then combine_recv."""
     return combine_recv(_send("combine", y, handle, axis_name, weights, config))
 
 
-class _Static(NamedTuple):
-    axis_name: str
-    config: Config
-    backend: str
+def _send(op, y, handle, axis_name, weights, config):
+    """combine_send, its checks naming `op` (the one-call jaxep.combine names itself)."""
+    call = _checks.check_handle(op, handle, axis_name, config, low_latency=True)
+    cfg, s = call.config, call.sizes
+    L, M, H = s.local_experts, s.expert_rows, cfg.hidden
+    dtypes = tuple(dict.fromkeys((jnp.dtype(jnp.bfloat16), jnp.dtype(cfg.dtype))))
+    _checks.check_array(op, "y", y, (L, M, H), dtypes)
+    if weights is None:
+        w = handle.weights
+    else:
+        _checks.check_array(op, "weights", weights, (L, M), (jnp.float32,))
+        w = weights.reshape(L * M)
+    y_flat = y.reshape(L * M, H)
+    # The send half is not differentiated (combine_recv's VJP is): no tangent reaches its call.
+    route = jax.lax.stop_gradient(Route(handle.send_row, handle.recv_slot, handle.topk_idx))
+    sent = backends.get(call.backend).combine_send(
+        jax.lax.stop_gradient(y_flat), jax.lax.stop_gradient(w), route, axis_name=axis_name,
+        config=cfg, sizes=s)
+    return CombinePending(arrays=tuple(sent), y=y_flat, weights=w, handle=handle)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _recv(y, weights, sent, ints, static):
+def _recv(y, weights, sent, route, call):
     """y and weights only carry the VJP: the sum comes from `sent`."""
-    del y, weights, ints
-    return _common.BACKENDS[static.backend].combine_recv(
-        sent, axis_name=static.axis_name, config=static.config, dtype=static.config.dtype)
+    del y, weights, route
+    return backends.get(call.backend).combine_recv(
+        sent, axis_name=call.axis_name, config=call.config, sizes=call.sizes,
+        dtype=call.config.dtype)
 
 
-def _recv_fwd(y, weights, sent, ints, static):
+def _recv_fwd(y, weights, sent, route, call):
     val = lambda a: a.value  # noqa: E731
-    y, weights = y.value, weights.value
-    out = _recv(y, weights, jax.tree.map(val, sent), jax.tree.map(val, ints), static)
-    return out, (y, weights, jax.tree.map(val, ints))
+    y, weights, route = y.value, weights.value, jax.tree.map(val, route)
+    out = _recv(y, weights, jax.tree.map(val, sent), route, call)
+    return out, (y, weights, route)
 
 
-def _recv_bwd(static, res, g_out):
+def _recv_bwd(call, res, g_out):
     """g_rows = dispatch of g_out; dy = w * g_rows; dw = <g_rows, y> in f32 (flat rows)."""
-    y, weights, (send_row, recv_slot, idx) = res
+    y, weights, route = res
     if isinstance(g_out, SymbolicZero):
         return None, None, None, None
-    g_rows = _common.BACKENDS[static.backend].dispatch_rows(
-        g_out, recv_slot, send_row, idx, axis_name=static.axis_name, config=static.config)
-    g32 = exact_f32(g_rows)
-    dy = (weights[:, None] * g32).astype(y.dtype)
-    dw = jnp.sum(g32 * exact_f32(y), axis=-1)
+    dy, dw = _transpose.combine_dy_dw(g_out, y, weights, route, call)
     return dy, dw, None, None
 
 

@@ -25,15 +25,14 @@ weights' gradient is fine (their cotangents are dropped then).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxep import runtime
+from jaxep import backends, runtime
 from jaxep.config import Config
-from jaxep.ops import _common
+from jaxep.ops import _checks, _transpose
 from jaxep.types import DispatchPending, Handle, LowLatencyDispatchResult, Stats
 
 
@@ -49,16 +48,6 @@ def dispatch_send(x, topk_idx, topk_weights, *, axis_name: str = "ep", config: C
     return _send("dispatch_send", x, topk_idx, topk_weights, axis_name, config, backend)
 
 
-def _send(op, x, topk_idx, topk_weights, axis_name, config, backend):
-    """dispatch_send, its checks naming `op` (the one-call jaxep.dispatch names itself)."""
-    _, name = check_dispatch(op, x, topk_idx, topk_weights, axis_name, config, backend)
-    sent = _common.BACKENDS[name].ll_dispatch_send(
-        jax.lax.stop_gradient(x), topk_idx, jax.lax.stop_gradient(topk_weights),
-        axis_name=axis_name, config=config)
-    return DispatchPending(arrays=tuple(sent), x=x, topk_weights=topk_weights, config=config,
-                           axis_name=axis_name, backend=name)
-
-
 def dispatch_recv(pending: DispatchPending) -> LowLatencyDispatchResult:
     """The receive half: `jaxep.LowLatencyDispatchResult` (x [L,M,H], scales, counts [L],
     weights [L,M], handle, stats) from `dispatch_send`'s pending."""
@@ -66,27 +55,39 @@ def dispatch_recv(pending: DispatchPending) -> LowLatencyDispatchResult:
         raise TypeError(f"jaxep.dispatch_recv: pending must be the jaxep.DispatchPending that "
                         f"dispatch_send returned, got {type(pending).__name__}")
     cfg, axis_name = pending.config, pending.axis_name
-    _common.require_low_latency("dispatch_recv", cfg, "pending.config")
+    _checks.require_low_latency("dispatch_recv", cfg, "pending.config")
     runtime.check_config("dispatch_recv", cfg, "pending.config")
-    if pending.backend not in _common.BACKENDS:
-        raise ValueError(f"jaxep.dispatch_recv: pending.backend must be one of "
-                         f"{tuple(_common.BACKENDS)}, got {pending.backend!r}")
-    R = _common.ep_size("dispatch_recv", axis_name)
-    L, M = cfg.local_experts(R), cfg.expert_rows(R)
-    static = _Static(axis_name, cfg, pending.backend)
+    runtime.check_axis_name("dispatch_recv", axis_name)
+    _checks.check_backend("dispatch_recv", pending.backend, "pending.backend")
+    R = _checks.ep_size("dispatch_recv", axis_name)
+    call = _checks.Call(axis_name, cfg, pending.backend, _checks.sizes("dispatch_recv", cfg, R))
     x, topk_weights, sent = detach_empty((pending.x, pending.topk_weights, pending.arrays))
-    rows, scales, counts, weights, send_row, recv_slot, idx, stats = _recv(
-        x, topk_weights, sent, static)
-    handle = Handle(weights=weights.reshape(L * M), send_row=send_row, recv_slot=recv_slot,
-                    topk_idx=idx, config=cfg, axis_name=axis_name, backend=pending.backend)
-    return LowLatencyDispatchResult(x=rows, scales=scales, counts=counts, weights=weights,
-                                    handle=handle, stats=Stats(dropped_rows=stats[0:1],
-                                                               invalid_ids=stats[1:2]))
+    out = _recv(x, topk_weights, sent, call)
+    handle = Handle(weights=out.weights.reshape(-1), send_row=out.send_row,
+                    recv_slot=out.recv_slot, topk_idx=out.topk_idx, config=cfg,
+                    axis_name=axis_name, backend=pending.backend)
+    return LowLatencyDispatchResult(x=out.x, scales=out.scales, counts=out.counts,
+                                    weights=out.weights, handle=handle,
+                                    stats=Stats(dropped_rows=out.stats[0:1],
+                                                invalid_ids=out.stats[1:2]))
 
 
-def dispatch(x, topk_idx, topk_weights, *, axis_name, config, backend=None):
+def dispatch_one_call(x, topk_idx, topk_weights, *, axis_name, config, backend=None):
     """`jaxep.dispatch` with mode="low_latency": dispatch_send then dispatch_recv."""
     return dispatch_recv(_send("dispatch", x, topk_idx, topk_weights, axis_name, config, backend))
+
+
+def _send(op, x, topk_idx, topk_weights, axis_name, config, backend):
+    """dispatch_send, its checks naming `op` (the one-call jaxep.dispatch names itself)."""
+    if isinstance(config, Config):
+        _checks.require_low_latency(op, config)
+    call = _checks.resolve(op, config, axis_name, backend)
+    _checks.check_inputs(op, x, topk_idx, topk_weights, call)
+    sent = backends.get(call.backend).ll_dispatch_send(
+        jax.lax.stop_gradient(x), topk_idx, jax.lax.stop_gradient(topk_weights),
+        axis_name=axis_name, config=config, sizes=call.sizes)
+    return DispatchPending(arrays=tuple(sent), x=x, topk_weights=topk_weights, config=config,
+                           axis_name=axis_name, backend=call.backend)
 
 
 def detach_empty(tree):
@@ -97,72 +98,38 @@ def detach_empty(tree):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if a.size == 0 else a, tree)
 
 
-def check_dispatch(op, x, topk_idx, topk_weights, axis_name, config, backend):
-    """The trace-time checks of low-latency dispatch; returns (EP size, backend name)."""
-    runtime.check_config(op, config)
-    _common.require_low_latency(op, config)
-    runtime.check_axis_name(op, axis_name)
-    R = _common.ep_size(op, axis_name)
-    _common.check_node_layout(op, config, R)
-    config.local_experts(R)
-    config.expert_rows(R)
-    H, K = config.hidden, config.topk
-    _common.check_array(op, "x", x, (None, H), _common.PAYLOAD)
-    T = x.shape[0]  # 0 is fine: no slots, zero rows and counts
-    _common.check_tokens(op, "x", T, config.max_tokens_per_rank, axis_name, R)
-    if jnp.dtype(x.dtype) != jnp.dtype(config.dtype):
-        raise TypeError(f"jaxep.{op}: x must have the config's dtype {config.dtype}, got {x.dtype}")
-    _common.check_array(op, "topk_idx", topk_idx, (T, K), (jnp.int32,))
-    _common.check_array(op, "topk_weights", topk_weights, (T, K), (jnp.float32,))
-    return R, runtime.select_backend(op, backend, R)
-
-
-class _Static(NamedTuple):
-    """Hashable static arguments of the receive half."""
-    axis_name: str
-    config: Config
-    backend: str
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _recv(x, topk_weights, sent, static):
+def _recv(x, topk_weights, sent, call):
     """x and topk_weights only carry the VJP: the rows come from `sent`."""
     del x, topk_weights
-    return tuple(_common.BACKENDS[static.backend].ll_dispatch_recv(
-        sent, axis_name=static.axis_name, config=static.config))
+    return backends.get(call.backend).ll_dispatch_recv(
+        sent, axis_name=call.axis_name, config=call.config, sizes=call.sizes)
 
 
-def _recv_fwd(x, topk_weights, sent, static):
-    out = _recv(x.value, topk_weights.value, jax.tree.map(lambda a: a.value, sent), static)
-    _, _, _, _, send_row, recv_slot, idx, _ = out
+def _recv_fwd(x, topk_weights, sent, call):
+    out = _recv(x.value, topk_weights.value, jax.tree.map(lambda a: a.value, sent), call)
     # Whether x is differentiated, as the residual's structure (static): () yes, None no.
-    return out, ((send_row, recv_slot, idx), () if x.perturbed else None)
+    return out, (out.route, () if x.perturbed else None)
 
 
-def _recv_bwd(static, res, cts):
+def _recv_bwd(call, res, cts):
     """dx = unweighted combine of the rows' cotangents; d topk_weights = the weights' cotangents
     sent back (docs/design.md "Autodiff", on the flat rows l * M + m)."""
-    (send_row, recv_slot, idx), x_perturbed = res
-    g_rows, g_scales, _, g_weights = cts[:4]
-    cfg = static.config
-    be = _common.BACKENDS[static.backend]
-    kw = dict(axis_name=static.axis_name, config=cfg)
+    route, x_perturbed = res
     zero = lambda g: g is None or isinstance(g, SymbolicZero)  # noqa: E731
     dx = dw = None
-    if cfg.fp8_dispatch:
-        if x_perturbed is not None and not (zero(g_rows) and zero(g_scales)):
+    if call.config.fp8_dispatch:
+        if x_perturbed is not None and not (zero(cts.x) and zero(cts.scales)):
             raise ValueError(
                 "jaxep.dispatch: with Config.fp8_dispatch=True, res.x (float8_e4m3fn) and "
                 "res.scales are not differentiable: expected no cotangent for them when the "
                 "gradient of x is taken, got one (a loss that depends on the dequantized rows); "
                 "use fp8_dispatch=False for training, or jax.lax.stop_gradient(x) before dispatch")
-    elif not zero(g_rows):
-        L, M, H = g_rows.shape
-        ones = jnp.ones((L * M,), jnp.float32)  # 1.0 * g is exact, so the order alone decides
-        dx = be.combine(g_rows.reshape(L * M, H), ones, send_row, recv_slot, idx, **kw)
-    if not zero(g_weights):
-        dw = be.gather_back(g_weights.reshape(-1).astype(jnp.float32), send_row, recv_slot, idx,
-                            **kw)
+    elif not zero(cts.x):
+        L, M, H = cts.x.shape
+        dx = _transpose.dispatch_dx(cts.x.reshape(L * M, H), route, call)
+    if not zero(cts.weights):
+        dw = _transpose.dispatch_dw(cts.weights.reshape(-1), route, call)
     return dx, dw, None
 
 

@@ -5,7 +5,7 @@ import os
 import shutil
 import subprocess
 
-from jaxep import _ffi
+from jaxep import _extension
 from jaxep.launch.env import ranks_share_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -13,8 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def gpu_reason() -> str | None:
     """Why the CUDA extension cannot run here, or None."""
-    if not _ffi.is_available():
-        return f"jaxep CUDA extension unavailable: {_ffi.unavailable_reason()}"
+    if not _extension.is_available():
+        return f"jaxep CUDA extension unavailable: {_extension.unavailable_reason()}"
     if shutil.which("nvidia-smi") is None or subprocess.run(
             ["nvidia-smi", "-L"], capture_output=True).returncode != 0:
         return "no NVIDIA GPU (nvidia-smi -L failed)"
@@ -25,7 +25,7 @@ def multirank_reason() -> str | None:
     """Why several ranks cannot share the GPU here (`jaxep.launch --share-gpu`), or None."""
     if (reason := gpu_reason()) is not None:
         return reason
-    if not _ffi.multi_rank_built():
+    if not _extension.multi_rank_built():
         return "jaxep CUDA extension built without NVSHMEM (no multi-rank path)"
     if shutil.which("nvidia-cuda-mps-control") is None:
         return "nvidia-cuda-mps-control not on PATH (needed by --share-gpu)"

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import multirank_worker as mw  # noqa: E402  (R, ME, glob, mine, smap, compare, report, inputs)
 
 import jaxep  # noqa: E402
-from jaxep import cuda_backend, reference  # noqa: E402
+from jaxep.backends import cuda as cuda_backend, reference  # noqa: E402
 from tests import oracle  # noqa: E402
 
 BE = reference if mw.EMULATE else cuda_backend
@@ -186,8 +186,8 @@ def _scan_loop(cfg, steps, seed, routing="skewed", bad_frac=0.05):
 def _ll_counters():
     if mw.EMULATE:  # no runtime: the counters cannot be read (a CPU run checks the bits only)
         return 0, (0, 0)
-    info = jaxep._ffi.runtime_info()  # pylint: disable=protected-access
-    return info["ll_host_calls"], jaxep._ffi._module.ll_device_seq()  # pylint: disable=protected-access
+    info = jaxep._extension.runtime_info()  # pylint: disable=protected-access
+    return info["ll_host_calls"], jaxep._extension._module.ll_device_seq()  # pylint: disable=protected-access
 
 
 def case_graph(cfg, steps=8, runs=2, seed=40):

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import jaxep  # noqa: E402
-from jaxep import cuda_backend, reference  # noqa: E402
+from jaxep.backends import cuda as cuda_backend, reference  # noqa: E402
 from tests import oracle  # noqa: E402
 
 # JAXEP_WORKER_EMULATE=R: one process, R CPU devices, reference backend, checks the shard of rank
@@ -300,7 +300,7 @@ def case_repeat(cfg, iters=4, reps=3, seed=11):
         stacked = [[np.stack([d[j][r] for d in data])[None] for r in range(R)] for j in range(3)]
         args.append([glob(a) for a in stacked])
     f.lower(*args[0]).compile()
-    seq0 = (jaxep._ffi.runtime_info() or {}).get("seq", 0)
+    seq0 = (jaxep._extension.runtime_info() or {}).get("seq", 0)
     outs = []
     for rep in range(reps):
         if rep == 1:
@@ -308,7 +308,7 @@ def case_repeat(cfg, iters=4, reps=3, seed=11):
         outs.append(f(*args[rep]))
     jax.block_until_ready(outs)
     jaxep.check()
-    calls = (jaxep._ffi.runtime_info() or {}).get("seq", 0) - seq0
+    calls = (jaxep._extension.runtime_info() or {}).get("seq", 0) - seq0
     ok = True
     for rep in range(reps):
         for i, d in enumerate(datas[rep]):
@@ -335,7 +335,7 @@ def case_peer_table():
     proves no cross-node pointer was used)."""
     if EMULATE:
         return
-    table = jaxep._ffi.runtime_info()["peer_table"]
+    table = jaxep._extension.runtime_info()["peer_table"]
     want = ["local" if r // G == ME // G else "poisoned" for r in range(R)]
     if table == want:
         report("peer_table", True, f"{R // G} node(s) x {G}: {table.count('poisoned')} poisoned")
@@ -356,7 +356,7 @@ def run_all(args) -> int:
     jaxep.initialize([cfg, dataclasses.replace(cfg, hidden=2 * H)])
     G = jaxep.runtime.node_size(cfg, R)
     if ME == 0:
-        print("runtime", jaxep._ffi.runtime_info(), flush=True)
+        print("runtime", jaxep._extension.runtime_info(), flush=True)
         print(f"LAYOUT {R // G}x{G} wire={args.wire} dispatch_wire={args.dispatch_wire}",
               flush=True)
         print(f"KNOBS num_sms={cfg.num_sms} dispatch_kernel={cfg.dispatch_kernel} "
@@ -379,7 +379,7 @@ def run_all(args) -> int:
     for fn in (case_grads, case_repeat):
         run_case(fn.__name__[5:], fn, cfg)
     passed = sum(ok for _, ok, _ in RESULTS)
-    info = jaxep._ffi.runtime_info() or {}
+    info = jaxep._extension.runtime_info() or {}
     print(f"ZERO_COPY_CALLS {ME} {info.get('zero_copy_calls', 0)}", flush=True)
     print(f"SUMMARY {ME} {passed}/{len(RESULTS)}", flush=True)
     jaxep.finalize()  # collective unless a wait timed out (then local only)

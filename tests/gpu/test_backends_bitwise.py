@@ -11,10 +11,10 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import jaxep
-from jaxep import _ffi
+from jaxep import _extension
 
-if not _ffi.is_available():
-    pytest.skip(f"jaxep CUDA extension unavailable: {_ffi.unavailable_reason()}", allow_module_level=True)
+if not _extension.is_available():
+    pytest.skip(f"jaxep CUDA extension unavailable: {_extension.unavailable_reason()}", allow_module_level=True)
 if jax.default_backend() != "gpu":
     pytest.skip("no GPU visible to JAX", allow_module_level=True)
 

@@ -20,10 +20,11 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import jaxep  # noqa: E402
-from jaxep import _ffi  # noqa: E402
+from jaxep import _extension  # noqa: E402
+from jaxep.backends import cuda_calls
 
-if not _ffi.is_available():
-  pytest.skip(f"jaxep CUDA extension unavailable: {_ffi.unavailable_reason()}",
+if not _extension.is_available():
+  pytest.skip(f"jaxep CUDA extension unavailable: {_extension.unavailable_reason()}",
               allow_module_level=True)
 try:
   _GPUS = jax.devices("gpu")
@@ -39,7 +40,7 @@ _UINT = {2: np.uint16, 4: np.uint32}
 
 
 def cfg(e, k, **knobs):
-  """The Config the direct _ffi calls take (E, K and the knobs; the other sizes are unused)."""
+  """The Config the direct _extension calls take (E, K and the knobs; the other sizes are unused)."""
   return jaxep.Config(num_experts=e, topk=k, hidden=1, max_tokens_per_rank=1, **knobs)
 
 
@@ -173,7 +174,7 @@ def _run_case(case, dtype_name, seed=0, **knobs):
   c = t * k + 3 if cap is None else cap
   dtype = DTYPES[dtype_name]
   x, idx, w = make_inputs(seed, t, k, e, h, dtype, routing)
-  got = _ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), config=cfg(e, k, **knobs),
+  got = cuda_calls.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), config=cfg(e, k, **knobs),
                       capacity=c)
   want = oracle_dispatch(x, idx, w, num_experts=e, capacity=c)
   return (x, idx, w, c), got, want
@@ -193,7 +194,7 @@ def test_dispatch_and_combine_bitwise(case, dtype_name):
   # Combine with the dispatch's per-row weights, and with unrelated per-row weights.
   for wname, wrow in (("dispatch_weights", weights),
                       ("random_weights", rng.uniform(-2, 2, (c,)).astype(np.float32))):
-    (out,) = _ffi.combine(jnp.asarray(y), jnp.asarray(wrow), jnp.asarray(send_row),
+    (out,) = cuda_calls.combine(jnp.asarray(y), jnp.asarray(wrow), jnp.asarray(send_row),
                           jnp.asarray(recv_slot), jnp.asarray(topk_idx_out),
                           config=cfg(e, idx.shape[1]))
     ref = oracle_combine(y, wrow, send_row, topk_idx_out, num_experts=e)
@@ -201,7 +202,7 @@ def test_dispatch_and_combine_bitwise(case, dtype_name):
 
   # dispatch_rows of other data with the same layout.
   x2 = rng.standard_normal(x.shape).astype(np.float32).astype(x.dtype)
-  (rows2,) = _ffi.dispatch_rows(jnp.asarray(x2), jnp.asarray(recv_slot), jnp.asarray(send_row),
+  (rows2,) = cuda_calls.dispatch_rows(jnp.asarray(x2), jnp.asarray(recv_slot), jnp.asarray(send_row),
                                 jnp.asarray(topk_idx_out), config=cfg(e, idx.shape[1]))
   want2 = np.zeros_like(want[0])
   keep = recv_slot >= 0
@@ -215,7 +216,7 @@ def test_combine_of_dispatched_rows_is_weighted_sum():
     case = ("e2e", 256, 8, 32, 256, 1500, "zipf")
     (x, idx, w, c), got, want = _run_case(case, dtype_name, seed=5)
     x_rows, weights, _, send_row, recv_slot, topk_idx_out, _ = got
-    (out,) = _ffi.combine(x_rows, weights, send_row, recv_slot, topk_idx_out, config=cfg(32, 8))
+    (out,) = cuda_calls.combine(x_rows, weights, send_row, recv_slot, topk_idx_out, config=cfg(32, 8))
     ref = oracle_combine(want[0], want[1], want[3], want[5], num_experts=32)
     assert_bitwise(f"e2e/{dtype_name}", out, ref)
 
@@ -228,12 +229,12 @@ def test_repeated_calls_identical_and_under_jit():
 
   @jax.jit
   def step(xs, idxs, ws):
-    res = _ffi.dispatch(xs, idxs, ws, config=cfg(e, k), capacity=c)
-    (out,) = _ffi.combine(res[0], res[1], res[3], res[4], res[5], config=cfg(e, k))
+    res = cuda_calls.dispatch(xs, idxs, ws, config=cfg(e, k), capacity=c)
+    (out,) = cuda_calls.combine(res[0], res[1], res[3], res[4], res[5], config=cfg(e, k))
     return res + (out,)
 
   runs = [step(xs, idxs, ws) for _ in range(4)]  # back to back, no host sync in between
-  eager = [_ffi.dispatch(xs, idxs, ws, config=cfg(e, k), capacity=c) for _ in range(3)]
+  eager = [cuda_calls.dispatch(xs, idxs, ws, config=cfg(e, k), capacity=c) for _ in range(3)]
   want = oracle_dispatch(x, idx, w, num_experts=e, capacity=c)
   for r in runs[1:] + eager:
     for n, a, b in zip(OUT_NAMES + ("combine",), r, runs[0]):
@@ -246,7 +247,7 @@ def test_vmap_sequential_matches_single_calls():
   t, k, e, h, c = 32, 2, 8, 64, 70
   batch = [make_inputs(s, t, k, e, h, jnp.float32, "uniform") for s in range(3)]
   xb, ib, wb = (jnp.asarray(np.stack(z)) for z in zip(*batch))
-  got = jax.vmap(lambda a, b, d: _ffi.dispatch(a, b, d, config=cfg(e, k), capacity=c))(xb, ib, wb)
+  got = jax.vmap(lambda a, b, d: cuda_calls.dispatch(a, b, d, config=cfg(e, k), capacity=c))(xb, ib, wb)
   for i, (x, idx, w) in enumerate(batch):
     want = oracle_dispatch(x, idx, w, num_experts=e, capacity=c)
     for n, g, wnt in zip(OUT_NAMES, got, want):
@@ -259,13 +260,13 @@ def test_multi_rank_is_a_clear_error():
   x, idx, w = make_inputs(0, 8, 2, 8, 64, jnp.float32, "uniform")
   errs = (RuntimeError, NotImplementedError)
   with pytest.raises(errs, match="ep_size = 2"):
-    _ffi.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), config=cfg(8, 2), capacity=16,
+    cuda_calls.dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), config=cfg(8, 2), capacity=16,
                   ep_size=2)
   with pytest.raises(errs, match="ep_size = 2"):
-    _ffi.combine(jnp.zeros((16, 64), jnp.float32), jnp.zeros((16,)), jnp.asarray(idx),
+    cuda_calls.combine(jnp.zeros((16, 64), jnp.float32), jnp.zeros((16,)), jnp.asarray(idx),
                  jnp.full((16,), -1, jnp.int32), jnp.asarray(idx), config=cfg(8, 2), ep_size=2)
   with pytest.raises(errs, match="ep_size = 4"):
-    _ffi.dispatch_rows(jnp.asarray(x), jnp.full((16,), -1, jnp.int32), jnp.asarray(idx),
+    cuda_calls.dispatch_rows(jnp.asarray(x), jnp.full((16,), -1, jnp.int32), jnp.asarray(idx),
                        jnp.asarray(idx), config=cfg(8, 2), ep_size=4)
 
 
@@ -279,7 +280,7 @@ def test_knobs_give_the_same_bits(knobs):
   for n, g, wnt in zip(OUT_NAMES, got, want):
     assert_bitwise(f"knobs{knobs}/{n}", g, wnt)
   x_rows, weights, _, send_row, recv_slot, topk_idx_out, _ = got
-  (out,) = _ffi.combine(x_rows, weights, send_row, recv_slot, topk_idx_out,
+  (out,) = cuda_calls.combine(x_rows, weights, send_row, recv_slot, topk_idx_out,
                         config=cfg(128, 6, **knobs))
   assert_bitwise(f"knobs{knobs}/combine",
                  out, oracle_combine(want[0], want[1], want[3], want[5], num_experts=128))
@@ -287,8 +288,8 @@ def test_knobs_give_the_same_bits(knobs):
 
 _HANDLER_ERROR_SCRIPT = """
 import jax, jax.numpy as jnp, numpy as np
-from jaxep import _ffi
-assert _ffi.is_available(), _ffi.unavailable_reason()
+from jaxep import _extension
+assert _extension.is_available(), _extension.unavailable_reason()
 out = (jax.ShapeDtypeStruct((4, 8), jnp.float32),)
 try:
   jax.block_until_ready(jax.ffi.ffi_call("jaxep_dispatch_rows", out)(
@@ -422,7 +423,7 @@ def test_dispatch_over_the_fp8_wire_bitwise(case, dtype_name):
   import sys
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import oracle  # pylint: disable=g-import-not-at-top
-  from jaxep import cuda_backend  # pylint: disable=g-import-not-at-top
+  from jaxep.backends import cuda as cuda_backend  # pylint: disable=g-import-not-at-top
   name, t, k, e, h, cap, routing = case
   c = t * k + 3 if cap is None else cap
   dtype = DTYPES[dtype_name]
@@ -449,8 +450,8 @@ def test_fp8_quantize_rows_is_the_packed_quantize(dtype_name):
   x[1, :128] = 0.0
   x[2, 5] = -0.0
   xj = jnp.asarray(x.astype(DTYPES[dtype_name]))
-  got = jax.jit(_ffi.fp8_quantize_rows)(xj)
-  want = jax.jit(lambda a: fp8.pack_wire_rows(*_ffi.fp8_quantize(a)))(xj)
+  got = jax.jit(cuda_calls.fp8_quantize_rows)(xj)
+  want = jax.jit(lambda a: fp8.pack_wire_rows(*cuda_calls.fp8_quantize(a)))(xj)
   assert got.shape == (37, 384 + 12) and got.dtype == jnp.uint8
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -475,7 +476,7 @@ def test_fp8_quantize_hard_values(family):
   b = np.concatenate([b, np.zeros((pad, 128), b.dtype)])
   x = b.reshape(-1, 384)  # a token's blocks are consecutive: 3 per token
   want_c, want_s = check.fp8_quantize(x)
-  codes, scales = jax.jit(_ffi.fp8_quantize)(jnp.asarray(x))
+  codes, scales = jax.jit(cuda_calls.fp8_quantize)(jnp.asarray(x))
   codes, scales = np.asarray(codes), np.asarray(scales)
   bad = np.nonzero((codes != want_c).reshape(-1, 128).any(1)
                    | (scales.view(np.uint32) != want_s.view(np.uint32)).reshape(-1))[0]
@@ -487,6 +488,6 @@ def test_fp8_quantize_hard_values(family):
         f"{family}: {bad.size} of {len(b)} blocks differ; block {i}: amax {blk[0]!r}, scale "
         f"{scales.reshape(-1)[i]!r} (want {want_s.reshape(-1)[i]!r}); channels {ch[:4]}: values "
         f"{blk[ch[:4]]}, codes {got[ch[:4]]} want {wnt[ch[:4]]}")
-  rows = np.asarray(jax.jit(_ffi.fp8_quantize_rows)(jnp.asarray(x)))
+  rows = np.asarray(jax.jit(cuda_calls.fp8_quantize_rows)(jnp.asarray(x)))
   np.testing.assert_array_equal(rows, np.asarray(fp8.pack_wire_rows(jnp.asarray(want_c),
                                                                      jnp.asarray(want_s))))

@@ -8,8 +8,8 @@
   tokens/s of both and their ratio are printed, not asserted).
 
 Skipped without a GPU, the extension, its NVSHMEM build (multi-rank case) or
-nvidia-cuda-mps-control. Written without device time: NOT run on a GPU yet (see
-docs/performance.md, "Next GPU session"). Run: python -m pytest -q tests/gpu/test_nn_multirank.py
+nvidia-cuda-mps-control. Passed on the H200 (docs/performance.md, "What has run on a GPU").
+Run: python -m pytest -q tests/gpu/test_nn_multirank.py
 """
 from __future__ import annotations
 

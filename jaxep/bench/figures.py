@@ -1,0 +1,107 @@
+"""One run's figures from its byte counts and times: per op, the bytes on each link class, the
+floor each implies at its peak, the bandwidths, the same-run baselines (`op_report`); and, with
+--preset, the link model on the preset's hardware (`modeled`).
+"""
+from __future__ import annotations
+
+from jaxep.bench import accounting, model, presets
+
+
+def op_report(op, t, parts, meta, hbm, peaks_, copy_t, ref_t, logical):
+    """Per-op byte/bandwidth/floor figures.
+
+    parts: accounting.link_bytes of each direction the op runs (both: dispatch and combine).
+    meta: dispatch's RDMA metadata (accounting.metadata) or None. logical: per-rank
+    {nvl, rdma} bytes of the DeepEP/HybridEP count, already summed over the op's parts.
+    """
+    n = len(parts)
+    links = {}
+    for c in ("same_gpu",) + accounting.LINKS:
+        per_rank = sum(p[c]["per_rank"] for p in parts)
+        b = int(per_rank.max())
+        peak, src = peaks_.get(c, (None, None))
+        floor = b / (peak * 1e9) if peak and b else (0.0 if not b else None)
+        links[c] = dict(bytes_per_rank_max=b, busiest_rank=int(per_rank.argmax()),
+                        bytes_per_rank=[int(v) for v in per_rank],
+                        bytes_total_sent=int(sum(p[c]["total_sent"] for p in parts)),
+                        gbps=b / t["median"] / 1e9, peak_gbps=peak, peak_source=src, floor_s=floor)
+    links["same_gpu"]["note"] = "no link: same-GPU memory traffic, excluded from link bytes"
+    links["rdma"]["note"] = ("true cross-node bytes: rows that leave their node (tokens that stay "
+                             "on the node excluded); metadata apart")
+    links["rdma"]["bytes_total_sent_if_not_hierarchical"] = int(
+        sum(p["rdma_flat_total_sent"] for p in parts))
+    if meta is not None:
+        links["rdma"].update(metadata_bytes_per_rank_max=meta["max"],
+                             metadata_bytes_per_rank=[int(v) for v in meta["per_rank"]])
+    hbm_b = int(hbm.max()) * n
+    peak, src = peaks_["hbm"]
+    links["hbm"] = dict(bytes_per_rank_max=hbm_b, busiest_rank=int(hbm.argmax()),
+                        bytes_per_rank=[int(v) * n for v in hbm], gbps=hbm_b / t["median"] / 1e9,
+                        peak_gbps=peak, peak_source=src, floor_s=hbm_b / (peak * 1e9) if peak else None,
+                        note="least device-memory traffic: read inputs once, write outputs once")
+    floors = {c: links[c]["floor_s"] for c in ("hbm",) + accounting.LINKS if links[c]["floor_s"]}
+    bound = max(floors, key=floors.get) if floors else None
+    floor = floors[bound] if bound else None
+    return dict(
+        time_s=t, links=links, bound_by=bound, floor_s=floor,
+        efficiency=floor / t["median"] if floor else None,
+        algbw_gbps={k: float(v.max()) / t["median"] / 1e9 for k, v in logical.items()},
+        logical=_logical_figures(logical, t["median"]),
+        metadata=(dict(bytes_per_rank_max=meta["max"], busiest_rank=meta["busiest_rank"],
+                       gbps=meta["max"] / t["median"] / 1e9,
+                       note="RDMA metadata per (source, remote node): T*K*12 + E*4 + T*4 bytes; "
+                            "not in the floor") if meta is not None else None),
+        baselines=dict(
+            copy=dict(time_s=copy_t * n, ratio=t["median"] / (copy_t * n),
+                      note="elementwise device copy of the same HBM bytes, same timing loop"),
+            reference=(dict(time_s=ref_t, ratio=t["median"] / ref_t) if ref_t else None)))
+
+
+LOGICAL_NOTES = dict(
+    rdma="RDMA logical (DeepEP/HybridEP count): (token, node) pairs sent, the own node INCLUDED, x "
+         "row bytes; what those tools divide by time; a NIC counter sees about (N-1)/N of it",
+    nvl="NVL logical (DeepEP count): (token, rank) rows received, the own rank included, x row bytes")
+
+
+def _logical_figures(per_rank: dict, median: float) -> dict:
+    """{rdma, nvl}: the busiest rank's logical bytes, which rank, and bytes / median."""
+    return {k: dict(bytes_per_rank_max=int(v.max()), busiest_rank=int(v.argmax()),
+                    gbps=float(v.max()) / median / 1e9, note=LOGICAL_NOTES[k])
+            for k, v in per_rank.items()}
+
+
+def modeled(bc, tr, parts, meta, logical, R, G):
+    """The link model on the preset's hardware (flags win): per op floors and the true
+    cross-node GB/s they imply, the fp8 dispatch bytes (model only) and the seed's reading."""
+    hw = dict(presets.HARDWARE[bc.preset])
+    hw.update(nvlink_gbps=bc.nvlink_gbps or hw["nvlink_gbps"], rdma_gbps=bc.rdma_gbps or hw["rdma_gbps"],
+              source="flags" if bc.nvlink_gbps or bc.rdma_gbps else f"preset {bc.preset}")
+    peak = dict(nvlink_gbps=hw["nvlink_gbps"], rdma_gbps=hw["rdma_gbps"])
+    ops = {}
+    for op, ps in parts.items():
+        m = meta if op != "combine" else None
+        ops[op] = model.modeled_op(int(sum(p["nvlink"]["per_rank"] for p in ps).max()),
+                                   int(sum(p["rdma"]["per_rank"] for p in ps).max()),
+                                   int(m["max"]) if m else 0,
+                                   links_overlap=model.LINKS_OVERLAP.get(op, True), **peak)
+    d_s, c_s = (ops[k]["as_built_s"] if k in ops else None for k in ("dispatch", "combine"))
+    if "both" in ops and d_s and c_s:  # dispatch, then combine
+        model.set_as_built(ops["both"], d_s + c_s, peak["rdma_gbps"], model.BOTH_SCHEDULE)
+    H = bc.hidden
+    fp8_row = H + 4 * -(-H // 128)  # e4m3 + one f32 scale per 128 channels (any H, as a model)
+    fp8_bytes = accounting.link_bytes(tr.dispatch, fp8_row)
+    fp8_op = model.modeled_op(fp8_bytes["nvlink"]["max"], fp8_bytes["rdma"]["max"], meta["max"],
+                              **peak)
+    fp8_op.update(row_bytes=fp8_row, note="the fp8 wire: --dispatch_wire_dtype=float8_e4m3fn "
+                  "runs it" if bc.dispatch_wire_dtype == "payload" else "this run's dispatch wire")
+    u = accounting.uniform_expectations(R // G, G, bc.experts, bc.topk)
+    s = presets.SEED
+    seed_u = accounting.uniform_expectations(s["nodes"], s["ranks_per_node"], s["experts"], s["topk"])
+    d = parts["dispatch"][0]
+    reading = model.seed_reading(int(logical["dispatch"]["nvl"].max()),
+                                 int(logical["dispatch"]["rdma"].max()), d["rdma"]["max"],
+                                 seed_u["logical_ratio"])
+    reading["ratio_uniform_this_layout"] = u["logical_ratio"]
+    nvl_sum = int(logical["dispatch"]["nvl"].sum())  # over all ranks: the routing's byte ratio
+    reading["ratio_this_routing"] = int(logical["dispatch"]["rdma"].sum()) / nvl_sum if nvl_sum else None
+    return dict(hardware=hw, ops=ops, fp8_dispatch=fp8_op, seed=reading)

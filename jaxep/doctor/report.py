@@ -1,0 +1,535 @@
+"""`python -m jaxep.doctor`: what this machine has for jaxep, and what is wrong or slow.
+
+`facts()` returns a JSON-able dict; `problems` in it lists {"level", "what", "hint"}. Its
+"infiniband" key lists the RDMA ports `jaxep.doctor.machine.read_nics` finds; its "topology" key
+(jaxep.doctor.topology.summary) holds the NIC NVSHMEM would give each GPU, the NVSHMEM transport
+settings, the drivers' facts and the internode findings (no GPUDirect RDMA: neither dma-buf nor a
+peer-memory module; no libibverbs / libmlx5 for NVSHMEM to load; NICs IBGDA skips by name; GPUs
+sharing a NIC, a NIC far from its GPU, a bond at half rate, IBGDA off, IBGDA's doorbell rung by a
+CPU for want of the driver's PeerMappingOverride=1, no GDRCopy for the proxy, no transport to
+other nodes, RoCE on an Ethernet MTU too small for a 4096-byte RDMA MTU), each with the setting
+that fixes it; they join `problems`.
+Every probe tolerates a missing tool, file or device: on a machine without GPU, NVSHMEM or NICs
+the doctor says so and carries on. Nothing is changed.
+
+Sources: GPUs from NVML (nvidia-ml-py, the `cu12`/`cu13` extras) where it loads, else nvidia-smi;
+processes from psutil; the NICs from sysfs (jaxep.doctor.machine, the one reader: the nearest-NIC
+rule is topology's); the extension from its import spec (so an editable install is found where
+it really is) and its ELF dynamic section (which libnvshmem_host it links); the CUDA majors from
+the installed distributions (nvidia-nvshmem-cuNN, jax-cudaNN-plugin) and the extension's
+build_info().
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+import psutil
+
+from jaxep import _jax_private
+from jaxep.doctor import machine, topology
+
+_ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+             "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
+             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "NCCL_NVLS_ENABLE", "LD_LIBRARY_PATH",
+             "JAXEP_LOG_LEVEL")
+_TRANSPORTS = ("ibgda", "ibrc", "ucx", "libfabric", "ibdevx")
+
+
+def _run(cmd, timeout=10.0):
+    """stdout of a command, or None when it is missing, fails or hangs."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def python_packages() -> dict:
+    names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
+             "jax-cuda12-pjrt", "nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12", "flax", "numpy", "jaxep")
+    return {n: _version(n) for n in names}
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _nvml() -> dict | None:
+    """nvidia_smi()'s dict from NVML (nvidia-ml-py), or None where pynvml or libnvidia-ml is
+    missing or NVML fails."""
+    try:
+        import pynvml  # pylint: disable=g-import-not-at-top
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # pylint: disable=broad-except  # NVMLError_LibraryNotFound on a CPU machine
+        return None
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        cuda = int(pynvml.nvmlSystemGetCudaDriverVersion_v2())  # e.g. 13000 for CUDA 13.0
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            gpus.append(dict(index=str(i), name=_text(pynvml.nvmlDeviceGetName(h)), driver=driver,
+                             pci_bus_id=_text(pynvml.nvmlDeviceGetPciInfo(h).busId),
+                             memory=f"{pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20} MiB"))
+    except Exception:  # pylint: disable=broad-except
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # pylint: disable=broad-except
+            pass
+    return {"available": True, "source": "nvml", "gpus": gpus, "driver": driver,
+            "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}"}
+
+
+def nvidia_smi() -> dict:
+    """GPUs: name, driver, PCI bus id, memory; the driver's CUDA version. From NVML where it loads,
+    else from nvidia-smi."""
+    nvml = _nvml()
+    if nvml is not None:
+        return nvml
+    out = _run(["nvidia-smi", "--query-gpu=index,name,driver_version,pci.bus_id,memory.total",
+                "--format=csv,noheader"])
+    if out is None:
+        return {"available": False, "source": None, "gpus": []}
+    gpus = []
+    for line in out.strip().splitlines():
+        f = [s.strip() for s in line.split(",")]
+        if len(f) >= 5:
+            gpus.append(dict(index=f[0], name=f[1], driver=f[2], pci_bus_id=f[3], memory=f[4]))
+    head = _run(["nvidia-smi"]) or ""
+    m = re.search(r"CUDA Version:\s*([\d.]+)", head)
+    return {"available": True, "source": "nvidia-smi", "gpus": gpus,
+            "driver": gpus[0]["driver"] if gpus else None,
+            "cuda_driver_version": m.group(1) if m else None}
+
+
+def _arch_mismatch(device):
+    """jaxep._extension.arch_mismatch(device), or None when the extension cannot tell."""
+    try:
+        from jaxep import _extension  # pylint: disable=g-import-not-at-top
+        return _extension.arch_mismatch(device)
+    except Exception:  # pylint: disable=broad-except
+        return None
+
+
+def jax_facts() -> dict:
+    try:
+        import jax
+        devs = jax.devices()
+        gpu = jax.default_backend() == "gpu"
+        return {"version": jax.__version__, "default_backend": jax.default_backend(),
+                "device_count": len(devs), "local_device_count": jax.local_device_count(),
+                "process_count": jax.process_count(),
+                "device_kinds": sorted({d.device_kind for d in devs}),
+                "compute_capabilities": sorted({str(getattr(d, "compute_capability", "?"))
+                                                for d in devs}) if gpu else [],
+                # (what, fix) when no kernel of the extension's build runs on the first GPU
+                "arch_mismatch": _arch_mismatch(devs[0]) if gpu else None,
+                "distributed_initialized": jax.distributed.is_initialized(),
+                "private_missing": _jax_private.missing()}
+    except Exception as e:  # a broken plugin must not crash the doctor
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def nvshmem() -> dict:
+    """The NVSHMEM wheel: root, host/device libraries (versioned names), header version, transports."""
+    try:
+        spec = importlib.util.find_spec("nvidia.nvshmem")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return {"found": False}
+    root = list(spec.submodule_search_locations)[0]
+    libs = sorted(os.path.basename(p) for p in glob.glob(os.path.join(root, "lib", "*")))
+    host = [n for n in libs if n.startswith("libnvshmem_host.so")]
+    version = None
+    for hdr in ("include/non_abi/nvshmem_version.h", "include/nvshmem_version.h"):
+        text = _read(os.path.join(root, hdr))
+        if text:
+            parts = [re.search(rf"#define\s+NVSHMEM_VENDOR_{k}_VERSION\s+(\d+)", text)
+                     for k in ("MAJOR", "MINOR", "PATCH")]
+            if all(parts):
+                version = ".".join(p.group(1) for p in parts)
+                break
+    transports = {t: any(n.startswith(f"nvshmem_transport_{t}.so") for n in libs) for t in _TRANSPORTS}
+    transports["p2p"] = bool(host)  # NVLink/P2P is built into the host library
+    return {"found": True, "root": root, "host_libs": host, "version": version,
+            "host_soname_major": _so_major(host[0]) if host else None,
+            "device_lib": "libnvshmem_device.a" in libs,
+            "bootstrap_uid": any(n.startswith("nvshmem_bootstrap_uid.so") for n in libs),
+            "transports": transports}
+
+
+def _so_major(name):
+    m = re.search(r"\.so\.(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def elf_needed(path) -> list[str] | None:
+    """The DT_NEEDED entries of an ELF64 file (the libraries the dynamic loader loads for it), read
+    from its program headers as the loader does; None when `path` is not a readable ELF64 file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # ELF64 only (jaxep builds for x86-64 and aarch64 Linux); data[5] is the byte order.
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] not in (1, 2):
+        return None
+    e = "<" if data[5] == 1 else ">"
+    try:
+        phoff, = struct.unpack_from(e + "Q", data, 0x20)             # e_phoff
+        phentsize, phnum = struct.unpack_from(e + "HH", data, 0x36)  # e_phentsize, e_phnum
+        # Elf64_Phdr: p_type, p_flags, p_offset, p_vaddr, p_paddr, p_filesz (then p_memsz, p_align)
+        phdrs = [struct.unpack_from(e + "IIQQQQ", data, phoff + i * phentsize) for i in range(phnum)]
+        segs = [(h[0], h[2], h[3], h[5]) for h in phdrs]
+        dyn_fmt = e + "qQ"  # Elf64_Dyn: d_tag, d_val
+        # segs: (p_type, file offset, virtual address, size in the file); PT_LOAD 1, PT_DYNAMIC 2
+        dyn = [s for s in segs if s[0] == 2]
+        if not dyn:
+            return []  # statically linked: needs nothing
+        _, off, _, size = dyn[0]
+        needed, strtab, step = [], None, struct.calcsize(dyn_fmt)
+        for pos in range(off, off + size - step + 1, step):
+            tag, val = struct.unpack_from(dyn_fmt, data, pos)
+            if tag == 0:  # DT_NULL
+                break
+            if tag == 1:  # DT_NEEDED: an offset into the string table
+                needed.append(val)
+            elif tag == 5:  # DT_STRTAB: the string table's virtual address
+                strtab = val
+        if strtab is None:
+            return None
+        # The string table's file offset, through the PT_LOAD segment that maps its address.
+        base = next((o + strtab - v for t, o, v, n in segs if t == 1 and v <= strtab < v + n), None)
+        if base is None:
+            return None
+        return [data[base + n:data.index(b"\0", base + n)].decode(errors="replace") for n in needed]
+    except (struct.error, ValueError):
+        return None
+
+
+def _extension_path() -> str | None:
+    """Where `import jaxep._jaxep_cuda` finds the extension (site-packages, an editable install's
+    build tree, ...), without importing it; None where it is not installed."""
+    try:
+        spec = importlib.util.find_spec("jaxep._jaxep_cuda")
+    except (ImportError, ValueError):
+        return None
+    origin = spec.origin if spec is not None else None
+    return origin if origin and os.path.isfile(origin) else None
+
+
+def extension() -> dict:
+    """The jaxep CUDA extension: loaded? its file, the libnvshmem_host it links (ELF NEEDED), its
+    build_info() and the CUDA major it was built for (build_info()['cuda_version'] // 1000)."""
+    out = {"available": False, "reason": None, "path": None, "needed": None,
+           "nvshmem_host_needed": None, "build_info": {}, "cuda_major": None}
+    try:
+        from jaxep import _extension  # pylint: disable=g-import-not-at-top
+        out["available"] = bool(_extension.is_available())
+        out["reason"] = None if out["available"] else _extension.unavailable_reason()
+        out["build_info"] = {k: list(v) if isinstance(v, tuple) else v
+                             for k, v in _extension.build_info().items()}
+        for attr in ("nvshmem_version", "built_nvshmem_version"):
+            if hasattr(_extension, attr):
+                out[attr] = getattr(_extension, attr)()
+    except Exception as e:  # pylint: disable=broad-except
+        out["reason"] = f"{type(e).__name__}: {e}"
+    cuda = out["build_info"].get("cuda_version")
+    if isinstance(cuda, int) and cuda > 0:
+        out["cuda_major"] = cuda // 1000
+    out["path"] = _extension_path()
+    if out["path"]:
+        out["needed"] = elf_needed(out["path"])
+        host = [n for n in out["needed"] or () if n.startswith("libnvshmem_host.so")]
+        out["nvshmem_host_needed"] = host[0] if host else None
+    return out
+
+
+_NVSHMEM_WHEEL = re.compile(r"nvidia-nvshmem-cu(\d+)$")
+_JAX_PLUGIN = re.compile(r"jax-cuda(\d+)-plugin$")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_distributions() -> list[str]:
+    """The names of every installed distribution (importlib.metadata), normalised (PEP 503)."""
+    names = set()
+    for d in importlib.metadata.distributions():
+        name = d.metadata.get("Name") if d.metadata else None
+        if name:
+            names.add(_norm(name))
+    return sorted(names)
+
+
+def cuda_majors(dists, extension_cuda_major=None, driver_cuda_version=None) -> dict:
+    """The CUDA majors of what is installed: the nvidia-nvshmem-cuNN wheels, the jax-cudaNN-plugin
+    distributions (names in `dists`), the extension's build and the driver ("13.0")."""
+    names = {_norm(d) for d in dists}
+
+    def majors(pattern):
+        return sorted(int(m.group(1)) for m in map(pattern.match, names) if m)
+
+    m = re.match(r"(\d+)", driver_cuda_version or "")
+    return {"nvshmem_wheels": majors(_NVSHMEM_WHEEL), "jax_plugins": majors(_JAX_PLUGIN),
+            "extension": extension_cuda_major, "driver": int(m.group(1)) if m else None}
+
+
+def cuda_problems(c) -> list[tuple[str, str, str]]:
+    """(level, what, hint) for every CUDA-major mismatch in cuda_majors()'s dict `c`."""
+    out = []
+    shm, plugins, ext, drv = c["nvshmem_wheels"], c["jax_plugins"], c["extension"], c["driver"]
+    # The major everything should agree on: the extension's, else jax's plugin's.
+    want = ext if ext is not None else (plugins[0] if len(plugins) == 1 else None)
+    basis = "the jaxep extension's build" if ext is not None else f"jax-cuda{want}-plugin"
+    wheels = " ".join(f"nvidia-nvshmem-cu{m}" for m in shm)
+    if len(shm) > 1:
+        out.append(("error", f"{' and '.join(wheels.split())} are all installed: they write the "
+                    "same files under nvidia/nvshmem/ (the last one installed won), and uninstalling "
+                    "one deletes files the other needs",
+                    f"pip uninstall -y {wheels} && pip install nvidia-nvshmem-cu{want} (CUDA {want}, "
+                    f"as {basis})" if want is not None else
+                    f"pip uninstall -y {wheels}, then install only the one of your CUDA major "
+                    "(nvidia-nvshmem-cu13 or -cu12)"))
+    if ext is not None and shm and ext not in shm:
+        out.append(("error", f"the jaxep extension was built for CUDA {ext}, the installed NVSHMEM "
+                    f"wheel is {wheels}",
+                    f"pip uninstall -y {wheels} && pip install nvidia-nvshmem-cu{ext}, or rebuild "
+                    f"jaxep with the CUDA {shm[0]} toolkit (docs/build.md)"))
+    if ext is not None and plugins and ext not in plugins:
+        got = " ".join(f"jax-cuda{m}-plugin" for m in plugins)
+        out.append(("error", f"the jaxep extension was built for CUDA {ext}, jax's CUDA plugin is "
+                    f"{got}",
+                    f"pip install 'jax[cuda{ext}]' (after pip uninstall -y {got}), or rebuild jaxep "
+                    f"with the CUDA {plugins[0]} toolkit (docs/build.md)"))
+    if len(plugins) > 1:
+        got = " ".join(f"jax-cuda{m}-plugin" for m in plugins)
+        out.append(("warn", f"{got} are all installed; jax loads one of them",
+                    f"pip uninstall the ones not of CUDA {want if want is not None else drv}"))
+    if ext is None and len(shm) == 1 and len(plugins) == 1 and shm != plugins:
+        out.append(("warn", f"{wheels} is installed with jax-cuda{plugins[0]}-plugin: a jaxep build "
+                    f"here would link CUDA {shm[0]}'s NVSHMEM into a CUDA {plugins[0]} JAX",
+                    f"pip uninstall -y {wheels} && pip install nvidia-nvshmem-cu{plugins[0]}"))
+    if ext is not None and drv is not None and drv < ext:
+        out.append(("error", f"the jaxep extension was built for CUDA {ext}, the driver supports "
+                    f"CUDA {drv}", f"update the NVIDIA driver, or rebuild jaxep with CUDA {drv}"))
+    return out
+
+
+def infiniband_ports(root: str = "/") -> list:
+    """Every RDMA port machine.read_nics finds under root: device, port, state, active, rate
+    (Gb/s), link layer, the NIC's NUMA node (None when unknown)."""
+    return [dict(device=nic.name, port=p.number, state=p.state, active=p.active,
+                 rate_gbps=p.rate_gbps, link_layer=p.link_layer, numa_node=nic.numa_node)
+            for nic in machine.read_nics(root).values() for p in nic.ports]
+
+
+def mps() -> dict:
+    """The MPS pipe directory and the live (not zombie) nvidia-cuda-mps-* processes, any user's."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    pids = sorted(p.pid for p in psutil.process_iter(["name", "status"])
+                  if (p.info["name"] or "").startswith("nvidia-cuda-mps")
+                  and p.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD))
+    return {"pipe_directory": pipe, "control_pipe": os.path.exists(os.path.join(pipe, "control")),
+            "daemon_running": bool(pids), "daemon_pids": pids}
+
+
+def environment() -> dict:
+    env = {k: os.environ.get(k) for k in _ENV_KEYS}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("NVSHMEM_")})
+    return env
+
+
+def _problems(f) -> list:
+    out = []
+
+    def add(level, what, hint):
+        out.append(dict(level=level, what=what, hint=hint))
+
+    smi, jx, shm, ext, env = f["nvidia_smi"], f["jax"], f["nvshmem"], f["extension"], f["env"]
+    if "error" in jx:
+        add("error", f"jax failed to start: {jx['error']}", "check the jax/jaxlib/plugin versions below match")
+    if not smi["available"]:
+        add("info", "no nvidia-smi / no NVIDIA GPU", "jaxep runs the reference backend (pure JAX) here")
+    elif jx.get("default_backend") != "gpu":
+        drv = f["cuda"]["extension"] or f["cuda"]["driver"]
+        add("error", "nvidia-smi sees GPUs but jax does not use them",
+            f"install the jax CUDA plugin matching the driver: pip install 'jax[cuda{drv}]'" if drv
+            else "install the jax CUDA plugin matching the driver: pip install 'jax[cuda13]' (or cuda12)")
+    if jx.get("arch_mismatch"):
+        add("error", *jx["arch_mismatch"])
+    for name in jx.get("private_missing") or ():
+        add("error", f"jax {jx.get('version')} has no {name}, which jaxep's multi-rank runtime uses",
+            "install a jax jaxep supports (pyproject.toml), or update jaxep/_jax_private.py")
+    cuda = f["cuda"]
+    major = cuda["extension"] or (cuda["jax_plugins"][0] if len(cuda["jax_plugins"]) == 1 else None)
+    wheel = f"nvidia-nvshmem-cu{major}" if major else "nvidia-nvshmem-cu13 (or -cu12 for CUDA 12)"
+    if smi["available"] and not shm["found"]:
+        add("error", "NVSHMEM wheel not installed", f"pip install {wheel}")
+    if smi["available"] and not ext["available"]:
+        add("warn", f"jaxep CUDA extension not available ({ext['reason']})",
+            "build on this machine: JAXEP_CUDA=<CUDA major> pip install --no-build-isolation --no-deps -e . (docs/build.md)")
+    need = ext.get("nvshmem_host_needed")
+    if need and not shm["found"]:
+        add("error", f"extension links {need}, but no NVSHMEM wheel is installed",
+            f"pip install {wheel}")
+    if need and shm["found"] and need not in shm["host_libs"]:
+        add("error", f"extension links {need}, installed NVSHMEM is {shm['version']} with "
+            f"{shm['host_libs']}", f"rebuild jaxep against the installed NVSHMEM wheel, or install "
+            f"the {wheel} it was built with")
+    for level, what, hint in cuda_problems(cuda):
+        add(level, what, hint)
+    if shm["found"] and not shm["transports"].get("ibgda") and f["infiniband"]:
+        add("warn", "NICs present but no NVSHMEM IBGDA transport library",
+            "use an nvidia-nvshmem build with nvshmem_transport_ibgda.so; IBRC is slower")
+    if smi["available"] and len(smi["gpus"]) > 1 and not f["infiniband"]:
+        add("info", "no RDMA NICs in /sys/class/infiniband", "single-node only; multi-node EP needs IB/RoCE")
+    if any(not p["active"] for p in f["infiniband"]):
+        add("warn", "some IB ports are not ACTIVE", "check cabling/subnet manager: ibstat")
+    if env.get("NVSHMEM_DISABLE_NVLS") != "1" and smi["available"]:
+        add("warn", "NVSHMEM_DISABLE_NVLS is not 1", "export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0")
+    pre, frac = env.get("XLA_PYTHON_CLIENT_PREALLOCATE"), env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if smi["available"] and pre != "false" and frac is None:
+        add("info", "JAX preallocates 75% of GPU memory per process",
+            "several ranks per GPU: XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 or XLA_PYTHON_CLIENT_PREALLOCATE=false")
+    if smi["available"] and not f["mps"]["daemon_running"]:
+        add("info", "CUDA MPS is not running",
+            "needed only for several ranks on one GPU (jaxep.launch --share-gpu starts it)")
+    for p in f["topology"]["findings"]:
+        add(**p)
+    return out
+
+
+def facts(nodes: int | None = None) -> dict:
+    """Everything the doctor knows, as a JSON-able dict (see module docstring). `nodes`: how many
+    nodes the job spans, for the internode checks that depend on it (None: unknown)."""
+    smi = nvidia_smi()
+    ext = extension()
+    f = {
+        "python": sys.version.split()[0], "os": platform.platform(), "machine": platform.machine(),
+        "packages": python_packages(), "jax": jax_facts(), "nvidia_smi": smi, "nvshmem": nvshmem(),
+        "extension": ext,
+        "cuda": cuda_majors(installed_distributions(), ext["cuda_major"],
+                            smi.get("cuda_driver_version")),
+        "infiniband": infiniband_ports(), "mps": mps(), "env": environment(),
+        "topology": topology.summary(nodes=nodes),
+    }
+    f["problems"] = _problems(f)
+    return f
+
+
+def _extension_line(ext) -> str:
+    """`jaxep extension: available (<path>) links libnvshmem_host.so.3, CUDA 13`, or why not."""
+    if ext["available"]:
+        head = f"jaxep extension: available ({ext['path']})"
+    else:
+        head = f"jaxep extension: not available ({ext['reason']})" + (
+            f"; file {ext['path']}" if ext["path"] else "")
+    if ext["path"]:
+        head += f" links {ext['nvshmem_host_needed'] or 'no libnvshmem_host'}"
+    if ext["cuda_major"] is not None:
+        head += f", built for CUDA {ext['cuda_major']}"
+    return head
+
+
+def _cuda_line(c) -> str:
+    """`CUDA majors: NVSHMEM wheel cu13; jax plugin cu13; extension 13; driver 13`."""
+    def cu(ms):
+        return " ".join(f"cu{m}" for m in ms) or "none"
+    return (f"CUDA majors: NVSHMEM wheel {cu(c['nvshmem_wheels'])}; jax plugin {cu(c['jax_plugins'])}; "
+            f"extension {c['extension'] or 'none'}; driver {c['driver'] or 'none'}")
+
+
+def format_report(f: dict) -> str:
+    smi, jx, shm, ext = f["nvidia_smi"], f["jax"], f["nvshmem"], f["extension"]
+    gpus = ", ".join(sorted({g["name"] for g in smi["gpus"]})) or "none"
+    lines = [
+        f"python {f['python']} on {f['os']}",
+        f"GPUs: {len(smi['gpus'])} x {gpus}; driver {smi.get('driver')}; CUDA (driver) "
+        f"{smi.get('cuda_driver_version')}",
+        "packages: " + ", ".join(f"{k} {v}" for k, v in f["packages"].items() if v),
+        f"jax: backend {jx.get('default_backend')}, {jx.get('device_count')} devices "
+        f"{jx.get('device_kinds')}"
+        + (f" (compute capability {', '.join(jx['compute_capabilities'])})"
+           if jx.get("compute_capabilities") else "")
+        + f", {jx.get('process_count')} process(es)" if "error" not in jx
+        else f"jax: {jx['error']}",
+        f"XLA_FLAGS: {f['env'].get('XLA_FLAGS')!r}",
+        (f"NVSHMEM: {shm['root']} version {shm['version']} host {shm['host_libs']} device lib "
+         f"{shm['device_lib']}; transports " + ", ".join(k for k, v in shm["transports"].items() if v))
+        if shm["found"] else "NVSHMEM: wheel not found",
+        _extension_line(ext),
+        _cuda_line(f["cuda"]),
+        "NICs: " + (", ".join(f"{p['device']}/{p['port']} {p['state']} {p['rate_gbps']} Gb/s "
+                                f"numa {p['numa_node']}" for p in f["infiniband"]) or "none"),
+    ]
+    m = f["mps"]
+    lines.append(f"MPS: daemon {'running, pids ' + str(m['daemon_pids']) if m['daemon_running'] else 'not running'}"
+                 f", pipe {m['pipe_directory']}")
+    lines.append("memory: XLA_PYTHON_CLIENT_PREALLOCATE=" + str(f["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"])
+                 + " XLA_PYTHON_CLIENT_MEM_FRACTION=" + str(f["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
+    lines.append("GPU-NIC, as NVSHMEM would pick (jaxep.doctor.topology):")
+    lines += [f"  {line}" for line in f["topology"]["report"]]
+    nv = {k: v for k, v in f["env"].items() if k.startswith("NVSHMEM_")}
+    lines.append(f"NVSHMEM env: {nv or 'none'}")
+    lines.append("problems:" if f["problems"] else "problems: none")
+    lines += [f"  [{p['level']}] {p['what']} -> {p['hint']}" for p in f["problems"]]
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxep.doctor",
+        description="What this machine has for jaxep (GPUs, JAX, NVSHMEM, the CUDA extension, "
+                    "NICs, MPS, environment) and what is wrong or slow. Changes nothing.",
+        epilog="Exit status: 1 when a problem of level 'error' was found, else 0.")
+    p.add_argument("--json", action="store_true", help="print every fact as JSON, not the report")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="nodes the job spans: 1 skips the internode checks, more adds the ones "
+                        "that need it (e.g. NVSHMEM_REMOTE_TRANSPORT=none); default: unknown")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.nodes is not None and args.nodes < 1:
+        parser().error(f"--nodes must be at least 1, got {args.nodes}")
+    f = facts(nodes=args.nodes)
+    print(json.dumps(f, indent=1, default=str) if args.json else format_report(f))
+    return 1 if any(p["level"] == "error" for p in f["problems"]) else 0
+
