@@ -19,7 +19,7 @@ from jax.sharding import AxisType
 nnx = pytest.importorskip("flax.nnx")
 
 import jaxep.nn  # noqa: E402
-from jaxep.nn import MoE, Routing, moe_reference, route  # noqa: E402
+from jaxep.nn import MoE, Routing, moe_reference, route, route_full  # noqa: E402
 
 H, F, E, K, N = 16, 8, 8, 2, 16
 
@@ -41,7 +41,7 @@ def test_group_limited_topk_picks_from_the_best_groups_only():
     e, groups, kept = 16, 4, 2
     x, w = _x(0), _router(1, e)
     r = Routing(e, 4, "sigmoid", True, num_groups=groups, topk_groups=kept)
-    routed = route(x, w, r)
+    routed = route_full(x, w, r)
     s = np.asarray(jax.nn.sigmoid(x @ w))
     for t in range(N):
         score = np.sort(s[t].reshape(groups, -1), axis=1)[:, -2:].sum(1)
@@ -56,19 +56,19 @@ def test_selection_bias_chooses_but_never_weights():
     x, w = _x(2), _router(3)
     bias = jnp.zeros(E).at[5].set(10.0)  # expert 5 is chosen by every token
     r = Routing(E, K, "sigmoid", renormalize=False, routed_scaling_factor=2.0)
-    routed = route(x, w, r, selection_bias=bias)
+    routed = route_full(x, w, r, selection_bias=bias)
     assert bool(jnp.all(jnp.any(routed.idx == 5, axis=1)))
     s = jax.nn.sigmoid(x @ w)
     np.testing.assert_allclose(routed.weights, 2.0 * jnp.take_along_axis(s, routed.idx, 1),
                                rtol=1e-6)
-    g = jax.grad(lambda b: jnp.sum(route(x, w, r, selection_bias=b).weights))(bias)
+    g = jax.grad(lambda b: jnp.sum(route(x, w, r, selection_bias=b)[1]))(bias)
     assert not np.any(np.asarray(g))
 
 
 def test_softmax_after_topk_router_bias_z_loss_and_router_dtype():
     x, w = _x(4), _router(5)
     b = jnp.linspace(-1, 1, E)
-    routed = route(x, w, Routing(E, K, "softmax_after_topk"), router_bias=b)
+    routed = route_full(x, w, Routing(E, K, "softmax_after_topk"), router_bias=b)
     z = x @ w + b
     top = jax.lax.top_k(z, K)
     np.testing.assert_array_equal(routed.idx, top[1])
@@ -77,7 +77,7 @@ def test_softmax_after_topk_router_bias_z_loss_and_router_dtype():
     np.testing.assert_allclose(jaxep.nn.router_z_loss(st["z_sum"], N),
                                np.mean(np.log(np.sum(np.exp(np.asarray(z)), -1)) ** 2), rtol=1e-5)
     # router_dtype: the logits are those of a bfloat16 matmul (then f32 scores)
-    bf = route(x, w, Routing(E, K, router_dtype=jnp.bfloat16))
+    bf = route_full(x, w, Routing(E, K, router_dtype=jnp.bfloat16))
     want = jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
                    preferred_element_type=jnp.bfloat16).astype(jnp.float32)
     np.testing.assert_array_equal(bf.logits, want)

@@ -51,15 +51,6 @@ def activation_fn(activation: str | Callable) -> Callable[[Array, Array], Array]
     return ACTIVATIONS[activation]
 
 
-def row_expert(res: Any) -> Array:
-    """[C] int32 local expert id of each row of a normal-mode `jaxep.dispatch` result, -1 on the
-    rows past sum(group_sizes) (rows are expert-major: group_sizes[l] rows of expert l)."""
-    c, num_local = res.x.shape[0], res.group_sizes.shape[0]
-    ids = jnp.repeat(jnp.arange(num_local, dtype=jnp.int32), res.group_sizes,
-                     total_repeat_length=c)
-    return jnp.where(jnp.arange(c) < jnp.sum(res.group_sizes), ids, -1)
-
-
 def _bias_rows(b: Array | None, expert: Array, dtype: Any) -> Array | float:
     """b[expert] per row ([C, D] f32, b rounded to `dtype`), zero where expert < 0."""
     if b is None:

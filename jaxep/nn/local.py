@@ -12,10 +12,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxep
-from jaxep.config import Config
-from jaxep.nn.experts import (activation_fn, batched_experts, grouped_experts, row_expert,
-                              shared_mlp)
-from jaxep.nn.routing import Routed, Routing, route, routing_stats
+from jaxep import Config
+from jaxep.nn.experts import activation_fn, batched_experts, grouped_experts, shared_mlp
+from jaxep.nn.routing import Routed, Routing, route_full, routing_stats
 
 Array = jax.Array
 
@@ -29,8 +28,8 @@ def _with_shared(y: Array, x: Array, params: dict[str, Array], act: Callable, dt
 
 
 def _route(params: dict[str, Array], x: Array, routing: Routing) -> Routed:
-    return route(x, params["router"], routing, params.get("router_bias"),
-                 params.get("selection_bias"))
+    return route_full(x, params["router"], routing, params.get("router_bias"),
+                      params.get("selection_bias"))
 
 
 def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: Config,
@@ -54,7 +53,7 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
     res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
                          backend=backend)
     act = activation_fn(activation)
-    rows = grouped_experts(res.x, params, res.group_sizes, row_expert(res), act=act,
+    rows = grouped_experts(res.x, params, res.group_sizes, res.expert, act=act,
                            dtype=routing.dtype, tensor_axes=tensor_axes)
     y = jaxep.combine(rows, res.handle, axis_name=axis_name, config=config)
     y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)

@@ -52,7 +52,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxep.config import Config
+from jaxep import Config
 from jaxep.nn.experts import activation_fn
 from jaxep.nn.local import moe_local, moe_local_decode
 from jaxep.nn.reference import moe_reference

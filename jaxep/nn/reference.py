@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxep.nn.experts import activation_fn
-from jaxep.nn.routing import Routing, load_balancing_loss, route, router_z_loss, routing_stats
+from jaxep.nn.routing import (Routing, load_balancing_loss, route_full, router_z_loss,
+                              routing_stats)
 
 Array = jax.Array
 
@@ -64,7 +65,8 @@ def moe_reference(params: dict[str, Array], x: Array, *, topk: int, score_fn: st
     r = Routing(num_experts, topk, score_fn, renormalize, dtype, num_groups,
                 num_groups if topk_groups is None else topk_groups, routed_scaling_factor,
                 router_dtype)
-    routed = route(x, params["router"], r, params.get("router_bias"), params.get("selection_bias"))
+    routed = route_full(x, params["router"], r, params.get("router_bias"),
+                        params.get("selection_bias"))
     act = activation_fn(activation)
     y_all = _dense_experts(x, params, act, dtype)                                   # [N,E,H]
     y_k = jnp.take_along_axis(y_all, routed.idx[:, :, None], axis=1)               # [N,K,H]

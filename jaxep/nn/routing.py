@@ -104,7 +104,13 @@ def _group_limit(choice: Array, num_groups: int, topk_groups: int) -> Array:
 
 
 def route(x: Array, router: Array, r: Routing, router_bias: Array | None = None,
-          selection_bias: Array | None = None) -> Routed:
+          selection_bias: Array | None = None) -> tuple[Array, Array, Array]:
+    """(idx [N,K] int32, weights [N,K] f32, probs [N,E] f32): `route_full` without the logits."""
+    return tuple(route_full(x, router, r, router_bias, selection_bias)[:3])
+
+
+def route_full(x: Array, router: Array, r: Routing, router_bias: Array | None = None,
+               selection_bias: Array | None = None) -> Routed:
     """The router on x [N,H] (module docstring); `selection_bias` [E] gets no gradient."""
     logits = router_logits(x, router, router_bias, r.router_dtype)
     if r.score_fn == "sigmoid":
