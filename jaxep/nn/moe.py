@@ -61,7 +61,7 @@ from jaxep.nn.routing import (Routing, check_routing, load_balancing_loss, route
 from jaxep.nn.sharding import MoEShardingConfig
 
 Array = jax.Array
-_Routing = Routing  # the older name of `Routing`, kept for code that imports it from here
+_Routing = Routing  # the name tests/gpu/nn_multirank_worker.py and cmdbuf_worker.py import
 PARAM_NAMES = ("router", "router_bias", "selection_bias", "w_gate", "w_up", "w_down", "b_gate",
                "b_up", "b_down", "shared_w_gate", "shared_w_up", "shared_w_down")
 
