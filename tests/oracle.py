@@ -11,11 +11,13 @@ import numpy as np
 
 
 def dispatch(xs, idxs, ws, *, num_experts, capacity):
-    """Returns a dict of per-rank lists: x, group_sizes, weights, send_row, recv_slot, dropped, invalid."""
+    """Returns a dict of per-rank lists: x, group_sizes, weights, expert (each row's local expert,
+    -1 on rows past the kept ones), send_row, recv_slot, dropped, invalid."""
     R = len(xs)
     T, K = idxs[0].shape
     L = num_experts // R
-    out = {k: [] for k in ("x", "group_sizes", "weights", "recv_slot", "dropped", "invalid")}
+    out = {k: [] for k in ("x", "group_sizes", "weights", "expert", "recv_slot", "dropped",
+                           "invalid")}
     send_row = [np.full((T, K), -1, np.int32) for _ in range(R)]
     for d in range(R):
         slots = []  # (local expert, s, t, k) of every valid slot routed to rank d
@@ -30,17 +32,20 @@ def dispatch(xs, idxs, ws, *, num_experts, capacity):
         H = xs[0].shape[1]
         rows = np.zeros((capacity, H), xs[0].dtype)
         weights = np.zeros((capacity,), np.float32)
+        expert = np.full((capacity,), -1, np.int32)
         recv_slot = np.full((capacity,), -1, np.int32)
         gs = np.zeros((L,), np.int32)
         for p, (le, s, t, k) in enumerate(kept):
             rows[p] = xs[s][t]
             weights[p] = ws[s][t, k]
+            expert[p] = le
             recv_slot[p] = s * T * K + t * K + k
             gs[le] += 1
             send_row[s][t, k] = p
         out["x"].append(rows)
         out["group_sizes"].append(gs)
         out["weights"].append(weights)
+        out["expert"].append(expert)
         out["recv_slot"].append(recv_slot)
         out["dropped"].append(len(slots) - len(kept))
     for s in range(R):

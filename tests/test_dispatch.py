@@ -12,7 +12,7 @@ def _check(cfg, xs, idxs, ws, *, expert_fn=None, backend="reference"):
     R = len(xs)
     got = harness.run(cfg, xs, idxs, ws, expert_fn=expert_fn, backend=backend)
     want = oracle.dispatch(xs, idxs, ws, num_experts=cfg.num_experts, capacity=cfg.capacity(R))
-    for name in ("x", "group_sizes", "weights", "send_row", "recv_slot"):
+    for name in ("x", "group_sizes", "weights", "expert", "send_row", "recv_slot"):
         for r in range(R):
             g, w = np.asarray(got[name][r]), np.asarray(want[name][r])
             assert g.shape == w.shape and g.dtype == w.dtype, (name, r, g.shape, w.shape)
@@ -66,6 +66,9 @@ def test_worked_example_from_docstring():
     got, _ = _check(cfg, xs, idxs, ws)
     assert got["x"][0][:4, 0].tolist() == [b, c, a, b] and got["group_sizes"][0].tolist() == [2, 2]
     assert got["x"][1][:3, 0].tolist() == [a, d, c] and got["group_sizes"][1].tolist() == [2, 1]
+    C = cfg.capacity(2)  # the rows past the kept ones have no expert
+    assert got["expert"][0].tolist() == [0, 0, 1, 1] + [-1] * (C - 4)
+    assert got["expert"][1].tolist() == [0, 0, 1] + [-1] * (C - 3)
 
 
 def test_masked_invalid_and_zero_token_rank():
@@ -119,6 +122,32 @@ def test_zero_tokens_per_rank(R):
         assert got["x"][r].shape == (C, H) and not np.any(np.asarray(got["x"][r], np.float32))
         assert got["group_sizes"][r].tolist() == [0] * L
         assert got["weights"][r].tolist() == [0.0] * C and got["recv_slot"][r].tolist() == [-1] * C
+        assert got["expert"][r].tolist() == [-1] * C
         assert got["send_row"][r].shape == (0, K) and got["out"][r].shape == (0, H)
         assert got["out"][r].dtype == jnp.bfloat16
         assert int(got["dropped"][r][0]) == 0 and int(got["invalid"][r][0]) == 0
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("capacity", [None, 6])
+def test_row_expert_matches_oracle(R, capacity):
+    """res.expert [C] int32: the local expert of each row, -1 on the rows past sum(group_sizes),
+    against the oracle's layout, bitwise, on the reference backend's 2- and 4-rank paths; with
+    room for every row, and with a capacity that drops rows (then every row is an expert's)."""
+    rng = np.random.default_rng(40 + R)
+    E, T, H, K = 8, 6, 8, 2
+    cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
+                       capacity_factor=None, recv_capacity=capacity, dtype="float32")
+    xs, ws = harness.inputs(rng, R, T, H, K, jnp.float32)
+    idxs = harness.routing(rng, R, T, K, E, "skewed")
+    idxs[R - 1][0] = [-1, E]  # a masked slot and an invalid id: no row, no expert
+    got, want = _check(cfg, xs, idxs, ws)
+    C, L = cfg.capacity(R), E // R
+    for r in range(R):
+        expert, gs = got["expert"][r], got["group_sizes"][r]
+        assert expert.dtype == np.int32 and expert.shape == (C,)
+        n = int(gs.sum())
+        assert expert[:n].tolist() == np.repeat(np.arange(L), gs).tolist()
+        assert expert[n:].tolist() == [-1] * (C - n)
+    if capacity is not None:
+        assert sum(want["dropped"]) > 0 and -1 not in got["expert"][0].tolist()

@@ -220,3 +220,47 @@ def test_config_refuses_what_it_cannot_do(kw, match):
     base.update(kw)
     with pytest.raises(ValueError, match=match):
         jaxep.Config(**base)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_zero_tokens_over_the_fp8_wire(ranks):
+    """T = 0 (a static empty batch) over the fp8 wire: packing the empty batch does not raise (its
+    scale bytes' width is explicit), and every output is the empty / all-zero one of the payload
+    path and of the oracle: zero rows (+0.0), no rows per expert, expert -1 everywhere, [0, H]
+    out of combine, zero stats; the gradient is [0, H] too."""
+    rng = np.random.default_rng(12)
+    cfg = _cfg()
+    xs, ws = harness.inputs(rng, ranks, 0, H, K, ml_dtypes.bfloat16)
+    idxs = harness.routing(rng, ranks, 0, K, E)
+    packed = fp8.pack_wire_rows(*fp8.quantize(jnp.zeros((0, H), jnp.bfloat16)))
+    assert packed.shape == (0, fp8_row_bytes(H)) and packed.dtype == jnp.uint8
+    got = harness.run(cfg, xs, idxs, ws, backend="reference")
+    plain = harness.run(_cfg(wire=None), xs, idxs, ws, backend="reference")
+    want = oracle.dispatch(oracle.fp8_wire(xs, DT["bfloat16"]), idxs, ws, num_experts=E,
+                           capacity=cfg.capacity(ranks))
+    C, L = cfg.capacity(ranks), E // ranks
+    for r in range(ranks):
+        x = np.asarray(got["x"][r])
+        assert x.shape == (C, H) and x.dtype == DT["bfloat16"]
+        assert not x.astype(np.float32).any() and not np.signbit(x.astype(np.float32)).any()
+        assert got["group_sizes"][r].tolist() == [0] * L
+        assert got["weights"][r].tolist() == [0.0] * C and got["recv_slot"][r].tolist() == [-1] * C
+        assert got["expert"][r].tolist() == [-1] * C
+        assert got["send_row"][r].shape == (0, K)
+        assert got["out"][r].shape == (0, H) and got["out"][r].dtype == DT["bfloat16"]
+        assert int(got["dropped"][r][0]) == 0 and int(got["invalid"][r][0]) == 0
+        for name in ("x", "group_sizes", "weights", "expert", "send_row", "recv_slot", "out"):
+            np.testing.assert_array_equal(_bits(got[name][r]), _bits(plain[name][r]), err_msg=name)
+        for name in ("x", "group_sizes", "weights", "expert", "send_row", "recv_slot"):
+            np.testing.assert_array_equal(_bits(got[name][r]), _bits(want[name][r]), err_msg=name)
+
+    def loss(x, idx, w):
+        def body(x, idx, w):
+            res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, backend="reference")
+            return jaxep.combine(res.x, res.handle, axis_name="ep")
+        out = jax.shard_map(body, mesh=harness.mesh(ranks), in_specs=(P("ep"),) * 3,
+                            out_specs=P("ep"))(x, idx, w)
+        return jnp.sum(out.astype(jnp.float32))
+    dx = jax.jit(jax.grad(loss))(jnp.zeros((0, H), jnp.bfloat16), jnp.zeros((0, K), jnp.int32),
+                                 jnp.zeros((0, K), jnp.float32))
+    assert dx.shape == (0, H) and dx.dtype == jnp.bfloat16

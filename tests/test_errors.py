@@ -51,8 +51,28 @@ def test_non_divisible_experts():
 def test_outside_shard_map():
     x = jnp.zeros((4, 16)); idx = jnp.zeros((4, 2), jnp.int32); w = jnp.zeros((4, 2))
     with pytest.raises(ValueError, match=r"jaxep.dispatch: must be called inside jax.shard_map over "
-                                         r"the EP mesh axis: expected a bound axis named 'ep'"):
+                                         r"the EP mesh axis: expected a bound axis named 'ep', "
+                                         r"got none \("):
         jaxep.dispatch(x, idx, w, axis_name="ep", config=CFG)
+
+
+@pytest.mark.parametrize("axes,got", [
+    (("data",), r"only 'data' \(size 2\)"),
+    (("data", "model"), r"only 'data' \(size 2\), 'model' \(size 2\)"),
+])
+def test_inside_shard_map_over_other_axes_names_them(axes, got):
+    """A shard_map whose mesh has no axis called axis_name: the error names the axes that are
+    bound there (and their sizes), and says to pass axis_name= the EP axis."""
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:2 ** len(axes)]).reshape((2,) * len(axes)), axes)
+
+    def body(x, idx, w):
+        return jaxep.dispatch(x, idx, w, axis_name="ep", config=CFG).x
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * 3, out_specs=P(axes))
+    with pytest.raises(ValueError, match=r"^jaxep.dispatch: must be called inside jax.shard_map "
+                                         r"over the EP mesh axis: expected a bound axis named "
+                                         rf"'ep', got {got} \(.*or pass axis_name= the EP axis\)"):
+        jax.jit(f).trace(*_args(R=2 ** len(axes)))
 
 
 def test_config_differs_from_initialized():
@@ -277,7 +297,7 @@ def test_node_layout_that_divides_the_ep_size_traces(G, R):
 
 def test_machine_node_layout_that_does_not_divide_the_ep_size(monkeypatch):
     """ranks_per_node=None: the layout jaxep.initialize read (processes per host) is checked."""
-    monkeypatch.setattr(jaxep.runtime._state, "machine_ranks_per_node", 4)
+    monkeypatch.setattr(jaxep.runtime.state.Runtime, "node_size", 4)  # what initialize read
     with pytest.raises(ValueError, match=r"^jaxep.dispatch: the EP size must be a multiple of the "
                                          r"ranks per node: expected ep_size % 4 == 0 \(the "
                                          r"machine's processes per host = 4\), got ep_size=2"):

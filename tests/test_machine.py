@@ -1,8 +1,8 @@
 """CPU tier: jaxep.doctor.machine, what this machine has for internode RDMA, read from recorded
 `nvidia-smi topo -m` text and sysfs trees (tests/fixtures/topology/, described in
 tests/test_topology.py), from stand-ins for libcuda and the kernel's routes, and from this machine's
-own loopback."""
-import collections
+own loopback; and the route to JAX's coordinator that NVSHMEM's bootstrap is pinned to
+(jaxep.runtime.bootstrap.route_interface, with its own table of interface addresses)."""
 import os
 import socket
 import subprocess
@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from jaxep.doctor import machine
+from jaxep.runtime import bootstrap
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "topology")
 
@@ -114,18 +115,31 @@ def test_nvidia_smi_is_read_with_a_timeout(monkeypatch):
 # --- the interface a route leaves by ------------------------------------------------------------
 
 def test_route_interface_of_loopback_on_this_machine():
-    assert machine.route_interface("127.0.0.1:29500") == ("lo", "127.0.0.1", "AF_INET")
-    assert machine.route_interface("no-such-host.invalid:1") is None
-    assert machine.route_interface("not an address") is None
+    assert bootstrap.route_interface("127.0.0.1:29500") == ("lo", "127.0.0.1", "AF_INET")
+    assert bootstrap.route_interface("no-such-host.invalid:1") is None
+    assert bootstrap.route_interface("not an address") is None
+
+
+def test_interface_addresses_of_this_machine_are_the_kernels():
+    """The table route_interface reads without psutil ({name: [(family, address)]}: IPv4 by
+    ioctl, IPv6 from /proc/net/if_inet6) holds loopback, and only addresses the kernel gives the
+    interfaces (psutil, a jaxep dependency, reads the same through netlink)."""
+    import psutil
+    table = bootstrap.interface_addresses()
+    assert (socket.AF_INET, "127.0.0.1") in table["lo"], table
+    known = {name: {(a.family, a.address.split("%")[0]) for a in addrs}
+             for name, addrs in psutil.net_if_addrs().items()}
+    for name, addrs in table.items():
+        assert all(isinstance(f, int) and isinstance(a, str) for f, a in addrs), addrs
+        assert {(f, a.split("%")[0]) for f, a in addrs} <= known.get(name, set()), (name, addrs)
 
 
 def test_route_interface_names_the_interface_holding_the_routes_source_address(monkeypatch):
     """A host with eno1 (management) first and ens2 on the coordinator's network: the kernel's
     source address for the coordinator (10.0.0.5) is ens2's, whatever the interface order."""
-    addr = collections.namedtuple("addr", "family address")
-    table = {"lo": [addr(socket.AF_INET, "127.0.0.1")],
-             "eno1": [addr(socket.AF_INET, "192.168.0.3"), addr(socket.AF_INET6, "fe80::1%eno1")],
-             "ens2": [addr(socket.AF_PACKET, "02:00:00:00:00:01"), addr(socket.AF_INET, "10.0.0.5")]}
+    table = {"lo": [(socket.AF_INET, "127.0.0.1")],
+             "eno1": [(socket.AF_INET, "192.168.0.3"), (socket.AF_INET6, "fe80::1%eno1")],
+             "ens2": [(socket.AF_INET6, "fd00::5"), (socket.AF_INET, "10.0.0.5")]}
     connected = []
 
     class Sock:
@@ -143,12 +157,12 @@ def test_route_interface_names_the_interface_holding_the_routes_source_address(m
 
         def getsockname(self):
             return ("10.0.0.5", 40000)
-    monkeypatch.setattr(machine.socket, "getaddrinfo", lambda host, port, type: [
+    monkeypatch.setattr(bootstrap.socket, "getaddrinfo", lambda host, port, type: [
         (socket.AF_INET, type, 17, "", ("10.0.0.1", port))] if host == "node0" else [])
-    monkeypatch.setattr(machine.socket, "socket", Sock)
-    assert machine.route_interface("node0:29500", table) == ("ens2", "10.0.0.5", "AF_INET")
+    monkeypatch.setattr(bootstrap.socket, "socket", Sock)
+    assert bootstrap.route_interface("node0:29500", table) == ("ens2", "10.0.0.5", "AF_INET")
     assert connected == [("10.0.0.1", 29500)]  # UDP connect: nothing is sent
-    assert machine.route_interface("node1:29500", table) is None
+    assert bootstrap.route_interface("node1:29500", table) is None
 
 
 @pytest.mark.parametrize("text,want", [("node0:29500", ("node0", 29500)),
@@ -156,7 +170,7 @@ def test_route_interface_names_the_interface_holding_the_routes_source_address(m
                                        ("[fd00::2]:80", ("fd00::2", 80)),
                                        ("node0", ("node0", 1))])
 def test_split_address(text, want):
-    assert machine._split_address(text) == want  # pylint: disable=protected-access
+    assert bootstrap._split_address(text) == want  # pylint: disable=protected-access
 
 
 # --- the libraries NVSHMEM dlopens ------------------------------------------------------------------

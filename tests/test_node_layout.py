@@ -1,4 +1,4 @@
-"""CPU tier: the node layout (jaxep.node_layout). The rules on lists of hosts (layout_from_hosts,
+"""CPU tier: the node layout (jaxep.runtime.node_layout). The rules on lists of hosts (layout_from_hosts,
 no key-value store), `discover` over a stand-in store, and once with real processes: two
 `python -m jaxep.launch --nnodes 2 --node_rank i --nproc 4` launchers (two "nodes" on this
 machine, 8 CPU processes, jax.distributed's real key-value store) whose ranks claim hosts A and B
@@ -187,13 +187,13 @@ def test_two_nodes_of_four_processes_agree_through_the_real_store(tmp_path):
 TWO_HOSTS = """
     import json, logging, os
     import jax
-    from jaxep import _jax_private, runtime
-    from jaxep.runtime import node_layout
+    from jaxep import _jax_private
+    from jaxep.runtime import bootstrap, node_layout
 
     logging.basicConfig(level=logging.INFO)
     rank, n = jax.process_index(), jax.process_count()
     got = node_layout.discover(_jax_private.distributed_client(), rank, n, 0, timeout_ms=30_000)
-    runtime._pin_bootstrap_interface(2)
+    bootstrap.pin_interface(2)
     print("RESULT G " + json.dumps(got), flush=True)
     print("RESULT host " + json.dumps(node_layout.this_host()), flush=True)
     print("RESULT ifname " + json.dumps(os.environ.get("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME")), flush=True)

@@ -37,8 +37,16 @@ def test_no_cuda_wheel_in_a_cpu_install():
     base = [_name(r) for r in pp["project"]["dependencies"]]
     build = [_name(r) for r in pp["build-system"]["requires"]]
     assert not [n for n in base + build if n.startswith("nvidia-")], (base, build)
-    assert "rich" in base  # the bench's tables and progress
+    assert base == ["jax", "numpy"], base  # the library; the tools' needs are in their extras
     assert build == ["scikit-build-core"]
+
+
+def test_tool_dependencies_are_in_their_extras():
+    extras = {k: [_name(r) for r in v]
+              for k, v in _pyproject()["project"]["optional-dependencies"].items()}
+    assert {"absl-py", "rich", "matplotlib"} <= set(extras["bench"]), extras["bench"]
+    assert "psutil" in extras["doctor"] and "psutil" in extras["launch"], extras
+    assert {"absl-py", "rich", "matplotlib", "psutil"} <= set(extras["test"]), extras["test"]
 
 
 @pytest.mark.parametrize("major", [12, 13])

@@ -57,8 +57,8 @@ def test_unloaded_extension_raises_naming_the_reason(monkeypatch):
     monkeypatch.setattr(_extension, "_registered", False)
     monkeypatch.setattr(_extension, "_reason", "no extension here")
     cfg = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4)
-    with pytest.raises(RuntimeError, match="jaxep.backends.cuda_calls.combine: the CUDA backend is unavailable: "
-                                           "no extension here"):
+    with pytest.raises(RuntimeError, match=r"jaxep CUDA backend \(combine\): the CUDA backend is "
+                                           "unavailable: no extension here"):
         cuda_calls.combine(None, None, None, None, None, config=cfg)
 
 
@@ -150,10 +150,10 @@ def test_initialize_with_several_configs():
     finally:
         jaxep.finalize()
     assert runtime.initialized_configs() == ()
-    sizes = sizes.runtime_sizes((train, decode), 4)
+    got = sizes.runtime_sizes((train, decode), 4)
     # Rows: normal C = ceil(1.25 * 32 * 2) -> 80; low latency L * M = 2 * 16 = 32.
-    assert sizes == dict(max_tokens=32, topk=2, experts=8, capacity=80, row_bytes=128,
-                         return_row_bytes=256), sizes
+    assert got == dict(max_tokens=32, topk=2, experts=8, capacity=80, row_bytes=128,
+                       return_row_bytes=256), got
     big = dataclasses.replace(decode, rows_per_expert=64)  # L * M = 128 > 80
     assert sizes.runtime_sizes((train, big), 4)["capacity"] == 128
     for field, value in (("timeout_s", 5.0), ("zero_copy", False), ("ranks_per_node", 2)):

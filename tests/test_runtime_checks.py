@@ -1,6 +1,7 @@
 """jaxep.initialize's refusals in a multi-process GPU run (issue 3, deliverable 1), on CPU: the
-extension, the devices and the distributed client are fakes, so each check of
-`runtime._init_multi_rank` is reached in isolation and its message is asserted. What the GPU
+extension, the devices and the distributed client are fakes, so each step of
+`jaxep.runtime.nvshmem.start` (run as jaxep.initialize runs it, through the process's Runtime
+object `jaxep.runtime.state.RUNTIME`) is reached in isolation and its message is asserted. What the GPU
 tier cannot easily provoke (two local devices, NVSHMEM initialized by someone else, JAX holding
 the memory NVSHMEM needs) is covered here; the real NVSHMEM init is covered by tests/gpu."""
 from __future__ import annotations
@@ -15,7 +16,9 @@ import pytest
 import jaxep
 from jaxep import _extension, runtime
 from jaxep.backends import cuda_calls
-from jaxep.runtime import node_layout
+from jaxep.doctor import topology
+from jaxep.runtime import bootstrap, node_layout, nvshmem, sizes, state, watchdog
+from jaxep.runtime.state import RUNTIME
 
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=16)
 GIB = 1 << 30
@@ -32,10 +35,16 @@ CONSTANTS = dict(max_experts=8192, max_ranks=128, internode_max_topk=32, ll_max_
 
 
 class FakeExt:
-    """The pieces of jaxep._jaxep_cuda that _init_multi_rank reads, with settable answers."""
+    """The pieces of jaxep._jaxep_cuda that nvshmem.start reads, with settable answers. `inits`:
+    the fields of each runtime_init's record (its RuntimeParams) plus its unique_id; `symmetric`:
+    the fields of each symmetric_bytes' record."""
+
+    @staticmethod
+    def RuntimeParams(**fields):  # noqa: N802  the extension's record, every field by keyword
+        return types.SimpleNamespace(**fields)
 
     def __init__(self, status=0, free=80 * GIB, sym=1 << 20):
-        self.status, self.free, self.sym, self.inits = status, free, sym, []
+        self.status, self.free, self.sym, self.inits, self.symmetric = status, free, sym, [], []
 
     def constants(self):
         return CONSTANTS
@@ -43,7 +52,8 @@ class FakeExt:
     def nvshmem_init_status(self):
         return self.status
 
-    def symmetric_bytes(self, *args, **kwargs):
+    def symmetric_bytes(self, params):
+        self.symmetric.append(vars(params))
         return self.sym
 
     def device_mem_info(self, ordinal):
@@ -52,8 +62,8 @@ class FakeExt:
     def unique_id(self):
         return b"uid"
 
-    def runtime_init(self, *args):
-        self.inits.append(args)
+    def runtime_init(self, params, unique_id):
+        self.inits.append(dict(vars(params), unique_id=unique_id))
 
     def nvshmem_version(self):
         return "fake"
@@ -66,6 +76,16 @@ class FakeExt:
 
     def runtime_diag(self):
         return getattr(self, "diag", None)
+
+
+class FakeWatchdog:
+    """Stands for the watchdog thread Runtime starts after NVSHMEM (no thread in these tests)."""
+
+    def __init__(self, diagnostic):
+        self.diagnostic, self.stopped = diagnostic, False
+
+    def stop(self):
+        self.stopped = True
 
 
 def _device(i):
@@ -106,32 +126,44 @@ class FakeKV:
 def fake(monkeypatch):
     """Two processes, this one is process 0 with one device; every check passes by default."""
     ext = FakeExt()
-    state = types.SimpleNamespace(local=[_device(0)], client=None)
+    st = types.SimpleNamespace(local=[_device(0)], client=None)
     monkeypatch.setattr(_extension, "_module", ext)
     monkeypatch.setattr(_extension, "_constants", _extension.parse_constants(ext.constants()))
     monkeypatch.setattr(_extension, "multi_rank_built", lambda: True)
-    monkeypatch.setattr(runtime.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(runtime.jax, "process_index", lambda: 0)
-    monkeypatch.setattr(runtime.jax, "local_devices", lambda: state.local)
-    monkeypatch.setattr(runtime.jax, "devices", lambda: [_device(0), _device(1)])
-    monkeypatch.setattr(runtime, "_start_watchdog", lambda: None)
-    # _init_multi_rank records the node layout it agreed; restored after the test (a later test's
-    # EP size must not be checked against this fake's 2 processes per host).
-    monkeypatch.setattr(runtime._state, "machine_ranks_per_node",  # pylint: disable=protected-access
-                        runtime._state.machine_ranks_per_node)  # pylint: disable=protected-access
+    monkeypatch.setattr(nvshmem.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(nvshmem.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(nvshmem.jax, "local_devices", lambda: st.local)
+    monkeypatch.setattr(nvshmem.jax, "devices", lambda: [_device(0), _device(1)])
+    monkeypatch.setattr(watchdog, "Watchdog", FakeWatchdog)
+    # The runtime records what it started (its node layout among it); restored after the test (a
+    # later test's EP size must not be checked against this fake's 2 processes per host).
+    for name in ("started", "watchdog", "configs", "axis_name"):
+        monkeypatch.setattr(RUNTIME, name, getattr(RUNTIME, name))
     # NVSHMEM_CUMEM_GRANULARITY: jaxep.initialize sets it (zero-copy); monkeypatch restores it.
     for k in ("NVSHMEM_SYMMETRIC_SIZE", "CUDA_MPS_PIPE_DIRECTORY", "NVSHMEM_CUMEM_GRANULARITY"):
         monkeypatch.delenv(k, raising=False)
     from jax._src import distributed
     monkeypatch.setattr(distributed.global_state, "client", None)
-    state.ext = ext
-    yield state
-    runtime._state.multi_rank = False  # pylint: disable=protected-access
+    st.ext = ext
+    yield st
+
+
+def _start(config):
+    """What jaxep.initialize runs in a multi-process GPU run: the Runtime takes the attempt's
+    generation (a fresh key-value namespace) and `nvshmem.start`s this process's PE."""
+    RUNTIME._start(state.as_configs(config))  # pylint: disable=protected-access
+
+
+def _init(fake) -> dict:
+    """The keyword arguments of the one runtime_init call (NVSHMEM's init)."""
+    (kwargs,) = fake.ext.inits
+    return kwargs
 
 
 def _refusal(match):
     with pytest.raises(RuntimeError, match=match) as e:
-        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+        _start(CFG)
+    assert RUNTIME.started is None  # nothing recorded as started
     assert str(e.value).startswith("jaxep.initialize: ")
     return str(e.value)
 
@@ -173,16 +205,16 @@ def test_a_gpu_no_kernel_of_the_build_runs_on_is_refused(fake, monkeypatch):
 
 
 def test_processes_not_ordered_by_device_are_refused(fake, monkeypatch):
-    monkeypatch.setattr(runtime.jax, "devices", lambda: [_device(1), _device(0)])
+    monkeypatch.setattr(nvshmem.jax, "devices", lambda: [_device(1), _device(0)])
     _refusal(r"ordered by process .* got process indices \[1, 0\]")
 
 
 def test_node_layout_override_reaches_nvshmem_init(fake, monkeypatch):
     """Config.ranks_per_node=1 splits the one host's 2 ranks into 2 emulated nodes."""
     _client(monkeypatch)
-    runtime._init_multi_rank(dataclasses.replace(CFG, ranks_per_node=1))  # pylint: disable=protected-access
-    (args,) = fake.ext.inits
-    assert args[3] == 1 and runtime.machine_ranks_per_node() == 1
+    _start(dataclasses.replace(CFG, ranks_per_node=1))
+    assert _init(fake)["node_size"] == 1 and runtime.machine_ranks_per_node() == 1
+    assert fake.ext.symmetric[0]["node_size"] == 1  # the buffers are laid out for it too
 
 
 def test_missing_distributed_client_is_refused_before_nvshmem_init(fake):
@@ -203,13 +235,15 @@ def _uids(client):
 
 def test_all_checks_pass_then_nvshmem_is_initialized(fake, monkeypatch):
     client = _client(monkeypatch)
-    runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
-    (args,) = fake.ext.inits
+    _start(CFG)
+    init = _init(fake)
     # ordinal, PE, processes, ranks per node (both on this host: one node), the published uid
-    assert args[:5] == (0, 0, 2, 2, b"uid")
-    assert runtime.machine_ranks_per_node() == 2
+    assert (init["device"], init["rank"], init["size"], init["node_size"],
+            init["unique_id"]) == (0, 0, 2, 2, b"uid")
+    assert runtime.machine_ranks_per_node() == 2 and runtime.multi_rank_size() == 2
+    assert isinstance(RUNTIME.watchdog, FakeWatchdog)  # the watchdog runs once NVSHMEM is up
     assert _uids(client) == [b"uid"]
-    gen = runtime._state.generation - 1  # pylint: disable=protected-access
+    gen = RUNTIME.generation - 1
     assert client.kv[f"jaxep/config/{gen}/0"] == CFG.canonical()
 
 
@@ -220,7 +254,7 @@ def test_the_init_log_names_the_gpu_capability_and_the_archs_built(fake, monkeyp
     fake.local = [types.SimpleNamespace(id=0, process_index=0, local_hardware_id=0,
                                         device_kind="NVIDIA H200", compute_capability="9.0")]
     with caplog.at_level("INFO", logger="jaxep"):
-        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+        _start(CFG)
     assert any("on GPU 0 (NVIDIA H200, compute capability 9.0; kernels built for 90,100)"
                in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
@@ -228,14 +262,14 @@ def test_the_init_log_names_the_gpu_capability_and_the_archs_built(fake, monkeyp
 @pytest.mark.parametrize("me", [0, 1])
 def test_a_config_that_differs_between_ranks_is_refused_on_every_rank(fake, monkeypatch, me):
     """Rank 1 runs other knobs: both ranks raise, naming the fields and the ranks, before NVSHMEM."""
-    monkeypatch.setattr(runtime.jax, "process_index", lambda: me)
+    monkeypatch.setattr(nvshmem.jax, "process_index", lambda: me)
     fake.local = [_device(me)]
     client = _client(monkeypatch, agree=False)
-    gen = runtime._state.generation  # pylint: disable=protected-access
+    gen = RUNTIME.generation
     cfgs = [CFG, dataclasses.replace(CFG, num_sms=16, combine_kernel="thread")]
     client.kv[f"jaxep/config/{gen}/{1 - me}"] = cfgs[1 - me].canonical()
     with pytest.raises(RuntimeError) as e:
-        runtime._init_multi_rank(cfgs[me])  # pylint: disable=protected-access
+        _start(cfgs[me])
     msg = str(e.value)
     assert msg.startswith("jaxep.initialize: the config must be identical on every rank"), msg
     assert "rank 1 vs rank 0: combine_kernel='thread' vs 'warp', num_sms=16 vs None" in msg, msg
@@ -245,7 +279,7 @@ def test_a_config_that_differs_between_ranks_is_refused_on_every_rank(fake, monk
 def test_a_rank_that_never_publishes_its_config_is_named(fake, monkeypatch):
     _client(monkeypatch, agree=False)
     with pytest.raises(RuntimeError, match=r"rank 1 did not publish its config within 100 s"):
-        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+        _start(CFG)
     assert fake.ext.inits == []
 
 
@@ -262,7 +296,7 @@ def test_finalize_then_initialize_again_uses_a_fresh_unique_id(fake, monkeypatch
     again under a new key-value key (a late rank can never read the previous run's unique id)."""
     client = _client(monkeypatch)
     monkeypatch.setattr(_extension, "is_available", lambda: True)
-    monkeypatch.setattr(runtime.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(state.jax, "default_backend", lambda: "gpu")
     other = jaxep.Config(num_experts=16, topk=2, hidden=64, max_tokens_per_rank=16)
     try:
         jaxep.initialize(CFG)
@@ -280,9 +314,9 @@ def test_finalize_then_initialize_again_uses_a_fresh_unique_id(fake, monkeypatch
                                                      r"waiting for peer rank 1 \(node 0, local 1\)"):
             jaxep.check()
         jaxep.finalize()
-        assert fake.ext.finalized == [True, False]
+        assert fake.ext.finalized == [True, False] and RUNTIME.started is None
     finally:
-        runtime._state.config = runtime._state.axis_name = None  # pylint: disable=protected-access
+        RUNTIME.configs, RUNTIME.axis_name, RUNTIME.started = (), None, None
 
 
 def test_several_configs_size_the_runtime_for_the_largest(fake, monkeypatch):
@@ -291,24 +325,26 @@ def test_several_configs_size_the_runtime_for_the_largest(fake, monkeypatch):
     client = _client(monkeypatch)
     decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                           mode="low_latency", rows_per_expert=64)
-    runtime._init_multi_rank([CFG, decode])  # pylint: disable=protected-access
-    (args,) = fake.ext.inits
-    gen = runtime._state.generation - 1  # pylint: disable=protected-access
+    _start([CFG, decode])
+    init = _init(fake)
+    gen = RUNTIME.generation - 1
     assert '"number of configs": 2' in client.kv[f"jaxep/config/{gen}/0"]
     assert decode.canonical()[:-1] in client.kv[f"jaxep/config/{gen}/1/0"].replace(
         ', "number of configs": 2', "")
-    # After the uid: max tokens 16, topk 2, experts 8, rows max(C=40, L*M=4*64=256), row bytes.
-    assert args[5:10] == (16, 2, 8, 256, 64 * 2), args  # bf16 rows
+    # max tokens 16, topk 2, experts 8, rows max(C=40, L*M=4*64=256), row bytes (bf16 rows)
+    sized = ("max_tokens", "topk", "experts", "capacity", "row_bytes")
+    assert tuple(init[k] for k in sized) == (16, 2, 8, 256, 64 * 2), init
+    assert tuple(fake.ext.symmetric[0][k] for k in sized) == (16, 2, 8, 256, 64 * 2)
 
 
 def test_a_rank_with_another_number_of_configs_is_refused(fake, monkeypatch):
     client = _client(monkeypatch, agree=False)
-    gen = runtime._state.generation  # pylint: disable=protected-access
+    gen = RUNTIME.generation
     client.kv[f"jaxep/config/{gen}/1"] = CFG.canonical()  # rank 1: one config
     decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                           mode="low_latency")
     with pytest.raises(RuntimeError, match="number of configs=None vs 2"):
-        runtime._init_multi_rank([CFG, decode])  # pylint: disable=protected-access
+        _start([CFG, decode])
     assert fake.ext.inits == []
 
 
@@ -318,15 +354,15 @@ def test_the_low_latency_area_is_sized_from_the_low_latency_configs(fake, monkey
     _client(monkeypatch)
     decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                           mode="low_latency", rows_per_expert=64)
-    runtime._init_multi_rank([CFG, decode])  # pylint: disable=protected-access
-    (args,) = fake.ext.inits
-    assert args[-2:] == (4, 8), args  # L = 8 / 2 ranks, min(M=64, T*K=4*2) = 8
-    assert runtime.ll_area_sizes([CFG], 2) == dict(ll_experts=0, ll_cap=0)
+    _start([CFG, decode])
+    init = _init(fake)
+    assert (init["ll_experts"], init["ll_cap"]) == (4, 8), init  # L = 8 / 2, min(M=64, T*K=4*2)
+    assert sizes.ll_area_sizes([CFG], 2) == dict(ll_experts=0, ll_cap=0)
     small = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                          mode="low_latency", rows_per_expert=3)
     big_t = jaxep.Config(num_experts=16, topk=2, hidden=64, max_tokens_per_rank=32,
                          mode="low_latency", rows_per_expert=24)
-    assert runtime.ll_area_sizes([small, big_t], 2) == dict(ll_experts=8, ll_cap=24)
+    assert sizes.ll_area_sizes([small, big_t], 2) == dict(ll_experts=8, ll_cap=24)
 
 
 def test_the_low_latency_heap_refusal_names_the_area_and_rows_per_expert(fake, monkeypatch):
@@ -336,14 +372,17 @@ def test_the_low_latency_heap_refusal_names_the_area_and_rows_per_expert(fake, m
                           mode="low_latency")
     with pytest.raises(RuntimeError, match=r"low-latency area for L=4 experts x 2 sources x 8 rows"
                                            r" x 2 halves.*NVSHMEM_SYMMETRIC_SIZE=.*rows_per_expert"):
-        runtime._init_multi_rank(decode)  # pylint: disable=protected-access
+        _start(decode)
 
 
-def _ll_info(**over):
+def _ll_runtime(monkeypatch, **over):
+    """A runtime with a low-latency area (its limits updated by `over`), of an extension with
+    CONSTANTS' limits."""
     info = dict(size=2, node_size=2, max_tokens=4, topk=2, experts=8, capacity=64,
                 stage_bytes=1 << 20, ll_experts=4, ll_cap=8, ll_row_bytes=128)
     info.update(over)
-    return info
+    monkeypatch.setattr(_extension, "_constants", _extension.parse_constants(CONSTANTS))
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep: info)
 
 
 @pytest.mark.parametrize("over,match", [
@@ -353,14 +392,14 @@ def _ll_info(**over):
     (dict(node_size=1), r"ranks_per_node must be the node layout jaxep.initialize set up \(1 "),
 ])
 def test_low_latency_calls_that_do_not_fit_the_area_are_refused(monkeypatch, over, match):
-    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep: _ll_info(**over))
-    with pytest.raises(ValueError, match=r"jaxep\._extension\.ll_dispatch_send: " + match):
+    _ll_runtime(monkeypatch, **over)
+    with pytest.raises(ValueError, match=r"jaxep\.backends\.cuda_calls\.ll_dispatch_send: " + match):
         cuda_calls._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
                             row_bytes=128, topk=2)
 
 
 def test_low_latency_calls_that_fit_the_area_pass(monkeypatch):
-    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep: _ll_info())
+    _ll_runtime(monkeypatch)
     cuda_calls._check_ll_fits("ll_dispatch_send", 2, 2, experts=8, slots=8, cap=8,  # pylint: disable=protected-access
                         row_bytes=128, topk=2)
     with pytest.raises(ValueError, match=r"config.topk must be <= 64"):
@@ -371,14 +410,14 @@ def test_low_latency_calls_that_fit_the_area_pass(monkeypatch):
 def _two_hosts(client, monkeypatch, findings):
     """Process 1 publishes another host (so 2 nodes of 1), and topology.summary reports
     `findings` (this CPU machine's own would depend on it)."""
-    gen = runtime._state.generation  # pylint: disable=protected-access
+    gen = RUNTIME.generation
     client.kv[f"jaxep/host/{gen}/1"] = "node1"
     seen = []
 
     def summary(nodes=None):
         seen.append(nodes)
         return {"findings": findings}
-    monkeypatch.setattr(runtime.topology, "summary", summary)
+    monkeypatch.setattr(topology, "summary", summary)
     return seen
 
 
@@ -393,7 +432,7 @@ def test_an_nvshmem_init_failure_across_hosts_carries_the_network_findings(fake,
     seen = _two_hosts(_client(monkeypatch), monkeypatch,
                       [NO_GDR, dict(level="info", what="an info line", hint="-")])
 
-    def fail(*args):
+    def fail(params, unique_id):
         raise RuntimeError("NVSHMEM initialization (unique id bootstrap) failed with status 7 "
                            "(NVSHMEM_DEBUG=INFO shows why)")
     monkeypatch.setattr(fake.ext, "runtime_init", fail)
@@ -412,13 +451,13 @@ def test_an_nvshmem_init_failure_across_hosts_carries_the_network_findings(fake,
 
 def test_an_nvshmem_init_failure_on_one_host_is_raised_as_it_is(fake, monkeypatch):
     _client(monkeypatch)
-    monkeypatch.setattr(runtime.topology, "summary", lambda nodes=None: pytest.fail("asked"))
+    monkeypatch.setattr(topology, "summary", lambda nodes=None: pytest.fail("asked"))
 
-    def fail(*args):
+    def fail(params, unique_id):
         raise RuntimeError("NVSHMEM initialization failed with status 7")
     monkeypatch.setattr(fake.ext, "runtime_init", fail)
     with pytest.raises(RuntimeError) as e:
-        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+        _start(CFG)
     assert str(e.value) == "NVSHMEM initialization failed with status 7"
 
 
@@ -450,13 +489,13 @@ def test_across_hosts_nvshmem_bootstrap_uses_the_interface_that_reaches_jax(fake
     the symptom of DeepEP issue 150): on several hosts initialize points it at the route to JAX's coordinator."""
     _unset_restored(monkeypatch, IFNAME, FAMILY)
     _two_hosts(_client(monkeypatch), monkeypatch, [])
-    monkeypatch.setattr(runtime._jax_private, "coordinator_address", lambda: "node0:29500")
+    monkeypatch.setattr(bootstrap._jax_private, "coordinator_address", lambda: "node0:29500")
     asked = []
-    monkeypatch.setattr(runtime.machine, "route_interface",
+    monkeypatch.setattr(bootstrap, "route_interface",
                         lambda a: asked.append(a) or ("ens2", "10.0.0.5", "AF_INET"))
     seen = _bootstrap_env_at_unique_id(fake, monkeypatch)
     with caplog.at_level("INFO", logger="jaxep"):
-        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+        _start(CFG)
     assert asked == ["node0:29500"] and seen == {IFNAME: "=ens2", FAMILY: "AF_INET"}
     assert any("interface ens2 (10.0.0.5, AF_INET), the one that reaches JAX's coordinator "
                "node0:29500" in r.getMessage() for r in caplog.records)
@@ -464,15 +503,15 @@ def test_across_hosts_nvshmem_bootstrap_uses_the_interface_that_reaches_jax(fake
 
 def test_the_bootstrap_interface_set_by_the_user_or_on_one_host_is_left_alone(fake, monkeypatch):
     _unset_restored(monkeypatch, IFNAME, FAMILY)
-    monkeypatch.setattr(runtime.machine, "route_interface", lambda a: pytest.fail("asked"))
-    monkeypatch.setattr(runtime._jax_private, "coordinator_address", lambda: "node0:29500")
+    monkeypatch.setattr(bootstrap, "route_interface", lambda a: pytest.fail("asked"))
+    monkeypatch.setattr(bootstrap._jax_private, "coordinator_address", lambda: "node0:29500")
     seen = _bootstrap_env_at_unique_id(fake, monkeypatch)
     client = _client(monkeypatch)
-    runtime._init_multi_rank(CFG)  # one host  # pylint: disable=protected-access
+    _start(CFG)  # one host
     assert seen == {IFNAME: None, FAMILY: None}
     monkeypatch.setenv(IFNAME, "eno1")
     _two_hosts(client, monkeypatch, [])
-    runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+    _start(CFG)
     assert seen == {IFNAME: "eno1", FAMILY: None}
 
 
@@ -481,11 +520,11 @@ def test_no_route_to_the_coordinator_leaves_nvshmem_its_choice_and_says_so(fake,
                                                                            caplog, route):
     _unset_restored(monkeypatch, IFNAME, FAMILY)
     _two_hosts(_client(monkeypatch), monkeypatch, [])
-    monkeypatch.setattr(runtime._jax_private, "coordinator_address", lambda: "node0:29500")
-    monkeypatch.setattr(runtime.machine, "route_interface", lambda a: route)
+    monkeypatch.setattr(bootstrap._jax_private, "coordinator_address", lambda: "node0:29500")
+    monkeypatch.setattr(bootstrap, "route_interface", lambda a: route)
     seen = _bootstrap_env_at_unique_id(fake, monkeypatch)
     with caplog.at_level("WARNING", logger="jaxep"):
-        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+        _start(CFG)
     assert seen == {IFNAME: None, FAMILY: None}
     assert any("NVSHMEM's bootstrap picks its own" in r.getMessage() and IFNAME in r.getMessage()
                for r in caplog.records)
@@ -498,7 +537,7 @@ def test_a_unique_id_rank_0_cannot_make_fails_every_rank_at_once(fake, monkeypat
     _unset_restored(monkeypatch, IFNAME, FAMILY)
     monkeypatch.setenv(IFNAME, "=nosuch0")
     client = _client(monkeypatch)
-    gen = runtime._state.generation  # pylint: disable=protected-access
+    gen = RUNTIME.generation
 
     def no_interface():
         raise RuntimeError("nvshmemx_get_uniqueid failed with status 7")
@@ -507,9 +546,9 @@ def test_a_unique_id_rank_0_cannot_make_fails_every_rank_at_once(fake, monkeypat
     assert f"{IFNAME}==nosuch0; family either" in text and fake.ext.inits == []
     published = client.kv[f"jaxep/nvshmem_uid/{gen}"]
     # rank 1 reads it: the same words, at once
-    monkeypatch.setattr(runtime.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(nvshmem.jax, "process_index", lambda: 1)
     fake.local = [_device(1)]
-    client.kv[f"jaxep/nvshmem_uid/{gen + 1}"] = published
+    client.kv[f"jaxep/nvshmem_uid/{gen + 1}"] = published  # the retry's fresh namespace
     text1 = _refusal("rank 0 could not create NVSHMEM's unique id: nvshmemx_get_uniqueid failed")
     assert text1.endswith(text[len("jaxep.initialize: "):])
     assert fake.ext.inits == []
@@ -518,10 +557,10 @@ def test_a_unique_id_rank_0_cannot_make_fails_every_rank_at_once(fake, monkeypat
 def test_only_node_leaders_read_the_network_before_init_the_others_on_failure(fake, monkeypatch):
     """4 ranks on 2 hosts (2 per node): rank 1 is not its node's first, so it reads no network
     findings while starting (no nvidia-smi per rank), and reads them only when NVSHMEM fails."""
-    monkeypatch.setattr(runtime.jax, "process_count", lambda: 4)
-    monkeypatch.setattr(runtime.jax, "process_index", lambda: 1)
-    monkeypatch.setattr(runtime.jax, "devices", lambda: [_device(i) for i in range(4)])
-    monkeypatch.setattr(runtime, "_pin_bootstrap_interface", lambda hosts: None)
+    monkeypatch.setattr(nvshmem.jax, "process_count", lambda: 4)
+    monkeypatch.setattr(nvshmem.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(nvshmem.jax, "devices", lambda: [_device(i) for i in range(4)])
+    monkeypatch.setattr(bootstrap, "pin_interface", lambda hosts: None)
     fake.local = [_device(1)]
     client = _client(monkeypatch)
     seen = []
@@ -529,24 +568,24 @@ def test_only_node_leaders_read_the_network_before_init_the_others_on_failure(fa
     def summary(nodes=None):
         seen.append(nodes)
         return {"findings": [NO_GDR]}
-    monkeypatch.setattr(runtime.topology, "summary", summary)
+    monkeypatch.setattr(topology, "summary", summary)
 
     def publish_the_others():
-        gen = runtime._state.generation  # pylint: disable=protected-access
+        gen = RUNTIME.generation
         client.kv[f"jaxep/host/{gen}/0"] = node_layout.this_host()
         for r in (2, 3):
             client.kv[f"jaxep/host/{gen}/{r}"] = "node1"
         client.kv[f"jaxep/nvshmem_uid/{gen}"] = b"uid"
     publish_the_others()
-    runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
-    assert seen == [] and fake.ext.inits[0][3] == 2  # started as 2 nodes x 2, nothing read
-    runtime._state.multi_rank = False  # pylint: disable=protected-access
+    _start(CFG)
+    assert seen == [] and _init(fake)["node_size"] == 2  # started as 2 nodes x 2, nothing read
+    RUNTIME.started = None  # as after a finalize that dropped the runtime locally
 
-    def fail(*args):
+    def fail(params, unique_id):
         raise RuntimeError("NVSHMEM bootstrapped the 4 PEs but could not initialize (status 1)")
     monkeypatch.setattr(fake.ext, "runtime_init", fail)
     publish_the_others()
     with pytest.raises(RuntimeError) as e:
-        runtime._init_multi_rank(CFG)  # pylint: disable=protected-access
+        _start(CFG)
     assert seen == [2]
     assert str(e.value).endswith("[error] " + NO_GDR["what"] + " -> " + NO_GDR["hint"])

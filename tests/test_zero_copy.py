@@ -11,8 +11,9 @@ import re
 import pytest
 
 import test_runtime_checks as trc  # tests/ is on sys.path (pytest's rootdir-relative import)
-from jaxep import runtime
-from jaxep.runtime import zero_copy
+from jaxep import _extension, runtime
+from jaxep.runtime import nvshmem, watchdog, zero_copy
+from jaxep.runtime.state import RUNTIME
 
 GIB = 1 << 30
 POOL = 13 * GIB + 2 * (1 << 20)  # a 2 MiB multiple, like XLA's preallocated BFC pool
@@ -182,22 +183,21 @@ def test_setup_refused_registration_is_fatal():
 # --- the hook in jaxep.initialize: Config.zero_copy decides ---------------------------------------
 
 def _fake_runtime(monkeypatch):
-    """The minimum of test_runtime_checks.py's fake for _init_multi_rank to reach runtime_init."""
+    """The minimum of test_runtime_checks.py's fake for nvshmem.start to reach runtime_init."""
     from jax._src import distributed
     ext = trc.FakeExt()
-    monkeypatch.setattr(runtime._extension, "_module", ext)  # pylint: disable=protected-access
-    monkeypatch.setattr(runtime._extension, "_constants",  # pylint: disable=protected-access
-                        runtime._extension.parse_constants(ext.constants()))  # pylint: disable=protected-access
-    monkeypatch.setattr(runtime._extension, "multi_rank_built", lambda: True)  # pylint: disable=protected-access
-    monkeypatch.setattr(runtime.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(runtime.jax, "process_index", lambda: 0)
-    monkeypatch.setattr(runtime.jax, "local_devices", lambda: [trc._device(0)])  # pylint: disable=protected-access
-    monkeypatch.setattr(runtime.jax, "devices", lambda: [trc._device(0), trc._device(1)])  # pylint: disable=protected-access
-    monkeypatch.setattr(runtime, "_start_watchdog", lambda: None)
-    # _init_multi_rank records the node layout it agreed; restored after the test (a later test's
-    # EP size must not be checked against this fake's 2 processes per host).
-    monkeypatch.setattr(runtime._state, "machine_ranks_per_node",  # pylint: disable=protected-access
-                        runtime._state.machine_ranks_per_node)  # pylint: disable=protected-access
+    monkeypatch.setattr(_extension, "_module", ext)
+    monkeypatch.setattr(_extension, "_constants", _extension.parse_constants(ext.constants()))
+    monkeypatch.setattr(_extension, "multi_rank_built", lambda: True)
+    monkeypatch.setattr(nvshmem.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(nvshmem.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(nvshmem.jax, "local_devices", lambda: [trc._device(0)])  # pylint: disable=protected-access
+    monkeypatch.setattr(nvshmem.jax, "devices", lambda: [trc._device(0), trc._device(1)])  # pylint: disable=protected-access
+    monkeypatch.setattr(watchdog, "Watchdog", trc.FakeWatchdog)
+    # The runtime records what it started (its node layout, zero-copy); restored after the test (a
+    # later test's EP size must not be checked against this fake's 2 processes per host).
+    for name in ("started", "watchdog", "configs", "axis_name"):
+        monkeypatch.setattr(RUNTIME, name, getattr(RUNTIME, name))
     # NVSHMEM_CUMEM_GRANULARITY: jaxep.initialize sets it (zero-copy); monkeypatch restores it.
     for k in ("NVSHMEM_SYMMETRIC_SIZE", "CUDA_MPS_PIPE_DIRECTORY", "NVSHMEM_CUMEM_GRANULARITY"):
         monkeypatch.delenv(k, raising=False)
@@ -212,12 +212,12 @@ def test_initialize_always_takes_part_in_the_decision(monkeypatch, setup_says, w
     calls = []
     monkeypatch.setattr(zero_copy, "setup", lambda *a, **k: calls.append(k) or setup_says)
     try:
-        runtime._init_multi_rank(dataclasses.replace(trc.CFG, zero_copy=wanted))  # pylint: disable=protected-access
+        trc._start(dataclasses.replace(trc.CFG, zero_copy=wanted))  # pylint: disable=protected-access
         assert len(ext.inits) == 1 and len(calls) == 1
         assert calls[0]["requested"] is wanted  # Config.zero_copy reaches the decision
         assert runtime.zero_copy_enabled() is setup_says
     finally:
-        runtime._state.multi_rank = runtime._state.zero_copy = False  # pylint: disable=protected-access
+        RUNTIME.started = None
 
 
 @pytest.mark.parametrize("wanted,preset,expect", [
@@ -239,12 +239,12 @@ def test_initialize_sets_the_granularity_before_nvshmem_starts(monkeypatch, capl
         monkeypatch.setenv("NVSHMEM_CUMEM_GRANULARITY", preset)
     try:
         with caplog.at_level("INFO", logger="jaxep"):
-            runtime._init_multi_rank(dataclasses.replace(trc.CFG, zero_copy=wanted))  # pylint: disable=protected-access
+            trc._start(dataclasses.replace(trc.CFG, zero_copy=wanted))  # pylint: disable=protected-access
         assert seen == [expect]
         wrote = "set NVSHMEM_CUMEM_GRANULARITY=2097152 in this process's environment" in caplog.text
         assert wrote is (wanted and preset is None), caplog.text  # logged exactly when written
     finally:
-        runtime._state.multi_rank = runtime._state.zero_copy = False  # pylint: disable=protected-access
+        RUNTIME.started = None
 
 
 def test_fatal_registration_drops_the_runtime_locally(monkeypatch):
@@ -254,5 +254,6 @@ def test_fatal_registration_drops_the_runtime_locally(monkeypatch):
         raise RuntimeError("jaxep.initialize: zero-copy registration failed")
     monkeypatch.setattr(zero_copy, "setup", refuse)
     with pytest.raises(RuntimeError, match="zero-copy registration failed"):
-        runtime._init_multi_rank(trc.CFG)  # pylint: disable=protected-access
-    assert ext.finalized == [False] and not runtime._state.multi_rank  # pylint: disable=protected-access
+        trc._start(trc.CFG)  # pylint: disable=protected-access
+    assert ext.finalized == [False] and RUNTIME.started is None
+    assert not runtime.zero_copy_enabled() and runtime.multi_rank_size() == 0

@@ -47,7 +47,7 @@ def sizes(op: str, config: Config, R: int) -> Sizes:
     """R, G, L and the receive rows for `config` on R ranks; ValueError naming `op` when the node
     layout or the experts do not divide R."""
     try:
-        G = 1 if R == 1 else runtime.node_size(config, R)
+        G = runtime.node_size(config, R)  # 1 when R == 1 (G divides R)
     except ValueError as e:
         raise ValueError(f"jaxep.{op}: {str(e).removeprefix('jaxep: ')}") from None
     L = config.local_experts(R)

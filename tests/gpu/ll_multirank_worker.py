@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import multirank_worker as mw  # noqa: E402  (R, ME, glob, mine, smap, compare, report, inputs)
 
 import jaxep  # noqa: E402
-from jaxep.backends import cuda as cuda_backend, reference  # noqa: E402
+from jaxep.backends import Route, Sizes, cuda as cuda_backend, reference  # noqa: E402
 from tests import oracle  # noqa: E402
 
 BE = reference if mw.EMULATE else cuda_backend
@@ -69,13 +69,16 @@ def case_backend(name, cfg, *, T, H, K, E, M, dtype, routing, bad_frac=0.0, fp8=
                                dtype=dt, rows_per_expert=M, fp8_dispatch=fp8,
                                combine_wire_dtype=wire)
 
+    # What the ops would resolve for this call: R, G, L, the flat rows L * M and M.
+    sizes = Sizes(ep=mw.R, node=G, local_experts=L, rows=L * M, expert_rows=M)
+
     def body(x, idx, w, y):
-        kw = dict(axis_name="ep", config=ecfg)
+        kw = dict(axis_name="ep", config=ecfg, sizes=sizes)
         rows, scales, counts, wts, send_row, recv_slot, idx_out, stats = BE.ll_dispatch_recv(
             BE.ll_dispatch_send(x, idx, w, **kw), **kw)
+        route = Route(send_row, recv_slot, idx_out)
         y = y.reshape(L, M, H)
-        out = BE.combine_recv(BE.combine_send(y.reshape(L * M, H), wts.reshape(-1), send_row,
-                                              recv_slot, idx_out, **kw),
+        out = BE.combine_recv(BE.combine_send(y.reshape(L * M, H), wts.reshape(-1), route, **kw),
                               dtype=ecfg.dtype, **kw)
         if fp8:
             rows = jax.lax.bitcast_convert_type(rows, jnp.uint8)

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import jaxep  # noqa: E402
-from jaxep.backends import cuda as cuda_backend, reference  # noqa: E402
+from jaxep.backends import Route, Sizes, cuda as cuda_backend, reference  # noqa: E402
 from tests import oracle  # noqa: E402
 
 # JAXEP_WORKER_EMULATE=R: one process, R CPU devices, reference backend, checks the shard of rank
@@ -190,13 +190,16 @@ def case_ops(name, cfg, *, T, H, K, E, C, dtype, routing, bad_frac=0.0, seed=0):
                                dispatch_wire_dtype=DISPATCH_WIRE if fp8_wire else None)
 
     be = reference if EMULATE else cuda_backend
+    # What the ops would resolve for this call (R, G, L and the capacity C of the case).
+    sizes = Sizes(ep=R, node=G, local_experts=E // R, rows=C)
+    kw = dict(axis_name="ep", config=ecfg, sizes=sizes)
 
     def body(x, idx, w, y, g, v):
-        rows, wts, gsz, send_row, recv_slot, idx_out, stats = be.dispatch(
-            x, idx, w, axis_name="ep", config=ecfg, capacity=C)
-        out = be.combine(y, wts, send_row, recv_slot, idx_out, axis_name="ep", config=ecfg)
-        rows_g = be.dispatch_rows(g, recv_slot, send_row, idx_out, axis_name="ep", config=ecfg)
-        back = be.gather_back(v, send_row, recv_slot, idx_out, axis_name="ep", config=ecfg)
+        rows, wts, gsz, send_row, recv_slot, idx_out, stats = be.dispatch(x, idx, w, **kw)
+        route = Route(send_row, recv_slot, idx_out)
+        out = be.combine(y, wts, route, **kw)
+        rows_g = be.dispatch_rows(g, route, **kw)
+        back = be.gather_back(v, route, **kw)
         return rows, wts, gsz, send_row, recv_slot, idx_out, stats, out, rows_g, back
 
     f = smap(body, 6, 10)

@@ -423,15 +423,16 @@ def test_dispatch_over_the_fp8_wire_bitwise(case, dtype_name):
   import sys
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import oracle  # pylint: disable=g-import-not-at-top
-  from jaxep.backends import cuda as cuda_backend  # pylint: disable=g-import-not-at-top
+  from jaxep.backends import Sizes, cuda as cuda_backend  # pylint: disable=g-import-not-at-top
   name, t, k, e, h, cap, routing = case
   c = t * k + 3 if cap is None else cap
   dtype = DTYPES[dtype_name]
   x, idx, w = make_inputs(0, t, k, e, h, dtype, routing)
   conf = jaxep.Config(num_experts=e, topk=k, hidden=h, max_tokens_per_rank=max(t, 1),
                       dtype=jnp.dtype(dtype).name, dispatch_wire_dtype="float8_e4m3fn")
+  sizes = Sizes(ep=1, node=1, local_experts=e, rows=c)  # one rank: every expert local, C = c
   got = jax.jit(lambda a, b, d: cuda_backend.dispatch(
-      a, b, d, axis_name="ep", config=conf, capacity=c))(jnp.asarray(x), jnp.asarray(idx),
+      a, b, d, axis_name="ep", config=conf, sizes=sizes))(jnp.asarray(x), jnp.asarray(idx),
                                                           jnp.asarray(w))
   want = oracle_dispatch(oracle.fp8_wire([x], np.dtype(x.dtype))[0] if t else x, idx, w,
                          num_experts=e, capacity=c)
