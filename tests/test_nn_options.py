@@ -130,6 +130,23 @@ def test_callable_activation_params_dict_and_dropless_default():
     assert tuple(full.params_dict()) == jaxep.nn.PARAM_NAMES
 
 
+def test_bfloat16_with_biases_shared_experts_and_bf16_router():
+    """bf16 compute with every weight kind and a bf16 router matmul: the layer equals its dense
+    reference (which rounds the same inputs to bf16) within bf16 rounding of the outputs."""
+    moe = MoE(H, F, E, K, mesh=_mesh(2), dtype=jnp.bfloat16, router_dtype=jnp.bfloat16,
+              router_bias=True, expert_bias=True, activation="gpt_oss", shared_ffn=8,
+              score_fn="softmax_after_topk", bias_init=nnx.initializers.normal(0.3),
+              rngs=nnx.Rngs(2))
+    x = _x(10).astype(jnp.bfloat16)
+    y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
+    y_ref, aux_ref = moe.reference(x)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(aux["expert_counts"], aux_ref["expert_counts"])
+    top = float(np.max(np.abs(np.asarray(y_ref, np.float32))))
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=0,
+                               atol=2 ** -6 * top)
+
+
 def _docs_block(heading):
     """The python block under `heading` in docs/nn.md."""
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "nn.md")) as f:
