@@ -101,8 +101,9 @@ _COMPARE = flags.DEFINE_bool("compare_backends", False,
                              "(same flags, seed and device; --ep defaults to 1), and print both "
                              "tokens/s and their ratio")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute/payload dtype")
-_CF = flags.DEFINE_float("capacity_factor", 1.25, "receive capacity factor; 0 = never drop (the "
-                         "layer's default: R * T * K receive rows per rank, ~3x slower here on CPU)",
+_CF = flags.DEFINE_float("capacity_factor", 1.25, "receive capacity factor; 0 = never drop "
+                         "(the layer's default: R * T * K receive rows per rank, ~3x slower here "
+                         "on CPU)",
                          lower_bound=0.0)
 _LB = flags.DEFINE_float("lb_weight", 1e-2, "weight of the load-balancing loss", lower_bound=0.0)
 _LR = flags.DEFINE_float("lr", 3e-3, "peak learning rate", lower_bound=0.0)

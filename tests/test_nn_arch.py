@@ -47,14 +47,16 @@ def deepseek_v3(p, x, *, topk, groups, topk_groups, scale):
     def token(u):
         s = jax.nn.sigmoid(jnp.dot(u, p["e"], precision=HP))
         c = s + p["b"]
-        group_of = jnp.arange(E) // (E // groups)
-        group_score = jnp.stack([jnp.sum(jnp.sort(c[i * (E // groups):(i + 1) * (E // groups)])[-2:])
+        size = E // groups
+        group_of = jnp.arange(E) // size
+        group_score = jnp.stack([jnp.sum(jnp.sort(c[i * size:(i + 1) * size])[-2:])
                                  for i in range(groups)])
         kept_groups = jnp.argsort(-group_score)[:topk_groups]
         allowed = jnp.any(group_of[:, None] == kept_groups[None, :], axis=1)
         chosen = jnp.argsort(-jnp.where(allowed, c, -jnp.inf))[:topk]
         g = s[chosen] / jnp.sum(s[chosen]) * scale
-        routed = _mix(p, u, chosen, g, lambda p, e, u: _swiglu(p["w1"][e], p["w3"][e], p["w2"][e], u))
+        routed = _mix(p, u, chosen, g,
+                      lambda p, e, u: _swiglu(p["w1"][e], p["w3"][e], p["w2"][e], u))
         return routed + _swiglu(p["s1"], p["s3"], p["s2"], u), chosen
 
     return jax.vmap(token)(x)
@@ -218,8 +220,8 @@ def test_layer_matches_the_published_math(arch, R):
     (loss_ref, (y_ref, chosen)), (g_ref, g_x_ref) = _dense_result(arch, key)
 
     assert int(np.sum(aux["dropped_rows"])) == 0  # the default capacity never drops
-    np.testing.assert_array_equal(np.asarray(aux["expert_counts"]),
-                                  np.bincount(np.asarray(chosen).ravel(), minlength=moe.num_experts))
+    counts = np.bincount(np.asarray(chosen).ravel(), minlength=moe.num_experts)
+    np.testing.assert_array_equal(np.asarray(aux["expert_counts"]), counts)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_x_ref), rtol=1e-4, atol=1e-5)

@@ -111,7 +111,8 @@ def _check_sizes(**sizes: Any) -> None:
 
 
 def _to_spec(tree: Any, mesh: Mesh, specs: Any) -> Any:
-    """Reshards arrays to `specs` on a mesh with Explicit axes (shard_map reshards Auto axes itself)."""
+    """Reshards arrays to `specs` on a mesh with Explicit axes (shard_map reshards Auto axes
+    itself)."""
     if all(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         return tree
     return jax.tree.map(lambda a, sp: jax.reshard(a, NamedSharding(mesh, sp)), tree, specs)

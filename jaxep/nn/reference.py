@@ -79,7 +79,7 @@ def moe_reference(params: dict[str, Array], x: Array, *, topk: int, score_fn: st
         y = y + _dense_shared(x, params, act, dtype)
     st = routing_stats(routed, num_experts)
     n = x.shape[0]
-    aux = dict(load_balancing_loss=load_balancing_loss(st["expert_counts"], st["prob_sum"], n, topk),
-               router_z_loss=router_z_loss(st["z_sum"], n), expert_counts=st["expert_counts"],
-               topk_idx=routed.idx, topk_weights=routed.weights)
+    lb = load_balancing_loss(st["expert_counts"], st["prob_sum"], n, topk)
+    aux = dict(load_balancing_loss=lb, router_z_loss=router_z_loss(st["z_sum"], n),
+               expert_counts=st["expert_counts"], topk_idx=routed.idx, topk_weights=routed.weights)
     return y.reshape(shape), aux

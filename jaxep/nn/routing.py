@@ -2,7 +2,7 @@
 
 Per token t with logits z = x @ router (+ router_bias), computed in `router_dtype`, then f32:
 
-    scores s   = softmax(z) | sigmoid(z) | z            (score_fn: softmax | sigmoid | softmax_after_topk)
+    scores s   = softmax(z) | sigmoid(z) | z     (score_fn: softmax | sigmoid | softmax_after_topk)
     choice c   = s + selection_bias                     (picks experts; never enters a weight)
     groups     : c split into num_groups groups of E / num_groups experts; a group's score is the
                  sum of its 2 highest c; the topk_groups best groups stay, the others' c = -inf

@@ -1,4 +1,4 @@
-"""Where the MoE layer's arrays live on the mesh (`MoEShardingConfig`) and the specs derived from it.
+"""Where the MoE layer's arrays live on the mesh (`MoEShardingConfig`), and the specs derived.
 
 Every parameter is annotated with a full-rank PartitionSpec (one entry per dim), so that
 `nnx.vmap` / `nnx.scan` with `transform_metadata` can insert and remove the stacked dim.
@@ -64,7 +64,8 @@ class MoEShardingConfig:
 
     def __post_init__(self):
         if not isinstance(self.axis_name, str) or not self.axis_name:
-            raise TypeError(f"MoEShardingConfig: axis_name must be a non-empty str, got {self.axis_name!r}")
+            raise TypeError(f"MoEShardingConfig: axis_name must be a non-empty str, got "
+                            f"{self.axis_name!r}")
         defaults = dict(tokens=P(self.axis_name, None), router=P(None, None),
                         experts=P(self.axis_name, None, None))
         for name, default in defaults.items():
