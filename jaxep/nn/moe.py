@@ -181,8 +181,8 @@ class MoE(nnx.Module):
         experts can be chosen (default topk_groups = num_groups: no limit).
       routed_scaling_factor: multiplies the K weights (after renormalization).
       router_dtype: dtype of the router matmul (default f32; scores are always f32).
-      activation: "silu" (silu(gate) * up, default) | "gpt_oss" (`experts.gpt_oss_glu`) | a
-        callable (gate, up) -> a on f32 arrays.
+      activation: "silu" (silu(gate) * up, default) | "gpt_oss" (`experts.gpt_oss_glu`) | an
+        elementwise callable (gate, up) -> a on f32 arrays.
       expert_bias: biases b_gate, b_up [E,F] and b_down [E,H] on each expert's projections.
       shared_ffn: Fs, the hidden width of shared experts run on every token (None: none); for
         S shared experts of width F each, Fs = S * F.
