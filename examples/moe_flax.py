@@ -15,6 +15,8 @@ Commands:
     python examples/moe_flax.py --short     # what CI runs (< 2 minutes on 2 cores)
     python examples/moe_flax.py --ep 8 --steps 500
     python examples/moe_flax.py --generate_tokens 16   # longer generation (0: none)
+    python examples/moe_flax.py --arch deepseek_v3     # the MoE block of DeepSeek-V3 (also: qwen3,
+        # mixtral, gpt_oss) at tiny sizes: its routing, activation, biases and shared experts
     python examples/moe_flax.py --backend cuda --ep 1 --dtype bfloat16   # one GPU, CUDA custom calls
     python examples/moe_flax.py --compare_backends --dtype bfloat16      # one GPU, EP 1: the same
         # training with the CUDA backend, then with the reference backend, in this one process;
@@ -59,12 +61,16 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
-from rich import progress as rp  # noqa: E402
-from rich.console import Console  # noqa: E402
+
+try:  # flax and optax: the [nn] extra; absl-py and rich: the [bench] extra
+    import optax  # noqa: E402
+    from absl import app, flags  # noqa: E402
+    from flax import nnx  # noqa: E402
+    from rich import progress as rp  # noqa: E402
+    from rich.console import Console  # noqa: E402
+except ModuleNotFoundError as e:
+    raise SystemExit(f"moe_flax: needs {e.name}: pip install -e '.[nn,bench]'") from e
 
 import jaxep  # noqa: E402
 import jaxep.nn  # noqa: E402
@@ -78,8 +84,14 @@ _VOCAB = flags.DEFINE_integer("vocab", 64, "vocabulary size", lower_bound=16, up
 _D = flags.DEFINE_integer("d_model", 64, "model width H", lower_bound=8)
 _HEADS = flags.DEFINE_integer("heads", 4, "attention heads", lower_bound=1)
 _LAYERS = flags.DEFINE_integer("layers", 2, "transformer blocks", lower_bound=1, upper_bound=64)
-_E = flags.DEFINE_integer("experts", 8, "experts per MoE layer (divisible by --ep)", lower_bound=1)
-_K = flags.DEFINE_integer("topk", 2, "experts per token", lower_bound=1)
+_ARCH = flags.DEFINE_enum("arch", "default", ["default", "deepseek_v3", "qwen3", "mixtral",
+                                                "gpt_oss"],
+                          "the MoE block's design: jaxep.nn.MoE's defaults, or that model's "
+                          "routing, activation, biases and shared experts (docs/nn.md's table)")
+_E = flags.DEFINE_integer("experts", None, "experts per MoE layer (divisible by --ep; default 8, "
+                          "16 with --arch deepseek_v3)", lower_bound=1)
+_K = flags.DEFINE_integer("topk", None, "experts per token (default 2, 4 with --arch deepseek_v3 "
+                          "or gpt_oss)", lower_bound=1)
 _F = flags.DEFINE_integer("ffn", 128, "hidden width F of each expert", lower_bound=1)
 _EP = flags.DEFINE_integer("ep", None, "EP size (default: 4, or 1 with --backend cuda)",
                            lower_bound=1, upper_bound=1024)
@@ -89,7 +101,9 @@ _COMPARE = flags.DEFINE_bool("compare_backends", False,
                              "(same flags, seed and device; --ep defaults to 1), and print both "
                              "tokens/s and their ratio")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute/payload dtype")
-_CF = flags.DEFINE_float("capacity_factor", 1.25, "receive capacity factor; 0 = never drop",
+_CF = flags.DEFINE_float("capacity_factor", 1.25, "receive capacity factor; 0 = never drop "
+                         "(the layer's default: R * T * K receive rows per rank, ~3x slower here "
+                         "on CPU)",
                          lower_bound=0.0)
 _LB = flags.DEFINE_float("lb_weight", 1e-2, "weight of the load-balancing loss", lower_bound=0.0)
 _LR = flags.DEFINE_float("lr", 3e-3, "peak learning rate", lower_bound=0.0)
@@ -125,6 +139,28 @@ def make_batch(rng: np.random.Generator, batch: int, length: int, vocab: int,
 
 # ----------------------------------------------------------------------------------------------
 # Model.
+
+# Each model's MoE block as jaxep.nn.MoE arguments (docs/nn.md), with its experts / topk at tiny
+# sizes; "selection_bias_rate" is DeepSeek-V3's balancing update per step (0: none).
+ARCHS = {
+    "default": dict(experts=8, topk=2, moe=dict(), selection_bias_rate=0.0),
+    "deepseek_v3": dict(experts=16, topk=4, selection_bias_rate=1e-3, moe=dict(
+        score_fn="sigmoid", selection_bias=True, num_groups=4, topk_groups=2,
+        routed_scaling_factor=2.5, shared_ffn="ffn")),
+    "qwen3": dict(experts=8, topk=2, selection_bias_rate=0.0, moe=dict(score_fn="softmax",
+                                                                       renormalize=True)),
+    "mixtral": dict(experts=8, topk=2, selection_bias_rate=0.0,
+                    moe=dict(score_fn="softmax_after_topk")),
+    "gpt_oss": dict(experts=8, topk=4, selection_bias_rate=0.0, moe=dict(
+        score_fn="softmax_after_topk", router_bias=True, expert_bias=True, activation="gpt_oss")),
+}
+
+
+def arch_settings() -> tuple[int, int, dict, float]:
+    """(experts, topk, MoE kwargs, selection-bias rate) of --arch, --experts / --topk winning."""
+    a = ARCHS[_ARCH.value]
+    kw = {k: (_F.value if v == "ffn" else v) for k, v in a["moe"].items()}
+    return _E.value or a["experts"], _K.value or a["topk"], kw, a["selection_bias_rate"]
 
 class Block(nnx.Module):
     """Pre-norm block: causal self-attention, then the jaxep MoE FFN."""
@@ -167,13 +203,15 @@ class MoELM(nnx.Module):
         return self.embed(tokens) + self.pos(jnp.arange(tokens.shape[1]))[None]
 
     def __call__(self, tokens):
+        """(logits, mean load-balancing loss, mean drop fraction, each block's expert counts)."""
         h = self.embed_tokens(tokens)
-        lb, drop = 0.0, 0.0
+        lb, drop, counts = 0.0, 0.0, []
         for block in self.blocks:
             h, aux = block(h)
             lb, drop = lb + aux["load_balancing_loss"], drop + aux["drop_fraction"]
+            counts.append(aux["expert_counts"])
         n = len(self.blocks)
-        return self.head(self.norm(h)).astype(jnp.float32), lb / n, drop / n
+        return self.head(self.norm(h)).astype(jnp.float32), lb / n, drop / n, counts
 
     def decode(self, tokens, pos):
         """Logits [B, 1, V] of the next token after `tokens` [B, 1] at position `pos` (a scalar),
@@ -188,15 +226,18 @@ class MoELM(nnx.Module):
             block.attn.init_cache((batch, length, block.attn.in_features), dtype)
 
 
-@nnx.jit(static_argnames=("lb_weight",))
-def train_step(model, optimizer, tokens, lb_weight):
+@nnx.jit(static_argnames=("lb_weight", "bias_rate"))
+def train_step(model, optimizer, tokens, lb_weight, bias_rate=0.0):
     def loss_fn(model):
-        logits, lb, drop = model(tokens[:, :-1])
+        logits, lb, drop, counts = model(tokens[:, :-1])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-        return ce + lb_weight * lb, (ce, lb, drop)
+        return ce + lb_weight * lb, (ce, lb, drop, counts)
 
-    grads, (ce, lb, drop) = nnx.grad(loss_fn, has_aux=True)(model)
+    grads, (ce, lb, drop, counts) = nnx.grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
+    if bias_rate:  # DeepSeek-V3's auxiliary-loss-free balancing: outside the gradient
+        for block, c in zip(model.blocks, counts):
+            block.moe.update_selection_bias(c, bias_rate)
     return ce, lb, drop
 
 
@@ -270,10 +311,11 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
     # Generation: a few sequences (a multiple of the EP size), so gen_batch / ep tokens per rank
     # per decode step; that is the decode config's max_tokens_per_rank (M = ep * it: no drops).
     gen_batch = ep * max(2, -(-4 // ep))
-    decode_config = jaxep.Config(_E.value, _K.value, _D.value, gen_batch // ep,
+    experts, topk, arch_kw, bias_rate = arch_settings()
+    decode_config = jaxep.Config(experts, topk, _D.value, gen_batch // ep,
                                  mode="low_latency", dtype=dtype.name)
-    moe_kw = dict(ffn=_F.value, num_experts=_E.value, topk=_K.value, mesh=mesh, backend=backend,
-                  capacity_factor=_CF.value or None, decode_config=decode_config)
+    moe_kw = dict(ffn=_F.value, num_experts=experts, topk=topk, mesh=mesh, backend=backend,
+                  capacity_factor=_CF.value or None, decode_config=decode_config, **arch_kw)
     model = MoELM(_VOCAB.value, _SEQ.value, _D.value, _HEADS.value, _LAYERS.value, moe_kw,
                   rngs=nnx.Rngs(_SEED.value), dtype=dtype)
     schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, max(1, steps // 10), steps,
@@ -292,13 +334,23 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
         return jax.make_array_from_callback(b.shape, tokens_sharding, lambda i: b[i])
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    moe = model.blocks[0].moe
+    tokens_per_rank = _BATCH.value * _SEQ.value // ep
+    capacity = moe.ep_config(tokens_per_rank).capacity(ep)
     print(f"moe_flax: devices={jax.device_count()}x{jax.devices()[0].platform} ep={ep} "
           f"backend={backend or 'auto'} dtype={dtype.name} layers={_LAYERS.value} d={_D.value} "
-          f"experts={_E.value} topk={_K.value} ffn={_F.value} batch={_BATCH.value}x{_SEQ.value} "
-          f"capacity_factor={_CF.value or None} steps={steps} params={n_params}", flush=True)
+          f"arch={_ARCH.value} experts={experts} topk={topk} ffn={_F.value} "
+          f"batch={_BATCH.value}x{_SEQ.value} steps={steps} params={n_params}", flush=True)
+    worst = ep * tokens_per_rank * topk
+    print(f"moe_flax: MoE {', '.join(f'{k}={v}' for k, v in arch_kw.items()) or 'defaults'}; "
+          f"capacity {capacity} receive rows per rank: "
+          + (f"--capacity_factor={_CF.value} drops the rows past it (the layer's default, "
+             f"capacity_factor=None, is dropless: R * T * K = {worst} rows; --capacity_factor 0)"
+             if _CF.value else f"dropless, R * T * K = {ep} * {tokens_per_rank} * {topk}"),
+          flush=True)
 
     with jax.set_mesh(mesh):
-        result = _train_and_check(model, optimizer, batch, steps, dtype)
+        result = _train_and_check(model, optimizer, batch, steps, dtype, bias_rate)
         result["generate_ok"] = True
         if _GEN.value:
             rng = np.random.default_rng((_SEED.value, 2**31 - 1))  # not a training step
@@ -307,13 +359,13 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
         return result
 
 
-def _train(model, optimizer, batch, steps, bar):
+def _train(model, optimizer, batch, steps, bar, bias_rate):
     """The training loop; returns (losses, drop fractions, compile seconds, t0 after step 1)."""
     losses, drops, pending = [], [], []
     t_compile = time.perf_counter()
     t0 = None
     for step in range(1, steps + 1):
-        pending.append(train_step(model, optimizer, batch(step), _LB.value))
+        pending.append(train_step(model, optimizer, batch(step), _LB.value, bias_rate))
         # Read the results back (a host sync) only every 10 steps, so the device runs ahead of the
         # Python loop and tokens/s measures the steps, not one host round trip per step.
         if step > 1 and step % 10 and step != steps:
@@ -330,9 +382,9 @@ def _train(model, optimizer, batch, steps, bar):
     return losses, drops, t_compile, t0
 
 
-def _train_and_check(model, optimizer, batch, steps, dtype) -> dict:
+def _train_and_check(model, optimizer, batch, steps, dtype, bias_rate) -> dict:
     with Progress(steps) as bar:
-        losses, drops, t_compile, t0 = _train(model, optimizer, batch, steps, bar)
+        losses, drops, t_compile, t0 = _train(model, optimizer, batch, steps, bar, bias_rate)
     tok_s = (steps - 1) * _BATCH.value * _SEQ.value / (time.perf_counter() - t0) if steps > 1 else 0
     first, last = losses[0], float(np.mean(losses[-min(10, steps):]))
     print(f"loss: first {first:.4f}, last (mean of last {min(10, steps)} steps) {last:.4f}; "

@@ -154,7 +154,7 @@ def test_bfloat16():
 def test_errors():
     with pytest.raises(ValueError, match="divisible by the EP size"):
         MoE(H, F, 6, K, mesh=_mesh(4), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="experts must be P"):
+    with pytest.raises(ValueError, match="experts dim 0 must be the EP axis alone"):
         MoEShardingConfig(experts=P(None, "ep"))
     with pytest.raises(ValueError, match="tokens dim 0 must include"):
         MoEShardingConfig(tokens=P("data"))
@@ -220,3 +220,25 @@ def test_example_on_a_terminal_rich_progress_and_no_tpu_probe_line():
     assert re.search(r"generate check \(first step's logits.*max \|diff\| = [\d.e+-]+, "
                      r"tol [\d.e+-]+: ok", text), text[-3000:]
     assert "Unable to initialize backend" not in text, text[:3000]
+
+
+def test_example_arch_deepseek_v3():
+    """`examples/moe_flax.py --arch deepseek_v3` (sigmoid scores, selection bias updated each step,
+    group-limited top-k, routed scaling, shared experts) at its smallest: trains, passes the dense
+    check and the decode path's check. The other --arch values run the same code with other
+    arguments (tests/test_nn_arch.py checks each model's math)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.abspath(root))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "moe_flax.py"),
+                        "--arch", "deepseek_v3", "--short", "--steps", "2", "--layers", "1",
+                        "--batch", "8", "--seq_len", "8", "--generate_tokens", "1"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert ("MoE score_fn=sigmoid, selection_bias=True, num_groups=4, topk_groups=2, "
+            "routed_scaling_factor=2.5, shared_ffn=128" in out), out[-3000:]
+    assert "experts=16 topk=4" in out and ": PASS" in out and "moe_flax: OK" in out, out[-3000:]
+    assert "generate check" in out and "tol" in out and ": ok" in out, out[-3000:]

@@ -1,0 +1,94 @@
+"""One rank's share of the MoE layer, the functions `jaxep.nn.MoE` runs inside its `shard_map`:
+`moe_local` (normal mode: grouped matmuls over jaxep's expert-major rows) and `moe_local_decode`
+(low-latency mode: batched matmuls over [L, M, H] rows). Use them in your own `shard_map` for
+anything the layer does not do; their only cross-rank ops are jaxep's dispatch and combine and,
+with `tensor_axes`, the sum of the down projection's partials over those axes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+import jaxep
+from jaxep import Config
+from jaxep.nn.experts import activation_fn, batched_experts, grouped_experts, shared_mlp
+from jaxep.nn.routing import Routed, Routing, route_full, routing_stats
+
+Array = jax.Array
+
+
+def _with_shared(y: Array, x: Array, params: dict[str, Array], act: Callable, dtype: Any,
+                 tensor_axes: tuple[str, ...]) -> Array:
+    """y plus the shared experts' output on x, when the layer has shared experts."""
+    if "shared_w_gate" not in params:
+        return y
+    return y + shared_mlp(x, params, act=act, dtype=dtype, tensor_axes=tensor_axes)
+
+
+def _route(params: dict[str, Array], x: Array, routing: Routing) -> Routed:
+    return route_full(x, params["router"], routing, params.get("router_bias"),
+                      params.get("selection_bias"))
+
+
+def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: Config,
+              axis_name: str, backend: str | None = None, activation: str | Callable = "silu",
+              tensor_axes: tuple[str, ...] = ()) -> tuple[Array, dict[str, Array]]:
+    """One rank's share of the layer; call inside `jax.shard_map` over `axis_name`.
+
+    Args:
+      params: the names of `MoE.params_dict()`: "router" [H,E] (whole), "w_gate"/"w_up" [L,H,F'],
+        "w_down" [L,F',H], "b_gate"/"b_up" [L,F'], "b_down" [L,H] (this rank's experts; F' the
+        slice of F on this device's `tensor_axes`), optional router_bias, selection_bias and
+        shared_w_* ([H,Fs'], [Fs',H]).
+      x: [T,H] this rank's tokens, in the compute dtype `routing.dtype`.
+    Returns:
+      y [T,H] and per-rank statistics, each with a leading dim of 1 (concatenate over ranks):
+      "expert_counts" [1,E] int32, "prob_sum" [1,E] f32, "z_sum" [1] f32, "dropped_rows" [1]
+      int32, "invalid_ids" [1] int32; and "kept" [T,K] bool (per token, not per rank): the
+      (token, k) pairs that reached their expert (False: dropped for capacity or masked).
+    """
+    routed = _route(params, x, routing)
+    res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
+                         backend=backend)
+    act = activation_fn(activation)
+    rows = grouped_experts(res.x, params, res.group_sizes, res.expert, act=act,
+                           dtype=routing.dtype, tensor_axes=tensor_axes)
+    y = jaxep.combine(rows, res.handle, axis_name=axis_name, config=config)
+    y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
+    return y, _layer_stats(routed, routing, res)
+
+
+def _layer_stats(routed: Routed, routing: Routing, res) -> dict[str, Array]:
+    """The per-rank aux of both paths: routing sums, the dispatch's stats and the kept slots."""
+    st = routing_stats(routed, routing.num_experts)
+    return dict(expert_counts=st["expert_counts"][None], prob_sum=st["prob_sum"][None],
+                z_sum=st["z_sum"].reshape(1),
+                dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
+                invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
+                kept=res.handle.send_row >= 0)
+
+
+def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, config: Config,
+                     axis_name: str, backend: str | None = None,
+                     activation: str | Callable = "silu",
+                     tensor_axes: tuple[str, ...] = ()) -> tuple[Array, dict[str, Array]]:
+    """`moe_local` through the low-latency mode (`config.mode == "low_latency"`): the decode path.
+
+    Same arguments and results as `moe_local`. dispatch returns this rank's rows as [L, M, H]
+    (fp8 rows are dequantized to the compute dtype when `config.fp8_dispatch`); the experts run as
+    batched matmuls over all M rows of each expert (biases only on rows below counts[l]; the
+    combine reads only those); `jaxep.combine` sums the rows back in jaxep's fixed order.
+    "dropped_rows" counts the rows of an expert past M.
+    """
+    routed = _route(params, x, routing)
+    res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
+                         backend=backend)
+    rows = res.x if res.scales is None else jaxep.dequantize_fp8(res.x, res.scales, routing.dtype)
+    act = activation_fn(activation)
+    out = batched_experts(rows, params, res.counts, act=act, dtype=routing.dtype,
+                          tensor_axes=tensor_axes)
+    y = jaxep.combine(out, res.handle, axis_name=axis_name)
+    y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
+    return y, _layer_stats(routed, routing, res)
