@@ -29,6 +29,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import tarfile
 import tempfile
@@ -287,6 +288,19 @@ def replay(path: str, nodes: int | None = None) -> dict:
                 findings=topo["findings"] + q["findings"] + moved)
 
 
+def _bond_text(bond: dict | None, nics: list, name: str) -> str:
+    """"; bond0 802.3ad: 2 of 2 members up, 400 + 400 Gb/s, RDMA sees 800 Gb/s" or ""."""
+    if not bond or not bond.get("bonding"):
+        return ""
+    b = bond["bonding"]
+    up = [g for ok, g in b["members"].values() if ok]
+    rate = next((n["rate_gbps"] for n in nics if n["name"] == name), None)
+    mode = re.search(r"802\.3ad|active-backup|balance-\w+|broadcast", b["mode"] or "")
+    return (f"; {bond['name']} {mode.group(0) if mode else '?'}: {len(up)} of {len(b['members'])} "
+            f"members up, {' + '.join(f'{g:g}' for g in up if g) or '?'} Gb/s, RDMA sees "
+            f"{f'{rate:g}' if rate else '?'} Gb/s")
+
+
 def format_replay(d: dict) -> str:
     """The replay as text: where the record came from, what NVSHMEM makes of it, the findings."""
     v = d["versions"]
@@ -294,11 +308,13 @@ def format_replay(d: dict) -> str:
              f"{v.get('kernel')}, packages {v.get('packages')})",
              "NVSHMEM variables as recorded: " + (", ".join(f"{k}={x}" for k, x in
                                                            d["environ"].items()) or "none")]
+    if not d["topology"]["nics"]:
+        lines.append("  no RDMA NIC in the record's /sys/class/infiniband")
     lines += [f"  {line}" for line in d["topology"]["report"]]
     for n in d["qos"]["nics"]:
         lines.append(f"  {n['nic']} ({', '.join(n['interfaces'])}): trust {n['trust'] or '?'}, "
                      f"PFC on {n['pfc'] if n['pfc'] is not None else '?'}; NVSHMEM's traffic: "
-                     f"{n['how']}")
+                     f"{n['how']}" + _bond_text(n.get("bond"), d["topology"]["nics"], n["nic"]))
     lines.append("problems:" if d["findings"] else "problems: none")
     lines += [f"  [{p['level']}] {p['what']} -> {p['hint']}" for p in d["findings"]]
     return "\n".join(lines)
