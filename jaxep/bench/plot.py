@@ -63,7 +63,8 @@ def _rows(r: dict, op: str) -> list[dict]:
             row.update(value_s=l["floor_s"], note=f"{_fmt_ms(l['floor_s'])} = {100 * share:.3g}% of "
                        "measured" + ("  <- BOUNDS THE OP" if row["bound"] else ""))
         rows.append(row)
-    return rows
+    from jaxep.bench import wire  # pylint: disable=g-import-not-at-top
+    return rows + wire.plot_rows(r, op)  # the NICs' counters, or why none
 
 
 def _titles(r: dict) -> tuple[str, str, str | None]:
