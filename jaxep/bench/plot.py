@@ -20,7 +20,7 @@ import textwrap
 from jaxep.bench import report
 
 COLORS = dict(measured="#1f77b4", copy="#7f7f7f", payload_copy="#b0b0b0", reference="#9467bd",
-              nvlink="#2ca02c", rdma="#ff7f0e", hbm="#8c564b")
+              nvlink="#2ca02c", rdma="#ff7f0e", hbm="#8c564b", wire="#d62728")
 TITLE_PT, SUB_PT, AX_TITLE_PT, LABEL_PT, VALUE_PT = 14, 11, 12, 10, 10
 
 

@@ -27,8 +27,8 @@ HEADER_BYTES = 62     # RoCE v2 per packet: Ethernet 14 + FCS 4 + IPv4 20 + UDP 
 RDMA_MTUS = (4096, 2048, 1024, 512, 256)
 NO_NIC = ("no RDMA NIC on this machine (/sys/class/infiniband is empty): the bench read no wire "
           "counters")
-EMULATED = ("emulated links (CPU devices, or ranks sharing a GPU): no byte of the run crossed a "
-            "NIC, so the wire counters were not read")
+EMULATED = ("emulated links (the header says why): no byte of the run crossed a NIC, so the "
+            "wire counters were not read")
 
 
 def rdma_mtu(netdev_mtu: int | None) -> int:
@@ -212,7 +212,7 @@ def plot_rows(r: dict, op: str) -> list[dict]:
         return []
     rows = [x for x in w["rows"] if x["op"] == op and x["wire_bytes_per_call"] is not None]
     if not rows:
-        return [dict(kind="wire", key="rdma", label="wire (NIC counters)", value_s=None,
+        return [dict(kind="wire", key="wire", label="wire (NIC counters)", value_s=None,
                      bound=False, note=w["note"] if not w["available"] else "no counter window")]
     x = max(rows, key=lambda row: row["wire_bytes_per_call"])
     at_line = (x["wire_bytes_per_call"] / (x["line_rate_gbps"] * 1e9)
@@ -220,5 +220,5 @@ def plot_rows(r: dict, op: str) -> list[dict]:
     note = (f"{_mb(x['wire_bytes_per_call'])} MB/call on {x['nic']} (GPU {x['gpu']}): "
             f"{x['wire_gbps']:.3g} GB/s = {_pct(x['line_rate_fraction'])} of line rate; model "
             f"{_mb(x['model_bytes_per_call'])} MB" + (f"; {x['flag']}" if x["flag"] else ""))
-    return [dict(kind="wire", key="rdma", label="wire: NIC counters\n(busiest GPU, at line rate)",
+    return [dict(kind="wire", key="wire", label="wire: NIC counters\n(busiest GPU, at line rate)",
                  value_s=at_line, bound=False, note=note)]
