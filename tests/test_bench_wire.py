@@ -4,7 +4,7 @@ whose counters change between the two reads, and on a hand-made op report; no NI
 import os
 import shutil
 
-from jaxep.bench import checklist, plot, report, wire
+from jaxep.bench import checklist, report, wire
 from jaxep.doctor import record
 
 SEED = os.path.join(os.path.dirname(__file__), "fixtures", "topology", "seed_node")

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import tarfile
 import tempfile
 import time
