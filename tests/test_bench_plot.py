@@ -62,7 +62,8 @@ def test_cpu_plot_content(result, tmp_path):
             kinds = [(row["kind"], row["key"]) for row in d["rows"]]
             assert kinds == [("measured", "measured"), ("baseline", "copy"),
                              ("baseline", "payload_copy"), ("floor", "nvlink"), ("floor", "rdma"),
-                             ("floor", "hbm")]  # the backend is the reference: no reference bar
+                             ("floor", "hbm"), ("wire", "wire")]  # no reference bar (it is the
+            # backend); the wire row says why no NIC was read (jaxep.bench.wire)
             assert any("intra-node (emulated)" in l for l in labels)
             assert any("inter-node (emulated)" in l for l in labels)
             # One bar per row with a value, none of zero length, each labelled with its value.

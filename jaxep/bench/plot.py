@@ -20,7 +20,7 @@ import textwrap
 from jaxep.bench import report
 
 COLORS = dict(measured="#1f77b4", copy="#7f7f7f", payload_copy="#b0b0b0", reference="#9467bd",
-              nvlink="#2ca02c", rdma="#ff7f0e", hbm="#8c564b")
+              nvlink="#2ca02c", rdma="#ff7f0e", hbm="#8c564b", wire="#d62728")
 TITLE_PT, SUB_PT, AX_TITLE_PT, LABEL_PT, VALUE_PT = 14, 11, 12, 10, 10
 
 
@@ -63,7 +63,8 @@ def _rows(r: dict, op: str) -> list[dict]:
             row.update(value_s=l["floor_s"], note=f"{_fmt_ms(l['floor_s'])} = {100 * share:.3g}% of "
                        "measured" + ("  <- BOUNDS THE OP" if row["bound"] else ""))
         rows.append(row)
-    return rows
+    from jaxep.bench import wire  # pylint: disable=g-import-not-at-top
+    return rows + wire.plot_rows(r, op)  # the NICs' counters, or why none
 
 
 def _titles(r: dict) -> tuple[str, str, str | None]:

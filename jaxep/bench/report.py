@@ -302,9 +302,17 @@ def _lines(r: dict) -> list[str]:
     return lines + model_lines(r) + [f"note: {n}" for n in r["notes"]]
 
 
+def _wire_and_checks(r: dict) -> list:
+    """The NICs' counters (jaxep.bench.wire) and, with a preset, what to check on a cluster."""
+    from jaxep.bench import checklist, wire  # pylint: disable=g-import-not-at-top
+    out = wire.renderables(r)
+    return ([""] + out if out else []) + [""] * bool(r.get("cluster_checks")) + checklist.lines(r)
+
+
 def renderables(r: dict) -> list:
     """What `print_report` prints, after the header."""
     out = [time_table(r), "", link_table(r), "", baseline_table(r), ""] + _lines(r)
+    out += _wire_and_checks(r)
     if r.get("sweep") is not None:
         out += [""] + _sweep(r["sweep"])
     return out
@@ -324,7 +332,8 @@ def print_report(r: dict, con: Console | None = None) -> None:
 
 def table(r: dict) -> str:
     """The tables and lines under the header, as plain text (the sweep is `sweep_table`)."""
-    return _text(time_table(r), "", link_table(r), "", baseline_table(r), "", *_lines(r))
+    return _text(time_table(r), "", link_table(r), "", baseline_table(r), "", *_lines(r),
+                 *_wire_and_checks(r))
 
 
 def _sweep(s: dict) -> list:

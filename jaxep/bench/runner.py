@@ -32,7 +32,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxep
 from jaxep import backends, runtime
-from jaxep.bench import accounting, check, figures, peaks, routing, timing
+from jaxep.bench import accounting, check, figures, peaks, routing, timing, wire
+from jaxep.bench import checklist
+from jaxep.doctor import topology
 from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS, fp8_row_bytes
 
 SCHEMA_VERSION = 1
@@ -163,14 +165,19 @@ class _Ops:
         multi = backend == "cuda" and mesh.size > 1
         self.calls = {"dispatch": 1, "combine": 1, "both": 2} if multi else {op: 0 for op in OPS}
 
-    def time(self, bc, x, idx, w, res, stage=lambda what: None, name=""):
+    def time(self, bc, x, idx, w, res, stage=lambda what: None, name="", probe=None):
+        """Per op timings; probe (jaxep.bench.wire.Probe): the NICs read around the samples."""
         args = {"dispatch": (x, idx, w), "combine": (res.x, res.handle), "both": (x, idx, w)}
         out = {}
         for op in OPS:
             stage(f"timing {name}{op}")
-            out[op] = timing.over_processes(timing.time_loop(
+            stats = timing.time_loop(
                 self.loops[op], args[op], warmup=bc.warmup, iters=bc.iters, inner=bc.inner,
-                markers=self.markers[op], calls_per_op=self.calls[op]))
+                markers=self.markers[op], calls_per_op=self.calls[op],
+                counters=probe.read if probe else None)
+            if probe:
+                probe.keep(op, stats.pop("wire_window", None))
+            out[op] = timing.over_processes(stats)
             jaxep.check()  # a multi-rank kernel's timeout surfaces here (no-op without the runtime)
         return out
 
@@ -279,12 +286,31 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
         checked = check.every_process(bc, s.backend, ops, ref_ops, s.x, s.idx, s.w, s.lay, s.idx_all,
                                s.w_all, s.capacity, R, s.G)
         emit("correctness: OK (" + "; ".join(checked) + ")")
-    times, ref_times = _time_ops(s, ops, ref_ops, stage, notes)
+    probe, no_probe = _wire_probe(s)
+    times, ref_times = _time_ops(s, ops, ref_ops, stage, notes, probe)
     base = _baselines(s, stage)
     moved = _link_bytes(s)
     out_ops = _op_reports(s, ops, times, ref_times, base, moved, notes)
     notes += _traffic_notes(s, moved)
-    return _result(s, checked, base, moved, out_ops, notes, emit, stage)
+    out = _result(s, checked, base, moved, out_ops, notes, emit, stage)
+    # --- the NICs' counters (jaxep.bench.wire) and, with a preset, what to check on a cluster ---
+    payloads = timing.gather(probe.payload() if probe else None)
+    out["wire"] = wire.section([p for p in payloads or () if p], out_ops, no_probe)
+    if bc.preset:
+        out["cluster_checks"] = checklist.checks(out, checklist.doctor_findings(s.topo.num_nodes))
+    return out
+
+
+def _wire_probe(s: "_Setup"):
+    """(wire.Probe of this process's GPUs' NICs, None) or (None, why none)."""
+    if s.device.platform != "gpu":
+        return wire.probe({}, emulated=True)
+    ranks = {}
+    for r, d in enumerate(s.mesh.devices.flat):
+        if d.process_index == jax.process_index():
+            gpu = topology.physical_gpu(getattr(d, "local_hardware_id", None) or 0, os.environ)
+            ranks.setdefault(gpu, []).append(r)
+    return wire.probe(ranks, emulated=s.emulated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,12 +404,13 @@ def _platform_notes(s: _Setup) -> list:
     return notes
 
 
-def _time_ops(s: _Setup, ops, ref_ops, stage, notes):
-    """Times every op on the backend under test, then on the reference baseline when it runs;
-    adds the notes on that baseline. -> (times, ref_times or None)."""
+def _time_ops(s: _Setup, ops, ref_ops, stage, notes, probe=None):
+    """Times every op on the backend under test (its NICs read around each by `probe`), then on
+    the reference baseline when it runs; adds the notes on that baseline.
+    -> (times, ref_times or None)."""
     bc, x, idx, w = s.bc, s.x, s.idx, s.w
     res = ops.dispatch_once(x, idx, w)
-    times = ops.time(bc, x, idx, w, res, stage)
+    times = ops.time(bc, x, idx, w, res, stage, probe=probe)
     ref_times = None
     if ref_ops is not None:
         ref_res = ref_ops.dispatch_once(x, idx, w)

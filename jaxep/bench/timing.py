@@ -66,7 +66,7 @@ def compile_loop(fn, args, markers=()):
 
 
 def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: float = 0.02,
-              markers=(), calls_per_op: int = 0) -> dict:
+              markers=(), calls_per_op: int = 0, counters=None) -> dict:
     """Median/min/max seconds per op over `iters` samples of `inner` back-to-back ops each.
 
     inner=0 picks inner so that one sample takes about target_s (from a 1-iteration probe). With
@@ -78,6 +78,10 @@ def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: fl
     calls_per_op > 0 (the multi-rank CUDA backend): also reports `handler_runs_per_op`, the runs of
     jaxep's multi-rank host handlers per op during the samples, from the runtime's call counter
     (expected: calls_per_op; more means XLA ran a custom call more than once, see docs/design.md).
+
+    counters: a callable read right before and right after the timed samples (the NICs'
+    counters, jaxep.bench.wire); its two readings and the ops between them are returned as
+    `wire_window` {before, after, ops}.
     """
     fn = compile_loop(fn, args, markers)
     for _ in range(warmup):
@@ -88,11 +92,15 @@ def time_loop(fn, args, *, warmup: int, iters: int, inner: int = 0, target_s: fl
     inner = max(allgather(inner))
     barrier()
     seq0 = _handler_seq() if calls_per_op else None
+    before = counters() if counters else None
     samples = np.array([_once(fn, inner, args) / inner for _ in range(iters)])
+    window = dict(before=before, after=counters(), ops=iters * inner) if counters else None
     out = dict(median=float(np.median(samples)), min=float(samples.min()), max=float(samples.max()),
                inner=inner, samples=samples.tolist())
     if seq0 is not None:
         out["handler_runs_per_op"] = (_handler_seq() - seq0) / (iters * inner)
+    if window is not None:
+        out["wire_window"] = window
     return out
 
 

@@ -284,3 +284,19 @@ def read_driver(root: str = "/", dma_buf: bool | None = None, machine: str | Non
     return Driver(peer, dma_buf, override, gdrcopy(root),
                   platform.machine() if machine is None else machine,
                   missing_libraries() if here else None)
+
+
+# --- the network interfaces of an RDMA device ----------------------------------------------------
+
+def nic_netdevs(root: str, name: str) -> tuple[str, ...]:
+    """The network interfaces of RDMA device `name` under root, sorted: its PCI function's and
+    those its GIDs name (a RoCE bond's master among them)."""
+    return tuple(sorted(_netdevs(os.path.join(root, "sys", "class", "infiniband", name))))
+
+
+def qos_interfaces(root: str, nic: Nic) -> tuple[str, ...]:
+    """The physical interfaces whose QoS and pause counters carry `nic`'s RoCE traffic: a bond's
+    members (PFC and the trust mode are set per physical port), else its own interfaces."""
+    return nic.slaves or tuple(n for n in nic_netdevs(root, nic.name)
+                               if not os.path.isdir(os.path.join(root, "sys", "class", "net", n,
+                                                                 "bonding")))

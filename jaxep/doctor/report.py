@@ -37,7 +37,7 @@ import sys
 import psutil
 
 from jaxep import _jax_private
-from jaxep.doctor import machine, topology
+from jaxep.doctor import machine, qos, topology
 
 _ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
              "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
@@ -430,7 +430,7 @@ def _problems(f) -> list:
     if smi["available"] and not f["mps"]["daemon_running"]:
         add("info", "CUDA MPS is not running",
             "needed only for several ranks on one GPU (jaxep.launch --share-gpu starts it)")
-    for p in f["topology"]["findings"]:
+    for p in f["topology"]["findings"] + f.get("qos", {}).get("findings", []):
         add(**p)
     return out
 
@@ -448,6 +448,7 @@ def facts(nodes: int | None = None) -> dict:
                             smi.get("cuda_driver_version")),
         "infiniband": infiniband_ports(), "mps": mps(), "env": environment(),
         "topology": topology.summary(nodes=nodes),
+        "qos": qos.summary(nodes=nodes),  # RoCE QoS, bonds, idle near NICs (jaxep.doctor.qos)
     }
     f["problems"] = _problems(f)
     return f
@@ -522,13 +523,37 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=None, metavar="N",
                    help="nodes the job spans: 1 skips the internode checks, more adds the ones "
                         "that need it (e.g. NVSHMEM_REMOTE_TRANSPORT=none); default: unknown")
+    # --- record / replay (jaxep.doctor.record) ---
+    p.add_argument("--record", metavar="DIR", help="write what the doctor reads for the network "
+                   "(sysfs, nvidia-smi topo -m, NVSHMEM/NCCL variables, QoS tools, counters read "
+                   "twice) to DIR, or to an archive DIR.tar.gz; attach it to a bug report")
+    p.add_argument("--replay", metavar="DIR", help="diagnose a record (directory or archive) "
+                   "instead of this machine")
+    p.add_argument("--interval", type=float, default=2.0, metavar="S",
+                   help="--record: seconds between the two counter reads (default 2)")
     return p
+
+
+def _record_or_replay(args) -> int | None:
+    """--record / --replay: their exit status, or None when neither was asked for."""
+    from jaxep.doctor import record  # pylint: disable=g-import-not-at-top
+    if args.record:
+        print(f"doctor record written: {record.record(args.record, interval_s=args.interval)}")
+        return 0
+    if args.replay:
+        d = record.replay(args.replay, nodes=args.nodes)
+        print(json.dumps(d, indent=1, default=str) if args.json else record.format_replay(d))
+        return 1 if any(p["level"] == "error" for p in d["findings"]) else 0
+    return None
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.nodes is not None and args.nodes < 1:
         parser().error(f"--nodes must be at least 1, got {args.nodes}")
+    status = _record_or_replay(args)
+    if status is not None:
+        return status
     f = facts(nodes=args.nodes)
     print(json.dumps(f, indent=1, default=str) if args.json else format_report(f))
     return 1 if any(p["level"] == "error" for p in f["problems"]) else 0

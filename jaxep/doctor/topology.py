@@ -141,3 +141,8 @@ def summary(environ: Mapping[str, str] | None = None, root: str = "/",
                   + [_transport_line(s, drv)],
         "findings": [f._asdict() for f in findings(topo, nics, s, drv, nodes)],
     }
+
+
+def physical_gpu(local_gpu: int, environ: Mapping[str, str] | None = None) -> int:
+    """nvidia-smi's index of CUDA device `local_gpu` (through CUDA_VISIBLE_DEVICES)."""
+    return _physical(local_gpu, os.environ if environ is None else environ)

@@ -1,0 +1,87 @@
+""""What to check on your cluster", at the end of a preset's report: the link model's verdict,
+what the NICs counted (jaxep.bench.wire), then the doctor's findings that bear on it, in the order
+a person checks them: the transport, which NIC each GPU uses, the link, RoCE QoS, congestion and
+loss. `checks(result, findings)` -> [line]; `doctor_findings(nodes)` runs the doctor's network
+checks on this machine (a record's: `jaxep.doctor.record.replay(path)["findings"]`).
+"""
+from __future__ import annotations
+
+# The doctor's findings by the words they start with, in the order they are checked.
+ORDER = (
+    ("the transport", ("no GPUDirect RDMA", "GPUDirect RDMA unknown", "not loadable here",
+                       "NVSHMEM_REMOTE_TRANSPORT", "IBGDA", "no GDRCopy")),
+    ("which NIC each GPU uses", ("GPUs share a NIC", "NIC far from its GPU", "GPUs with two NICs",
+                                 "NVSHMEM names NICs", "NVSHMEM_HCA_LIST")),
+    ("the link", ("bonded NIC", "RoCE bond", "RoCE below its")),
+    ("RoCE QoS: where NVSHMEM's traffic lands", ("RoCE QoS", "RoCE traffic class",
+                                                 "RoCE GID index", "NVSHMEM_IB_GID_INDEX")),
+    ("congestion and loss while traffic ran", ("np_", "rp_", "out_of_sequence", "packet_seq_err",
+                                               "local_ack_timeout_err", "rnr_nak", "implied_nak",
+                                               "rx_", "tx_", "bytes sent per Ethernet")),
+)
+
+
+def doctor_findings(nodes: int | None) -> list[dict]:
+    """The doctor's network findings on this machine ({level, what, hint})."""
+    from jaxep.doctor import qos, topology  # pylint: disable=g-import-not-at-top
+    return topology.summary(nodes=nodes)["findings"] + qos.summary(nodes=nodes)["findings"]
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s >= 1e-5 else f"{s * 1e6:.3g} us"
+
+
+def _verdict(result: dict) -> list[str]:
+    m = result.get("model")
+    if not m:
+        return []
+    d, s = m["ops"]["dispatch"], m["seed"]
+    out = [f"the model: dispatch is bound by {d['bound_by']} on {m['hardware']['name']}; at its "
+           f"floor ({_t(d['floor_s'])}) each GPU's true cross-node bytes "
+           f"({d['bytes_per_rank_max']['rdma'] / 1e6:.3g} MB) move at line rate"]
+    if s.get("seed_time_s"):
+        out.append(f"the seed's run took {_t(s['seed_time_s'])} on this routing: "
+                   f"{s['true_gbps_at_seed_time']:.3g} GB/s per GPU = "
+                   f"{100 * s['line_rate_fraction_at_seed_time']:.0f}% of the NIC's line rate, "
+                   "so the network path is where the time goes: check it in this order")
+    return out
+
+
+def _wire(result: dict) -> str:
+    w = result.get("wire") or {}
+    if not w.get("available"):
+        return ("what the NICs carried: not read here (" + (w.get("note") or "no wire section")
+                + "); on the cluster the bench's wire table compares each NIC's bytes per call "
+                "with the model")
+    flagged = [r for r in w["rows"] if r["flag"] or r["moved"]]
+    if not flagged:
+        return "what the NICs carried: as the model says, and no congestion or loss counter moved"
+    return "what the NICs carried: " + "; ".join(
+        f"{r['op']} GPU {r['gpu']} {r['nic']}: " + (r["flag"] or "")
+        + (" moved: " + ", ".join(m["counter"] for m in r["moved"]) if r["moved"] else "")
+        for r in flagged[:4]) + ("; ..." if len(flagged) > 4 else "")
+
+
+def checks(result: dict, findings: list[dict]) -> list[str]:
+    """The numbered lines of "what to check on your cluster"."""
+    steps = _verdict(result) + [_wire(result)]
+    used = set()
+    for name, starts in ORDER:
+        mine = [f for f in findings if f["what"].startswith(starts) and f["what"] not in used]
+        used |= {f["what"] for f in mine}
+        if mine:
+            steps += [f"{name}: [{f['level']}] {f['what']} -> {f['hint']}" for f in mine]
+        else:
+            steps.append(f"{name}: the doctor found nothing here")
+    rest = [f for f in findings if f["what"] not in used]
+    steps += [f"other: [{f['level']}] {f['what']} -> {f['hint']}" for f in rest]
+    if not (result.get("wire") or {}).get("available"):
+        steps.append("these findings are this machine's; on a cluster node run python -m "
+                     "jaxep.doctor --nodes 2, or --record DIR there and --replay DIR anywhere")
+    return [f"{i}. {line}" for i, line in enumerate(steps, 1)]
+
+
+def lines(result: dict) -> list[str]:
+    """The report's section (a preset's run only)."""
+    got = result.get("cluster_checks")
+    return ["what to check on your cluster, in order:"] + [f"  {x}" for x in got] if got else []

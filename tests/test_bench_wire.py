@@ -1,0 +1,117 @@
+"""CPU tier: the bench's NIC counters (jaxep.bench.wire) and "what to check on your cluster"
+(jaxep.bench.checklist), on a fake sysfs tree (a copy of tests/fixtures/topology/seed_node's)
+whose counters change between the two reads, and on a hand-made op report; no NIC is read."""
+import os
+import shutil
+
+from jaxep.bench import checklist, report, wire
+from jaxep.doctor import record
+
+SEED = os.path.join(os.path.dirname(__file__), "fixtures", "topology", "seed_node")
+MB = 1_000_000
+
+
+def _tree(tmp_path):
+    root = str(tmp_path / "root")
+    shutil.copytree(os.path.join(SEED, "root"), root)
+    return root
+
+
+def _bump(root, nic, rel, by):
+    path = os.path.join(root, "sys/class/infiniband", nic, "ports/1", rel)
+    with open(path) as f:
+        v = int(f.read())
+    with open(path, "w") as f:
+        f.write(f"{v + by}\n")
+
+
+def _ops(rdma_per_rank, median=1e-3):
+    """The op-report fields wire.section reads, for ranks 0..15."""
+    return {"dispatch": dict(time_s=dict(median=median),
+                             links=dict(rdma=dict(bytes_per_rank=list(rdma_per_rank))),
+                             logical=dict(rdma=dict(bytes_per_rank_max=117 * MB)))}
+
+
+def _probe(root, gpus=(0, 3)):
+    rec = record.load(SEED)
+    p, why = wire.probe({g: [g] for g in gpus}, emulated=False, root=root,
+                        topo_text=rec.topo_text, environ=rec.environ, ethtool=lambda i: None)
+    assert why is None
+    return p
+
+
+def _window(p, root, words):
+    """One timed window of 100 calls in which each NIC sends and receives `words[nic]` words."""
+    before = p.read()
+    for nic, (x, r, cnp) in words.items():
+        _bump(root, nic, "counters/port_xmit_data", x)
+        _bump(root, nic, "counters/port_rcv_data", r)
+        _bump(root, nic, "hw_counters/np_cnp_sent", cnp)
+    p.keep("dispatch", dict(before=before, after=p.read(), ops=100))
+
+
+def test_wire_bytes_per_call_against_the_model(tmp_path):
+    root = _tree(tmp_path)
+    p = _probe(root)
+    assert [(t["gpu"], t["nic"], t["rate_gbps"]) for t in p.targets] == [
+        (0, "mlx5_bond_0", 800.0), (3, "mlx5_bond_3", 800.0)]
+    # GPU 0: 62.0 MB per call on the wire (model 58.6 MB, headers 6.1% at MTU 1500: as modelled);
+    # GPU 3: 80 MB sent, 1.29x the model with its headers, with CNPs sent
+    _window(p, root, {"mlx5_bond_0": (62 * MB * 100 // 4, 61 * MB * 100 // 4, 0),
+                      "mlx5_bond_3": (80 * MB * 100 // 4, 60 * MB * 100 // 4, 500)})
+    w = wire.section([p.payload()], _ops([58.6 * MB] * 16), None)
+    g0, g3 = w["rows"]
+    assert g0["wire_bytes_per_call"] == 62 * MB and g0["xmit_bytes_per_call"] == 62 * MB
+    assert abs(g0["wire_gbps"] - 62.0) < 1e-9 and abs(g0["line_rate_fraction"] - 0.62) < 1e-9
+    assert g0["model_bytes_per_call"] == int(58.6 * MB) and g0["flag"] is None and not g0["moved"]
+    assert abs(g0["header_overhead"] - 62 / 1024) < 1e-12
+    assert g3["flag"].startswith("1.29x the model") and "another job" in g3["flag"]
+    assert [(m["counter"], m["by"]) for m in g3["moved"]] == [("np_cnp_sent", 500)]
+    text = report._text(*wire.renderables(dict(wire=w)))
+    assert "mlx5_bond_3:1" in text and "np_cnp_sent +500" in text and "62.0%" in text
+    rows = wire.plot_rows(dict(wire=w), "dispatch")
+    assert len(rows) == 1 and "mlx5_bond_3" in rows[0]["note"]
+    assert abs(rows[0]["value_s"] - 80 * MB / 100e9) < 1e-12
+
+
+def test_wire_far_below_the_model(tmp_path):
+    root = _tree(tmp_path)
+    p = _probe(root, gpus=(5,))
+    _window(p, root, {"mlx5_bond_5": (MB * 100 // 4, MB * 100 // 4, 0)})
+    row = wire.section([p.payload()], _ops([58.6 * MB] * 16), None)["rows"][0]
+    assert row["flag"].startswith("0.02x the model") and "another path" in row["flag"]
+
+
+def test_no_nic_and_emulated_say_so_in_one_line(tmp_path):
+    p, why = wire.probe({0: [0]}, emulated=False, root=str(tmp_path))
+    assert p is None and why == wire.NO_NIC
+    assert wire.probe({0: [0]}, emulated=True, root=_tree(tmp_path))[1] == wire.EMULATED
+    w = wire.section([], _ops([0] * 16), why)
+    assert w == dict(available=False, note=wire.NO_NIC, rows=[])
+    assert wire.renderables(dict(wire=w)) == [f"wire (NIC counters): {wire.NO_NIC}"]
+    assert wire.plot_rows(dict(wire=w), "dispatch")[0]["value_s"] is None
+
+
+def test_rdma_mtu():
+    assert [wire.rdma_mtu(m) for m in (1500, 4200, 9000, None, 600)] == [1024, 4096, 4096, 4096,
+                                                                        256]
+
+
+def test_checklist_orders_the_seed_nodes_findings():
+    findings = record.replay(SEED, nodes=2)["findings"]
+    result = dict(model=dict(hardware=dict(name="B300 + CX8"), ops=dict(dispatch=dict(
+        bound_by="rdma", floor_s=0.586e-3, bytes_per_rank_max=dict(rdma=58.6 * MB))),
+        seed=dict(seed_time_s=2.63e-3, true_gbps_at_seed_time=22.3,
+                  line_rate_fraction_at_seed_time=0.223)),
+        wire=dict(available=False, note=wire.NO_NIC, rows=[]))
+    got = checklist.checks(result, findings)
+    assert got[0].startswith("1. the model: dispatch is bound by rdma") and "0.586 ms" in got[0]
+    assert "22% of the NIC's line rate" in got[1]
+    order = [next(i for i, line in enumerate(got) if key in line) for key in (
+        "the transport: the doctor found nothing", "which NIC each GPU uses: the doctor found",
+        "the link: [warn] RoCE below its 4096-byte RDMA MTU", "RoCE QoS: where NVSHMEM's traffic "
+        "lands: [warn] RoCE traffic class", "congestion and loss while traffic ran: [warn]")]
+    assert order == sorted(order)
+    assert any("NVSHMEM_IB_TRAFFIC_CLASS=106" in line for line in got)
+    lines = checklist.lines(dict(cluster_checks=got))
+    assert lines[0] == "what to check on your cluster, in order:" and len(lines) == len(got) + 1

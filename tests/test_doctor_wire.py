@@ -1,0 +1,180 @@
+"""CPU tier: the doctor's NIC counters (jaxep.doctor.counters), RoCE QoS (jaxep.doctor.qos) and
+--record / --replay (jaxep.doctor.record), on recorded fixtures.
+
+tests/fixtures/topology/seed_node is a record (jaxep.doctor.record's format) of the seed's node as
+issue 31 describes it, written by hand, not recorded on a real machine: 8 B300, 8 mlx5_bond_N
+(two 400G members each, 802.3ad) PXB to their GPU, RoCE, mlnx_qos output with trust dscp and PFC
+on priority 3 only, NVSHMEM's traffic class unset (0) while NCCL_IB_TC=106, Ethernet MTU 1500,
+and two counter reads 2 s apart in which the CNP, ECN, out-of-sequence and discard counters move
+and the bytes go out on priority 0."""
+import json
+import os
+import shutil
+import tarfile
+
+import pytest
+
+from jaxep.doctor import counters, machine, qos, record, report
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "topology")
+SEED = os.path.join(FIXTURES, "seed_node")
+
+
+def _kinds(findings):
+    return sorted(f["what"].split(":")[0].split(" moved")[0] for f in findings)
+
+
+def test_replay_of_the_seed_node_finds_each_problem():
+    d = record.replay(SEED, nodes=2)
+    whats = [f["what"] for f in d["findings"]]
+    # traffic class 0 -> DSCP 0 -> priority 0, no PFC there, PFC on 3: the hint moves it to NCCL's
+    lossy = [f for f in d["findings"] if f["what"].startswith("RoCE QoS: NVSHMEM's traffic")]
+    assert len(lossy) == 1 and "priority 0" in lossy[0]["what"]
+    assert "priority 3 is lossless" in lossy[0]["what"]
+    assert all(f"mlx5_bond_{i}" in lossy[0]["what"] for i in range(8))
+    assert lossy[0]["hint"].startswith("NVSHMEM_IB_TRAFFIC_CLASS=106")
+    assert any(w.startswith("RoCE below its 4096-byte RDMA MTU") and "(1500)" in w for w in whats)
+    for name in ("np_cnp_sent", "rp_cnp_handled", "np_ecn_marked_roce_packets",
+                 "out_of_sequence", "packet_seq_err", "rx_discards_phy"):
+        assert any(w.startswith(f"{name} moved in 2 s on 8 NIC(s)") for w in whats), name
+    assert any("priority 0 78.4 GB" in w for w in whats)
+    # the bonds are healthy (802.3ad, both members up, RDMA sees their sum): no bond finding
+    assert not any(w.startswith(("bonded NIC", "RoCE bond")) for w in whats)
+    text = record.format_replay(d)
+    assert "bond0 802.3ad: 2 of 2 members up, 400 + 400 Gb/s, RDMA sees 800 Gb/s" in text
+
+
+def test_replay_with_the_fix_applied_is_quiet_on_qos():
+    rec = record.load(SEED)
+    env = {**rec.environ, "NVSHMEM_IB_TRAFFIC_CLASS": "106"}
+    q = qos.summary(env, rec.root, rec.topo_text, rec.run, nodes=2)
+    assert q["findings"] == []
+    assert {n["nvshmem_priority"] for n in q["nics"]} == {3}
+
+
+def test_qos_parsers():
+    mlnx = record.load(SEED).run(("mlnx_qos", "-i", "ens1f0np0"))
+    got = qos.parse_mlnx_qos(mlnx)
+    assert got["trust"] == "dscp" and got["pfc"] == {3} and got["dscp2prio"][26] == 3
+    dcb = qos.parse_dcb("pfc-cap 8 macsec-bypass off delay 0\nprio-pfc 0:off 1:off 2:off 3:on "
+                        "4:off 5:on 6:off 7:off\n", "dscp-prio 0:0 24:3 26:3 46:5\n",
+                        "order pcp dscp\n")
+    assert dcb == dict(pfc={3, 5}, dscp2prio={0: 0, 24: 3, 26: 3, 46: 5}, trust="dscp")
+    assert qos.parse_dcb(None, None, "order pcp\n") == dict(trust="pcp")
+
+
+def test_pcp_trust_names_the_service_level():
+    q = qos.Qos("eth0", "pcp", None, frozenset({3}), None, ())
+    f = qos._lossy_finding(q, qos.read_settings({}), 106, 0)
+    assert "service level 0 -> PCP 0" in f.what and f.hint.startswith("NVSHMEM_IB_SL=3")
+    assert qos._lossy_finding(q, qos.read_settings({}), 0, 3) is None
+
+
+def test_ecn_off_on_nvshmems_priority():
+    q = qos.Qos("eth0", "dscp", None, frozenset({0, 3}), frozenset({3}), ())
+    f = qos._ecn_finding(q, 0)
+    assert "not on 0" in f.what and "roce_np/enable/0" in f.hint
+
+
+def _bond_nic(up=True, mode="IEEE 802.3ad Dynamic link aggregation"):
+    port = machine.Port(1, "4: ACTIVE", "400 Gb/sec", 400.0, "Ethernet", {})
+    nic = machine.Nic("mlx5_bond_0", 0, (port,), "bond0", ("a", "b"), ())
+    return nic, dict(mode=mode, members={"a": (True, 400.0), "b": (up, 400.0 if up else None)})
+
+
+def test_bond_findings():
+    nic, b = _bond_nic()
+    assert [f.what.split(":")[0] for f in qos.bond_findings(nic, b)] == ["bonded NIC mlx5_bond_0"]
+    nic, b = _bond_nic(up=False)
+    assert "member(s) b down, 1 of 2 up" in qos.bond_findings(nic, b)[0].what
+    nic, b = _bond_nic(mode="fault-tolerance (active-backup)")
+    assert "active-backup" in qos.bond_findings(nic, b)[0].what
+
+
+def test_two_near_nics_one_used():
+    text = ("\tGPU0\tNIC0\tNIC1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n"
+            "GPU0\t X \tPXB\tPXB\t0-7\t0\t\tN/A\nNIC0\tPXB\t X \tPXB\nNIC1\tPXB\tPXB\t X \n\n"
+            "NIC Legend:\n\n  NIC0: mlx5_0\n  NIC1: mlx5_1\n")
+    topo = machine.parse_topo(text)
+    choices = qos.assign(topo, {}, qos.read_settings({}))
+    f = qos.two_nic_finding(topo, {}, choices)
+    assert "GPU 0 uses mlx5_0, not mlx5_1" in f[0].what
+    assert "NVSHMEM_IBGDA_ENABLE_MULTI_PORT=1" in f[0].hint and "unverified" in f[0].hint
+
+
+def _copy_root(tmp_path):
+    root = str(tmp_path / "root")
+    shutil.copytree(os.path.join(SEED, "root"), root)
+    return root
+
+
+def _bump(root, nic, rel, by):
+    path = os.path.join(root, "sys/class/infiniband", nic, "ports/1", rel)
+    with open(path) as f:
+        v = int(f.read())
+    with open(path, "w") as f:
+        f.write(f"{v + by}\n")
+
+
+def test_counters_between_two_reads(tmp_path):
+    root = _copy_root(tmp_path)
+    ports, ifaces = {"mlx5_bond_3": 1}, {"mlx5_bond_3": ("ens7f0np0",)}
+    ethtool = {"ens7f0np0": "NIC statistics:\n     tx_prio0_bytes: 100\n     rx_prio3_pause: 7\n"}
+    a = counters.snapshot(root, ports, ifaces, ethtool.get)
+    _bump(root, "mlx5_bond_3", "counters/port_xmit_data", 1000)
+    _bump(root, "mlx5_bond_3", "counters/port_rcv_data", 10)
+    _bump(root, "mlx5_bond_3", "hw_counters/np_cnp_sent", 5)
+    ethtool["ens7f0np0"] = "NIC statistics:\n     tx_prio0_bytes: 4100\n     rx_prio3_pause: 9\n"
+    d = counters.delta(a["mlx5_bond_3"], counters.snapshot(root, ports, ifaces,
+                                                           ethtool.get)["mlx5_bond_3"])
+    assert (d["xmit_bytes"], d["rcv_bytes"], d["unknown"]) == (4000, 40, None)
+    assert [(m["counter"], m["by"]) for m in counters.moved(d)] == [
+        ("np_cnp_sent", 5), ("ens7f0np0 rx_prio3_pause", 2)]
+    assert counters.busy_priorities(d) == {0: 4000}
+
+
+def test_counter_saturated_or_backwards():
+    base = dict(hw={}, ethtool={}, width=32)
+    d = counters.delta({**base, "xmit_words": 5, "rcv_words": 0xFFFFFFFF},
+                       {**base, "xmit_words": 3, "rcv_words": 0xFFFFFFFF})
+    assert d["xmit_bytes"] is None and d["rcv_bytes"] is None and "backwards" in d["unknown"]
+
+
+def test_record_captures_what_the_doctor_reads_and_replays(tmp_path, monkeypatch):
+    """A record of a fake machine (the seed_node tree served as /) holds the files the readers
+    read, the commands' answers, the two counter reads; its replay equals the source's."""
+    rec = record.load(SEED)
+    src = rec.root
+    read, listdir = machine._read, machine._listdir
+    remap = lambda p: src + os.fspath(p) if os.fspath(p).startswith("/sys") or \
+        os.fspath(p).startswith("/proc") else p  # noqa: E731
+    monkeypatch.setattr(machine, "_read", lambda p: read(remap(p)))
+    monkeypatch.setattr(machine, "_listdir", lambda p: listdir(remap(p)))
+    out = str(tmp_path / "rec.tar.gz")
+    record.record(out, environ={**rec.environ, "HOME": "/secret"}, interval_s=0, run=rec.run,
+                  ethtool=lambda i: rec.run(("ethtool", "-S", i)), topo_text=rec.topo_text,
+                  driver=rec.driver, sleep=lambda s: None)
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+    assert "record/root/sys/class/infiniband/mlx5_bond_0/ports/1/counters/port_xmit_data" in names
+    assert "record/root/proc/net/bonding/bond0" in names
+    assert not any("nvidia/params" in n for n in names)  # not read: the driver facts were given
+    back = record.load(out)
+    assert "HOME" not in back.environ and back.environ["NCCL_IB_TC"] == "106"
+    assert back.run(("mlnx_qos", "-i", "ens1f0np0")) == rec.run(("mlnx_qos", "-i", "ens1f0np0"))
+    monkeypatch.undo()
+    got, want = record.replay(out, nodes=2), record.replay(SEED, nodes=2)
+    assert _kinds([f for f in got["findings"] if "moved" not in f["what"]]) == \
+        _kinds([f for f in want["findings"] if "moved" not in f["what"] and "bytes sent" not in
+                f["what"]])
+
+
+def test_doctor_cli_replay(capsys):
+    assert report.main(["--replay", SEED, "--nodes", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert any(f["what"].startswith("RoCE QoS") for f in d["findings"])
+
+
+def test_replay_rejects_a_directory_that_is_no_record(tmp_path):
+    with pytest.raises(ValueError, match="not a jaxep doctor record"):
+        record.load(str(tmp_path))
