@@ -507,9 +507,13 @@ def main(argv):
                              "normal path's")
         fell = r["last"] < 0.75 * r["first"]
         if not fell:
-            msg = f"loss did not fall enough ({b}): first {r['first']:.4f}, last {r['last']:.4f}"
+            msg = (f"loss did not fall enough ({b}): checked that the last step's loss is below "
+                   f"0.75x the first's over {steps} steps: first {r['first']:.4f}, last "
+                   f"{r['last']:.4f} (needed < {0.75 * r['first']:.4f})")
             if not short:
-                raise SystemExit("moe_flax: FAILED: " + msg)
+                raise SystemExit("moe_flax: FAILED: " + msg + "; a run this short may not get "
+                                 "there: use the default --steps, or --short for the short "
+                                 "configuration (which only notes a loss that did not fall)")
             print("moe_flax: note (short mode): " + msg)
     print("moe_flax: OK")
 

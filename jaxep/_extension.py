@@ -112,7 +112,8 @@ def _load() -> None:
       return
     _reason = ("jaxep was installed without its CUDA extension jaxep._jaxep_cuda (a plain pip "
                "install is pure Python); build it with JAXEP_CUDA=<CUDA major> pip install "
-               "'.[cu13]' (or cu12) where nvcc is available, see docs/build.md")
+               "'.[cu13]' (a C++ compiler is enough: CUDA 13's nvcc comes from PyPI) or "
+               "JAXEP_CUDA=12 ... '.[cu12]' (needs CUDA 12's nvcc), see docs/build.md")
     return
   except ImportError as e:
     _reason = f"jaxep CUDA extension jaxep._jaxep_cuda is not loadable: {e}"

@@ -19,7 +19,7 @@ from jaxep import _extension
 from jaxep.doctor import report as doctor
 
 KEYS = {"python", "os", "machine", "packages", "jax", "nvidia_smi", "nvshmem", "extension", "cuda",
-        "infiniband", "mps", "env", "topology", "qos", "problems"}
+        "infiniband", "mps", "env", "topology", "qos", "problems", "gpu_node", "can_run"}
 
 
 def test_facts_keys_and_json():
@@ -316,3 +316,32 @@ def test_mps_daemon_detection_skips_zombies(tmp_path):
         live.wait()
         os.waitpid(zombie, 0)
     assert not doctor.mps()["daemon_running"]
+
+
+def test_a_machine_without_a_gpu_is_not_an_error(monkeypatch, capsys):
+    """No GPU (this CPU tier): exit 0 at --nodes 2 too, what it can run and not, no GPU-node lines
+    (MPS, GPU-NIC, NVSHMEM env) and no topology findings (issue 30)."""
+    monkeypatch.setattr(doctor, "nvidia_smi", lambda: {"available": False, "gpus": []})
+    real = doctor.topology.summary
+    monkeypatch.setattr(doctor.topology, "summary", lambda nodes=None: dict(
+        real(nodes=nodes), gpus=[], findings=[dict(level="error", what="libibverbs", hint="x")]))
+    assert doctor.main(["--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "GPUs: none (no nvidia-smi / NVML): not a GPU node" in out
+    assert "this machine can run:\n  + the reference backend" in out
+    assert "  - not: the GPU, NVSHMEM, NIC and MPS checks" in out
+    assert "MPS:" not in out and "GPU-NIC" not in out and "libibverbs" not in out
+    assert "driver None" not in out
+
+
+def test_the_jax_cuda_plugin_without_a_gpu_is_explained(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "nvidia_smi", lambda: {"available": False, "gpus": []})
+    monkeypatch.setattr(doctor, "installed_distributions", lambda: ["jax", "jax-cuda13-plugin"])
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert doctor.main([]) == 0
+    out = capsys.readouterr().out
+    assert "jax-cuda13-plugin is installed on a machine without an NVIDIA GPU" in out
+    assert "silence it with JAX_PLATFORMS=cpu" in out
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    doctor.main([])
+    assert "jax-cuda13-plugin is installed" not in capsys.readouterr().out

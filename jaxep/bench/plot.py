@@ -48,14 +48,15 @@ def _rows(r: dict, op: str) -> list[dict]:
         if x:
             ratio = t["median"] / x["time_s"]
             rows.append(dict(kind="baseline", key=key, label="baseline: " + label, value_s=x["time_s"],
-                             bound=False, note=f"{_fmt_ms(x['time_s'])}  (op/this = {report.fmt(ratio)})"))
+                             bound=False, note=f"{_fmt_ms(x['time_s'])}  (the op takes "
+                             f"{report.fmt(ratio)}x this)"))
     for c in ("nvlink", "rdma", "hbm"):
         l = o["links"][c]
         mb, peak = l["bytes_per_rank_max"] / 1e6, l.get("peak_gbps")
         label = f"floor: {names[c]}\n{report.fmt(mb)} MB" + (f" at {report.fmt(peak)} GB/s" if peak else "")
         row = dict(kind="floor", key=c, label=label, value_s=None, bound=o["bound_by"] == c)
         if not l["bytes_per_rank_max"]:
-            row.update(label=f"floor: {names[c]}", note="no bytes cross it: no floor")
+            continue  # no bytes cross this link here (e.g. EP=1): no row about it
         elif not l.get("floor_s"):
             row.update(note="peak unknown: no floor")
         else:
@@ -77,7 +78,9 @@ def _titles(r: dict) -> tuple[str, str, str | None]:
     sub = (f"T={c['tokens']} H={c['hidden']} K={c['topk']} E={c['experts']} {c['dtype']}, routing "
            f"{c['routing']}, capacity {c['capacity']} ({cap}).  Bars: time per op, log scale; floor = "
            "busiest rank's bytes / peak; baselines timed in the same run.")
-    why = report.emulated_reason(t)
+    why = report.emulated_reason(t) if any(
+        o["links"][c]["bytes_per_rank_max"] for o in r["ops"].values() for c in ("nvlink", "rdma")) \
+        else None  # no bytes cross a link: nothing emulated to warn about
     note = (f"EMULATED LINKS ({why}): the link floors use the measured copy rate, so read the "
             "bars as ratios, not as link speeds." if why else None)
     return title, sub, note

@@ -39,7 +39,7 @@ import psutil
 from jaxep import _jax_private
 from jaxep.doctor import machine, qos, topology
 
-_ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+_ENV_KEYS = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
              "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
              "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "NCCL_NVLS_ENABLE", "LD_LIBRARY_PATH",
              "JAXEP_LOG_LEVEL")
@@ -385,12 +385,20 @@ def _problems(f) -> list:
     if "error" in jx:
         add("error", f"jax failed to start: {jx['error']}", "check the jax/jaxlib/plugin versions below match")
     if not smi["available"]:
-        add("info", "no nvidia-smi / no NVIDIA GPU", "jaxep runs the reference backend (pure JAX) here")
+        add("info", "no nvidia-smi / no NVIDIA GPU: not a GPU node", "jaxep runs the reference "
+            "backend (pure JAX) here; the GPU, NVSHMEM, NIC and MPS checks apply on a GPU node")
     elif jx.get("default_backend") != "gpu":
         drv = f["cuda"]["extension"] or f["cuda"]["driver"]
         add("error", "nvidia-smi sees GPUs but jax does not use them",
             f"install the jax CUDA plugin matching the driver: pip install 'jax[cuda{drv}]'" if drv
             else "install the jax CUDA plugin matching the driver: pip install 'jax[cuda13]' (or cuda12)")
+    plugins = f["cuda"]["jax_plugins"]
+    if not smi["available"] and plugins and "cpu" not in (env.get("JAX_PLATFORMS") or ""):
+        got = " ".join(f"jax-cuda{m}-plugin" for m in plugins)
+        add("info", f"{got} is installed on a machine without an NVIDIA GPU: at import jax tries it, "
+            "prints a long 'Jax plugin configuration error ... Unable to load cuPTI' (or 'no CUDA "
+            "GPU') traceback and falls back to the CPU",
+            "harmless; silence it with JAX_PLATFORMS=cpu, or pip uninstall -y " + got)
     if jx.get("arch_mismatch"):
         add("error", *jx["arch_mismatch"])
     for name in jx.get("private_missing") or ():
@@ -412,8 +420,10 @@ def _problems(f) -> list:
         add("error", f"extension links {need}, installed NVSHMEM is {shm['version']} with "
             f"{shm['host_libs']}", f"rebuild jaxep against the installed NVSHMEM wheel, or install "
             f"the {wheel} it was built with")
-    for level, what, hint in cuda_problems(cuda):
+    for level, what, hint in cuda_problems(cuda):  # the installed packages: any machine
         add(level, what, hint)
+    if not f["gpu_node"]:  # the rest are about GPUs, NICs and their drivers
+        return out
     if shm["found"] and not shm["transports"].get("ibgda") and f["infiniband"]:
         add("warn", "NICs present but no NVSHMEM IBGDA transport library",
             "use an nvidia-nvshmem build with nvshmem_transport_ibgda.so; IBRC is slower")
@@ -437,7 +447,9 @@ def _problems(f) -> list:
 
 def facts(nodes: int | None = None) -> dict:
     """Everything the doctor knows, as a JSON-able dict (see module docstring). `nodes`: how many
-    nodes the job spans, for the internode checks that depend on it (None: unknown)."""
+    nodes the job spans, for the internode checks that depend on it (None: unknown). "gpu_node":
+    whether the GPU, NVSHMEM, NIC and MPS checks apply (an NVIDIA GPU seen by nvidia-smi/NVML, or
+    GPUs in the topology it reads); "can_run" lists what this machine can run and what not."""
     smi = nvidia_smi()
     ext = extension()
     f = {
@@ -450,8 +462,34 @@ def facts(nodes: int | None = None) -> dict:
         "topology": topology.summary(nodes=nodes),
         "qos": qos.summary(nodes=nodes),  # RoCE QoS, bonds, idle near NICs (jaxep.doctor.qos)
     }
+    f["gpu_node"] = bool(smi["available"] or f["topology"]["gpus"])
+    f["can_run"] = can_run(f)
     f["problems"] = _problems(f)
     return f
+
+
+def can_run(f) -> dict:
+    """{"yes": [...], "no": [...]}: what this machine can run with jaxep, and what not (and why)."""
+    jx, ext = f["jax"], f["extension"]
+    yes, no = [], []
+    if "error" in jx:
+        no.append(f"anything jax: it does not start ({jx['error']})")
+        return {"yes": yes, "no": no}
+    yes.append("the reference backend (pure JAX), any EP size: on CPU with emulated devices "
+               "(XLA_FLAGS=--xla_force_host_platform_device_count=8), e.g. "
+               "python examples/moe_flax.py, the test suite, jaxep-bench")
+    if jx.get("default_backend") == "gpu" and ext["available"]:
+        yes.append("the CUDA backend (jaxep's kernels) on this machine's GPUs")
+        if ext.get("nvshmem_host_needed"):
+            yes.append("several ranks through NVSHMEM (python -m jaxep.launch --nproc N)")
+    elif jx.get("default_backend") == "gpu":
+        no.append(f"the CUDA backend: the jaxep extension is not available ({ext['reason']})")
+    else:
+        no.append("the CUDA backend and several ranks through NVSHMEM: jax sees no GPU here "
+                  f"(backend {jx.get('default_backend')})")
+    if not f["gpu_node"]:
+        no.append("the GPU, NVSHMEM, NIC and MPS checks: run the doctor on the GPU node")
+    return {"yes": yes, "no": no}
 
 
 def _extension_line(ext) -> str:
@@ -482,7 +520,8 @@ def format_report(f: dict) -> str:
     lines = [
         f"python {f['python']} on {f['os']}",
         f"GPUs: {len(smi['gpus'])} x {gpus}; driver {smi.get('driver')}; CUDA (driver) "
-        f"{smi.get('cuda_driver_version')}",
+        f"{smi.get('cuda_driver_version')}" if smi["available"] else
+        "GPUs: none (no nvidia-smi / NVML): not a GPU node",
         "packages: " + ", ".join(f"{k} {v}" for k, v in f["packages"].items() if v),
         f"jax: backend {jx.get('default_backend')}, {jx.get('device_count')} devices "
         f"{jx.get('device_kinds')}"
@@ -499,6 +538,13 @@ def format_report(f: dict) -> str:
         "NICs: " + (", ".join(f"{p['device']}/{p['port']} {p['state']} {p['rate_gbps']} Gb/s "
                                 f"numa {p['numa_node']}" for p in f["infiniband"]) or "none"),
     ]
+    lines.append("this machine can run:")
+    lines += [f"  + {x}" for x in f["can_run"]["yes"]]
+    lines += [f"  - not: {x}" for x in f["can_run"]["no"]]
+    if not f["gpu_node"]:
+        lines.append("problems:" if f["problems"] else "problems: none")
+        lines += [f"  [{p['level']}] {p['what']} -> {p['hint']}" for p in f["problems"]]
+        return "\n".join(lines)
     m = f["mps"]
     lines.append(f"MPS: daemon {'running, pids ' + str(m['daemon_pids']) if m['daemon_running'] else 'not running'}"
                  f", pipe {m['pipe_directory']}")
@@ -518,7 +564,9 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m jaxep.doctor",
         description="What this machine has for jaxep (GPUs, JAX, NVSHMEM, the CUDA extension, "
                     "NICs, MPS, environment) and what is wrong or slow. Changes nothing.",
-        epilog="Exit status: 1 when a problem of level 'error' was found, else 0.")
+        epilog="Exit status: 0 when no problem of level 'error' was found (a machine without a "
+               "GPU is not an error: it is told what it can run, and the GPU/NIC checks are "
+               "skipped there), 1 when one was, 2 for bad arguments.")
     p.add_argument("--json", action="store_true", help="print every fact as JSON, not the report")
     p.add_argument("--nodes", type=int, default=None, metavar="N",
                    help="nodes the job spans: 1 skips the internode checks, more adds the ones "
