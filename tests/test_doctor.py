@@ -19,7 +19,7 @@ from jaxep import _extension
 from jaxep.doctor import report as doctor
 
 KEYS = {"python", "os", "machine", "packages", "jax", "nvidia_smi", "nvshmem", "extension", "cuda",
-        "infiniband", "mps", "env", "topology", "problems"}
+        "infiniband", "mps", "env", "topology", "nvlink_fabric", "problems"}
 
 
 def test_facts_keys_and_json():

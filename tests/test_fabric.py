@@ -186,3 +186,17 @@ def test_every_rank_agrees_through_the_store():
     g = node_layout.discover(store, 9, 32, 1, hostname=hosts[9], fab=read("gb200_completed"))
     assert g == 32
     assert json.loads(store["jaxep/host/1/9"])["nvlink"] == read("gb200_completed").domain
+
+
+def test_doctor_reports_fabric_facts_and_blockers(tmp_path):
+    from jaxep.doctor import report  # pylint: disable=g-import-not-at-top
+    f = report.nvlink_fabric(2, nvml=FakeNvml("gb200_degraded"), root=str(tmp_path),
+                             environ={"NVSHMEM_DISABLE_MNNVL": "true"})
+    assert f["domains"] == [read("gb200_completed").domain] and f["imex_channels"] == []
+    assert [g["health"] for g in f["gpus"]] == [["degraded bandwidth"]] * 2
+    problems = report._fabric_problems(f)  # pylint: disable=protected-access
+    assert sum("no IMEX channel" in p["what"] for p in problems) == 2
+    assert sum("NVSHMEM_DISABLE_MNNVL" in p["what"] for p in problems) == 2
+    assert sum("degraded bandwidth" in p["what"] for p in problems) == 2
+    hgx = report.nvlink_fabric(1, nvml=FakeNvml("h200_hgx"), root=str(tmp_path), environ={})
+    assert hgx["domains"] == [] and hgx["blockers"] == [] and hgx["gpus"][0]["state"] == "no fabric"
