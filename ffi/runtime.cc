@@ -5,6 +5,7 @@
 #include <set>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -155,8 +156,9 @@ nb::object RuntimeInfo() {
   // Which peer-table entries this process may dereference: "local" (this node, nvshmem_ptr) or
   // "poisoned" (another node: kPoisonPeer + rank, never dereferenced; tests/gpu checks both).
   nb::list table;
+  const std::vector<char*>& peers = rt::HostPeerTable();
   for (int q = 0; q < t->size; ++q) {
-    const bool poisoned = reinterpret_cast<uintptr_t>(t->peer[q]) == mr::kPoisonPeer + q;
+    const bool poisoned = reinterpret_cast<uintptr_t>(peers[q]) == mr::kPoisonPeer + q;
     table.append(poisoned ? "poisoned" : "local");
   }
   d["peer_table"] = table;
@@ -202,6 +204,23 @@ nb::object RuntimeDiag() {
   return o;
 }
 
+// The peer table of FillPeerTable with a stand-in map (no NVSHMEM, no GPU): what the CPU tests
+// check for large teams (which entries are this node's, which are poisoned).
+nb::list PeerTableEntries(int rank, int size, int node_size) {
+  if (size < 1 || size > mr::kMaxRanks || node_size < 1 || size % node_size != 0 || rank < 0 ||
+      rank >= size) {
+    throw nb::value_error("peer_table_entries: need 0 <= rank < size <= max_ranks and node_size "
+                          "dividing size");
+  }
+  std::vector<char*> out(size, nullptr);
+  mr::FillPeerTable(rank, size, node_size, [](int q) {
+    return reinterpret_cast<char*>(static_cast<uintptr_t>(q + 1) << 32);
+  }, out.data());
+  nb::list l;
+  for (char* p : out) l.append(reinterpret_cast<uintptr_t>(p));
+  return l;
+}
+
 // The runtime's state as it runs.
 void BindInspection(nb::module_& m) {
   m.def("runtime_info", &RuntimeInfo,
@@ -214,6 +233,10 @@ void BindInspection(nb::module_& m) {
   }, "(dispatch, combine): the low-latency ops' device sequence numbers (a blocking copy; call "
      "it after the work is done), or None.");
   m.def("runtime_diag", &RuntimeDiag, "The first timeout recorded by a kernel (dict), or None.");
+  m.def("peer_table_entries", &PeerTableEntries, nb::arg("rank"), nb::arg("size"),
+        nb::arg("node_size"),
+        "The peer table runtime_init builds for `rank` (sync.h FillPeerTable), with PE q's "
+        "nvshmem_ptr replaced by the stand-in address (q + 1) << 32: a list of size ints.");
 }
 
 }  // namespace

@@ -506,3 +506,15 @@ def test_phase_lines_keep_each_ops_steps_in_call_order():
                     "ll_combine_send/start", "ll_combine_send/rows",
                     "ll_dispatch_send/layout", "ll_dispatch_send/rows"]
     assert all("500.0 us  (2 calls)" in line for line in lines[1:])
+
+
+def test_nvl72_presets_model_one_domain_and_two_racks():
+    from jaxep.bench import model  # pylint: disable=g-import-not-at-top
+    one = model.uniform_prediction("nvl72_ep64")["ops"]["dispatch"]
+    # One NVLink domain: nothing crosses a NIC; 64 x 7.58 distinct ranks per token, 63/64 remote.
+    assert one["bound_by"] == "nvlink" and one["bytes_per_rank_max"]["rdma"] == 0
+    assert 480e-6 < one["floor_s"] < 500e-6
+    two = model.uniform_prediction("nvl72x2_ep144")["ops"]
+    assert two["dispatch"]["bound_by"] == "rdma" and 1.1e-3 < two["dispatch"]["floor_s"] < 1.2e-3
+    # combine's f32 partials over the NIC: twice dispatch's bf16 rows.
+    assert two["combine"]["floors_s"]["rdma"] == pytest.approx(2 * two["dispatch"]["floors_s"]["rdma"])

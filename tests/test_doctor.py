@@ -19,7 +19,8 @@ from jaxep import _extension
 from jaxep.doctor import report as doctor
 
 KEYS = {"python", "os", "machine", "packages", "jax", "nvidia_smi", "nvshmem", "extension", "cuda",
-        "infiniband", "mps", "env", "topology", "qos", "problems", "gpu_node", "can_run"}
+        "infiniband", "mps", "env", "topology", "qos", "nvlink_fabric", "problems", "gpu_node",
+        "can_run"}
 
 
 def test_facts_keys_and_json():

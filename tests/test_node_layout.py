@@ -99,11 +99,15 @@ class FakeStore:
         return self.values[key]
 
 
+def published(host, fab=None, blockers=()):
+    return json.dumps(node_layout.rank_facts(host, fab, blockers), sort_keys=True)
+
+
 def test_discover_publishes_and_reads_every_rank():
-    others = {f"jaxep/host/3/{r}": h for r, h in enumerate(A4B4) if r != 5}
+    others = {f"jaxep/host/3/{r}": published(h) for r, h in enumerate(A4B4) if r != 5}
     store = FakeStore(others)
     assert node_layout.discover(store, 5, 8, 3, hostname="hostB") == 4
-    assert store.sets == [("jaxep/host/3/5", "hostB")]
+    assert store.sets == [("jaxep/host/3/5", published("hostB"))]
     assert node_layout.discover(FakeStore(others), 5, 8, 3, hostname="hostB", override=2) == 2
     # This rank's own host decides too: hostA at rank 5 breaks contiguity.
     with pytest.raises(RuntimeError,
@@ -114,7 +118,7 @@ def test_discover_publishes_and_reads_every_rank():
 def test_discover_default_host_and_errors():
     store = FakeStore()
     assert node_layout.discover(store, 0, 1, 0) == 1
-    assert store.sets == [("jaxep/host/0/0", node_layout.this_host())]
+    assert store.sets == [("jaxep/host/0/0", published(node_layout.this_host()))]
     with pytest.raises(RuntimeError, match=r"rank 1 did not publish its host within 0.5 s .*"
                                            r"DEADLINE_EXCEEDED: jaxep/host/0/1"):
         node_layout.discover(FakeStore(), 0, 2, 0, hostname="a", timeout_ms=500)

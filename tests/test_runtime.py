@@ -1,5 +1,7 @@
 """CPU tier: the multi-rank runtime's Python side (no GPU needed): trace-time errors of the
 multi-rank CUDA path, check()/diagnostic() without a runtime, NVSHMEM settings helpers."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -162,3 +164,53 @@ def test_initialize_with_several_configs():
     for bad in ([], [train, 3], "train"):
         with pytest.raises(TypeError, match="a jaxep.Config or a non-empty list"):
             jaxep.initialize(bad)
+
+
+def _align(n):
+    return -(-n // 256) * 256
+
+
+def _symmetric_formula(R, G, T, H, K, E, C, max_ranks):
+    """docs/multinode.md's formula of the symmetric block (normal mode, bf16 rows, f32 returns)."""
+    row, N, flags = 2 * H, T * K, _align(8 * max_ranks)
+    meta = _align(4 * E) + 4 * _align(4 * N)
+    total = 2 * flags + 256 + meta + _align(4 * C) + _align(max(max(T, C) * row, 4 * C))
+    n = R // G
+    if n > 1:
+        rrow = _align(max(row, 4 * H, 4 * K))
+        stride = meta + _align(4 * T) + 2 * T * rrow
+        total += 3 * flags + _align(8 * n * T) + _align(4 * n * T) + 2 * _align(4 * n)
+        total += (n - 1) * stride
+    return total
+
+
+# The figures docs/multinode.md gives (the seed's shapes, 8 local experts per rank), in bytes.
+SEED_SYMMETRIC = {(64, 64): 587909376, (64, 8): 2236293888, (256, 64): 1294426880,
+                  (256, 8): 7887840000}
+
+
+@pytest.mark.skipif(not _extension.multi_rank_built(), reason="extension without NVSHMEM")
+@pytest.mark.parametrize("R,G", sorted(SEED_SYMMETRIC))
+def test_symmetric_bytes_follow_the_documented_formula(R, G):
+    m = _extension._module
+    cfg = jaxep.Config(num_experts=8 * R, topk=8, hidden=7168, max_tokens_per_rank=4096,
+                       dtype="bfloat16")
+    p = sizes.Params.of([cfg], device=0, rank=0, size=R, node_size=G)
+    got = m.symmetric_bytes(m.RuntimeParams(**dataclasses.asdict(p)))
+    assert got == SEED_SYMMETRIC[(R, G)]
+    assert got == _symmetric_formula(R, G, 4096, 7168, 8, 8 * R, p.capacity,
+                                     m.constants()["max_ranks"])
+
+
+@pytest.mark.skipif(not _extension.multi_rank_built(), reason="extension without NVSHMEM")
+@pytest.mark.parametrize("rank,size,node", [(100, 1024, 4), (1023, 1024, 8), (80, 144, 72),
+                                            (71, 144, 72), (5, 72, 72), (700, 1024, 1024)])
+def test_peer_table_maps_this_node_and_poisons_the_others(rank, size, node):
+    t = _extension._module.peer_table_entries(rank, size, node)
+    poison = 0xDEAD << 36
+    assert len(t) == size
+    first = rank // node * node
+    for q, v in enumerate(t):
+        assert v == ((q + 1) << 32 if first <= q < first + node else poison + q), q
+    with pytest.raises(ValueError):
+        _extension._module.peer_table_entries(0, _extension.constant("max_ranks") + 1, 1)

@@ -23,7 +23,7 @@ from jaxep.runtime.state import RUNTIME
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=16)
 GIB = 1 << 30
 # What the extension's constants() returns (the lead's ffi/module.cc), for the fakes.
-CONSTANTS = dict(max_experts=8192, max_ranks=128, internode_max_topk=32, ll_max_topk=64,
+CONSTANTS = dict(max_experts=8192, max_ranks=1024, internode_max_topk=32, ll_max_topk=64,
                  fp8_block=128,
                  phases=dict(enumerate(["none", "free", "ready", "zero_copy", "credit",
                                         "remote_meta", "remote_rows", "return", "ll_counts",

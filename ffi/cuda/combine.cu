@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int R = team.size;
   const int L = experts / R;
   const int first = NodeOf(team, team.rank) * team.node_size, last = first + team.node_size;
-  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of this node's ranks, once per block
+  const char** s_rows = DynamicShared<const char*>();  // [R]: SrcRowsBase of this node's ranks
   LoadSrcRows(team, s_rows);
   P* out_packs = reinterpret_cast<P*>(out);
   const int64_t total = static_cast<int64_t>(tokens) * units_per_row;
@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (Aborted(team)) return;
   using P = Pack<T, VEC>;
   __shared__ SlotList<P> list;
-  __shared__ const char* s_rows[kMaxRanks];  // SrcRowsBase of this node's ranks, once per block
+  const char** s_rows = DynamicShared<const char*>();  // [R]: SrcRowsBase of this node's ranks
   LoadSrcRows(team, s_rows);
   const int lane = threadIdx.x % kWarpSize;
   const int wib = threadIdx.x / kWarpSize;
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kCombineThreads, kReduceBlocksPerSm)
                         int64_t units_per_row, uint64_t seq) {
   using P = Pack<T, VEC>;
   __shared__ SlotList<P> list;
-  __shared__ const char* s_rows[kMaxRanks];
+  const char** s_rows = DynamicShared<const char*>();  // [R]
   __shared__ int s_abort;            // read once: the block put needs every thread of the block
   __shared__ int32_t s_row[kWarps];  // the round's row j of each warp, -1: nothing to return
   if (threadIdx.x == 0) s_abort = Aborted(team) ? 1 : 0;
@@ -388,8 +388,8 @@ cudaError_t LaunchCombinePullAs(const Team& team, int32_t tokens, int32_t topk, 
     const unsigned grid = static_cast<unsigned>(
         CapBlocks(std::min(CeilDiv(tokens, kWarps), kMaxCombineBlocks), max_blocks));
     auto launch = [&](auto kernel) {
-      kernel<<<grid, kCombineThreads, 0, stream>>>(team, tokens, topk, experts, rows, units,
-                                                   send_row, topk_idx, out);
+      kernel<<<grid, kCombineThreads, SrcRowsSmemBytes(team), stream>>>(
+          team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
       return cudaGetLastError();
     };
     const bool one_node = Nodes(team) == 1;
@@ -403,10 +403,10 @@ cudaError_t LaunchCombinePullAs(const Team& team, int32_t tokens, int32_t topk, 
   const unsigned grid = static_cast<unsigned>(
       CapBlocks(std::min(CeilDiv(tokens * units, kCombineThreads), kMaxCombineBlocks), max_blocks));
   if (packed) {
-    CombinePullKernel<T, W, kVec><<<grid, kCombineThreads, 0, stream>>>(
+    CombinePullKernel<T, W, kVec><<<grid, kCombineThreads, SrcRowsSmemBytes(team), stream>>>(
         team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
   } else {
-    CombinePullKernel<T, W, 1><<<grid, kCombineThreads, 0, stream>>>(
+    CombinePullKernel<T, W, 1><<<grid, kCombineThreads, SrcRowsSmemBytes(team), stream>>>(
         team, tokens, topk, experts, rows, units, send_row, topk_idx, out);
   }
   return cudaGetLastError();
@@ -425,10 +425,10 @@ cudaError_t LaunchCombineReduceAs(const Team& team, int32_t tokens, int32_t topk
       CapBlocks(std::min(CeilDiv(items, kWarps), kMaxCombineBlocks), max_blocks));
   // Staged rows are 256-byte aligned, so only the row size decides the pack.
   if (hidden % kVec == 0) {
-    CombineReduceKernel<T, W, kVec><<<grid, kCombineThreads, 0, stream>>>(
+    CombineReduceKernel<T, W, kVec><<<grid, kCombineThreads, SrcRowsSmemBytes(team), stream>>>(
         team, tokens, topk, experts, rows, hidden / kVec, seq);
   } else {
-    CombineReduceKernel<T, W, 1><<<grid, kCombineThreads, 0, stream>>>(
+    CombineReduceKernel<T, W, 1><<<grid, kCombineThreads, SrcRowsSmemBytes(team), stream>>>(
         team, tokens, topk, experts, rows, hidden, seq);
   }
   return cudaGetLastError();

@@ -11,6 +11,8 @@ namespace {
 
 using namespace ll;  // NOLINT: the shared helpers
 
+constexpr int kStartThreads = 128;  // kernel C0's block; its threads stride over the ranks
+
 // Kernel C0, one block: the call's seq; ll_done[me] = seq on every rank (this rank finished its
 // combine_recv of the last call: its ll_crows may be written again).
 __global__ void LLCombineStartKernel(Team team, int32_t* marker) {
@@ -156,7 +158,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t LaunchLLCombineStart(const Team& team, int32_t* marker, cudaStream_t stream) {
-  LLCombineStartKernel<<<1, kMaxRanks, 0, stream>>>(team, marker);
+  LLCombineStartKernel<<<1, kStartThreads, 0, stream>>>(team, marker);
   return cudaGetLastError();
 }
 

@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kRowThreads)
                        Row fmt, const void* meta_scratch, char* __restrict__ x_rows,
                        float* __restrict__ weights, int32_t* __restrict__ recv_slot, int32_t set) {
   if (Aborted(team)) return;
-  __shared__ Source s_src[kMaxRanks];  // where every source's arrays and rows are (team.cuh)
+  Source* s_src = DynamicShared<Source>();  // [R]: where every source's arrays and rows are
   LoadSources(team, s_src);
   const int R = team.size;
   const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(kRowThreads)
   if (Aborted(team)) return;
   constexpr int kWarps = kRowThreads / kWarpSize;
   __shared__ int s_dst[kWarps][kMaxTokenTopk];
-  __shared__ Source s_src[kMaxRanks];  // where every source's arrays and rows are (team.cuh)
+  Source* s_src = DynamicShared<Source>();  // [R]: where every source's arrays and rows are
   LoadSources(team, s_src);
   const int R = team.size, me = team.rank, L = experts / R;
   const MetaScratch m(const_cast<void*>(meta_scratch), R, experts);
@@ -488,7 +488,7 @@ __global__ void __launch_bounds__(kRowThreads)
                    const int32_t* __restrict__ recv_slot, Unit* __restrict__ x_rows,
                    int32_t set) {
   if (Aborted(team)) return;
-  __shared__ Source s_src[kMaxRanks];  // where every source's rows are (team.cuh)
+  Source* s_src = DynamicShared<Source>();  // [R]: where every source's rows are (team.cuh)
   LoadSources(team, s_src);
   const uint64_t seq = PullSeq(team);  // this call's (AwaitRemoteRow)
   const int lane = threadIdx.x % kWarpSize;
@@ -536,11 +536,11 @@ cudaError_t LaunchDispatchPull(const Team& team, int32_t tokens, int32_t topk, i
       RowBlocks(by_token ? static_cast<int64_t>(tokens) * team.size : capacity, max_blocks));
   WithRowFormat(reinterpret_cast<uintptr_t>(x_rows), row_bytes, fp8_out, [&](auto fmt) {
     if (by_token) {
-      DispatchPullTokenKernel<<<grid, kRowThreads, 0, stream>>>(
+      DispatchPullTokenKernel<<<grid, kRowThreads, SourcesSmemBytes(team), stream>>>(
           team, tokens, topk, experts, capacity, fmt, meta_scratch, static_cast<char*>(x_rows),
           weights, recv_slot, set);
     } else {
-      DispatchPullKernel<<<grid, kRowThreads, 0, stream>>>(
+      DispatchPullKernel<<<grid, kRowThreads, SourcesSmemBytes(team), stream>>>(
           team, tokens, topk, experts, capacity, fmt, meta_scratch, static_cast<char*>(x_rows),
           weights, recv_slot, set);
     }
@@ -555,7 +555,7 @@ cudaError_t LaunchRowsPull(const Team& team, int32_t tokens, int32_t topk, int32
   const unsigned grid = static_cast<unsigned>(RowBlocks(rows, max_blocks));
   WithRowUnit(reinterpret_cast<uintptr_t>(x_rows), row_bytes, [&](auto unit) {
     using U = decltype(unit);
-    RowsPullKernel<U><<<grid, kRowThreads, 0, stream>>>(
+    RowsPullKernel<U><<<grid, kRowThreads, SourcesSmemBytes(team), stream>>>(
         team, tokens, topk, rows, row_bytes / static_cast<int64_t>(sizeof(U)), recv_slot,
         static_cast<U*>(x_rows), set);
   });

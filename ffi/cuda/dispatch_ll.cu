@@ -180,7 +180,10 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
 __global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDispatchRecv a,
                                                                  int chunks) {
   __shared__ int s_abort, s_drop;
-  __shared__ int32_t s_pre[kMaxRanks + 1], s_cnt[kMaxRanks], s_base[kMaxRanks];
+  // Dynamic shared memory (LaunchLLDispatchRecv sizes it): s_pre[R + 1], s_cnt[R], s_base[R].
+  int32_t* const s_pre = DynamicShared<int32_t>();
+  int32_t* const s_cnt = s_pre + team.size + 1;
+  int32_t* const s_base = s_cnt + team.size;
   const SymLayout& lay = team.lay;
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int me = team.rank, R = team.size, E = a.experts, L = E / R, M = a.rows_per_expert;
@@ -313,7 +316,8 @@ cudaError_t LaunchLLDispatchRows(const Team& team, const LLDispatchSend& a, cuda
 cudaError_t LaunchLLDispatchRecv(const Team& team, const LLDispatchRecv& a, cudaStream_t stream) {
   const int L = a.experts / team.size;
   const int chunks = static_cast<int>(CeilDiv(a.rows_per_expert, kRecvRowsPerBlock));
-  LLDispatchRecvKernel<<<L * chunks + 1, kThreads, 0, stream>>>(team, a, chunks);
+  const size_t smem = (3 * static_cast<size_t>(team.size) + 1) * sizeof(int32_t);
+  LLDispatchRecvKernel<<<L * chunks + 1, kThreads, smem, stream>>>(team, a, chunks);
   return cudaGetLastError();
 }
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <sstream>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -38,7 +39,12 @@ struct State {
   void* pool_reg = nullptr;      // RegisterPool: this PE's pool in the symmetric heap
   uintptr_t pool_base = 0;       // the same pool at XLA's address
   size_t pool_size = 0;
-  char* pool_peer[mr::kMaxRanks] = {};
+  // The peer tables (sync.h Team): the host's copy of Team::peer, the pool addresses RegisterPool
+  // computed (copied to the device by EnablePool), and the device array of 2 x size pointers
+  // [peer | pool_peer] that team.peer / team.pool_peer point into (cudaMalloc'ed by Init).
+  std::vector<char*> peer_host;
+  std::vector<char*> pool_peer;
+  char** tables = nullptr;
   std::atomic<uint64_t> seq{0};
   std::atomic<uint64_t> zero_copy_calls{0};
   std::atomic<uint64_t> ll_host_calls{0};
@@ -76,6 +82,7 @@ std::string DeviceMemInfo(int device, size_t* free_bytes, size_t* total_bytes) {
 }
 
 const mr::Team* ActiveTeam() { return S().up ? &S().team : nullptr; }
+const std::vector<char*>& HostPeerTable() { return S().peer_host; }
 const Limits& ActiveLimits() { return S().limits; }
 uint64_t NextSeq() { return S().seq.fetch_add(1) + 1; }
 uint64_t CurrentSeq() { return S().seq.load(); }
@@ -88,7 +95,7 @@ std::string ReadLLSeq(uint64_t out[2]) {
   out[0] = out[1] = 0;
   if (!S().up || S().team.lay.ll_experts == 0) return "";
   const mr::Team& t = S().team;
-  if (cudaError_t e = cudaMemcpy(out, t.peer[t.rank] + t.lay.ll_ctr, 2 * sizeof(uint64_t),
+  if (cudaError_t e = cudaMemcpy(out, S().peer_host[t.rank] + t.lay.ll_ctr, 2 * sizeof(uint64_t),
                                  cudaMemcpyDeviceToHost);
       e != cudaSuccess) {
     return CudaErr("cudaMemcpy(ll_ctr)", e);
@@ -198,26 +205,40 @@ std::string ZeroBlock(void* sym, size_t bytes) {
   return "";
 }
 
-// Step 4: team->peer[q] for every rank q. This node's ranks (q / node_size == rank / node_size)
-// get nvshmem_ptr(sym, q), which must be non-NULL (load/store reachable); the others a poison
-// address, kPoisonPeer + q, that faults if a kernel ever dereferenced it (across real nodes
-// nvshmem_ptr is NULL: no load/store path).
-std::string MapPeers(const InitParams& p, void* sym, mr::Team* team) {
-  const int node = p.rank / p.node_size;
-  for (int q = 0; q < p.size; ++q) {
-    if (q / p.node_size != node) {
-      team->peer[q] = reinterpret_cast<char*>(mr::kPoisonPeer + q);
-      continue;
-    }
-    team->peer[q] = static_cast<char*>(nvshmem_ptr(sym, q));
-    if (team->peer[q] == nullptr) {
-      return "PE " + std::to_string(q) + " is not reachable with loads/stores from PE " +
-             std::to_string(p.rank) + " (nvshmem_ptr returned NULL), but the node layout (" +
-             std::to_string(p.node_size) + " ranks per node) puts both on node " +
-             std::to_string(node) + ": set Config.ranks_per_node to the ranks that share NVLink "
-             "(or P2P / MPS on one GPU)";
-    }
+// Step 4: the peer table (sync.h FillPeerTable): this node's ranks (q / node_size == rank /
+// node_size) get nvshmem_ptr(sym, q), which must be non-NULL (load/store reachable); the others a
+// poison address, kPoisonPeer + q, that faults if a kernel ever dereferenced it (across real nodes
+// nvshmem_ptr is NULL: no load/store path). Into *host, then into the device array *tables
+// (2 x size pointers, the pool half zero), which team->peer / team->pool_peer point into.
+std::string MapPeers(const InitParams& p, void* sym, std::vector<char*>* host, char*** tables,
+                     mr::Team* team) {
+  host->assign(p.size, nullptr);
+  const int missing = mr::FillPeerTable(
+      p.rank, p.size, p.node_size, [&](int q) { return static_cast<char*>(nvshmem_ptr(sym, q)); },
+      host->data());
+  if (missing >= 0) {
+    return "PE " + std::to_string(missing) + " is not reachable with loads/stores from PE " +
+           std::to_string(p.rank) + " (nvshmem_ptr returned NULL), but the node layout (" +
+           std::to_string(p.node_size) + " ranks per node) puts both on node " +
+           std::to_string(p.rank / p.node_size) + ": set Config.ranks_per_node to the ranks that "
+           "share NVLink (or P2P / MPS on one GPU); across hosts of one NVLink domain, check "
+           "`python -m jaxep.doctor` (IMEX channel, NVSHMEM_DISABLE_MNNVL, fabric state)";
   }
+  const size_t bytes = 2 * static_cast<size_t>(p.size) * sizeof(char*);
+  if (cudaError_t e = cudaMalloc(reinterpret_cast<void**>(tables), bytes); e != cudaSuccess) {
+    *tables = nullptr;
+    return CudaErr("cudaMalloc(peer tables)", e);
+  }
+  if (cudaError_t e = cudaMemset(*tables, 0, bytes); e != cudaSuccess) {
+    return CudaErr("cudaMemset(peer tables)", e);
+  }
+  if (cudaError_t e = cudaMemcpy(*tables, host->data(), p.size * sizeof(char*),
+                                 cudaMemcpyHostToDevice);
+      e != cudaSuccess) {
+    return CudaErr("cudaMemcpy(peer table)", e);
+  }
+  team->peer = *tables;
+  team->pool_peer = *tables + p.size;
   return "";
 }
 
@@ -257,12 +278,15 @@ std::string Init(const InitParams& p, const std::string& unique_id) {
   mr::Team team{};
   team.sym = static_cast<char*>(sym);
   mr::Diag* diag = nullptr;
+  char** tables = nullptr;
   std::string err = ZeroBlock(sym, lay.total);
-  if (err.empty()) err = MapPeers(p, sym, &team);
+  if (err.empty()) err = MapPeers(p, sym, &s.peer_host, &tables, &team);
   if (err.empty()) err = MapDiag(&diag, &team);
   nvshmem_barrier_all();  // every PE's flags are zero before anyone signals
   if (!err.empty()) {
     if (diag != nullptr) cudaFreeHost(diag);
+    if (tables != nullptr) cudaFree(tables);
+    s.peer_host.clear();
     nvshmem_free(sym);
     nvshmem_finalize();
     return err;
@@ -276,6 +300,8 @@ std::string Init(const InitParams& p, const std::string& unique_id) {
   s.limits = Limits{p.max_tokens, p.topk, p.experts, p.capacity, p.row_bytes};
   s.sym = sym;
   s.diag_host = diag;
+  s.tables = tables;
+  s.pool_peer.assign(p.size, nullptr);
   s.seq.store(0);
   s.zero_copy_calls.store(0);
   s.ll_host_calls.store(0);
@@ -314,15 +340,11 @@ std::string RegisterPool(uintptr_t base, size_t size, bool* fatal, double* ms) {
   s.pool_reg = reg;  // unregistered by a collective Finalize, whatever happens below
   s.pool_base = base;
   s.pool_size = size;
-  for (int q = 0; q < s.team.size; ++q) {
-    if (q / s.team.node_size != s.team.rank / s.team.node_size) {  // another node: poisoned
-      s.pool_peer[q] = reinterpret_cast<char*>(mr::kPoisonPeer + q);
-      continue;
-    }
-    s.pool_peer[q] = static_cast<char*>(nvshmem_ptr(reg, q));
-    if (s.pool_peer[q] == nullptr) {
-      return "nvshmem_ptr of the registered pool returned NULL for PE " + std::to_string(q);
-    }
+  const int missing = mr::FillPeerTable(
+      s.team.rank, s.team.size, s.team.node_size,
+      [&](int q) { return static_cast<char*>(nvshmem_ptr(reg, q)); }, s.pool_peer.data());
+  if (missing >= 0) {
+    return "nvshmem_ptr of the registered pool returned NULL for PE " + std::to_string(missing);
   }
   return "";
 #else
@@ -338,7 +360,11 @@ std::string EnablePool() {
   if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) return CudaErr("sync", e);
   for (int q = 0; q < s.team.size; ++q) {
     if (s.pool_peer[q] == nullptr) return "no peer address of PE " + std::to_string(q) + "'s pool";
-    s.team.pool_peer[q] = s.pool_peer[q];
+  }
+  if (cudaError_t e = cudaMemcpy(s.tables + s.team.size, s.pool_peer.data(),
+                                 s.pool_peer.size() * sizeof(char*), cudaMemcpyHostToDevice);
+      e != cudaSuccess) {
+    return CudaErr("cudaMemcpy(pool peer table)", e);
   }
   // Before any multi-rank call of this process is enqueued (jaxep.initialize has not returned).
   s.team.pool_base = s.pool_base;
@@ -361,12 +387,15 @@ std::string Finalize(bool collective) {
     nvshmem_finalize();
   }
   if (s.diag_host != nullptr) cudaFreeHost(s.diag_host);
+  if (s.tables != nullptr) cudaFree(s.tables);
   s.sym = nullptr;
   s.diag_host = nullptr;
+  s.tables = nullptr;
   s.pool_reg = nullptr;
   s.pool_base = 0;
   s.pool_size = 0;
-  for (char*& p : s.pool_peer) p = nullptr;
+  s.peer_host.clear();
+  s.pool_peer.clear();
   s.team = mr::Team{};
   return "";
 }

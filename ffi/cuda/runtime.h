@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "sync.h"
 
@@ -83,6 +84,9 @@ uint64_t ZeroCopyCalls();
 
 // nullptr when not initialized. The Team stays valid until Finalize.
 const mr::Team* ActiveTeam();
+// The host's copy of the active Team's peer table ([size] entries; empty when not initialized):
+// the Team's own tables are in device memory (sync.h Team).
+const std::vector<char*>& HostPeerTable();
 const Limits& ActiveLimits();
 uint64_t NextSeq();      // ++seq of this process (first call gets 1)
 uint64_t CurrentSeq();

@@ -37,9 +37,12 @@
 namespace jaxep::cuda::mr {
 
 // Most ranks of a team, all nodes together (exported to Python by ffi/module.cc constants()).
-// Bounded by what a Team passed by value may hold (two pointer tables of kMaxRanks) and by the
-// kernels' shared tables of per-source pointers.
-constexpr int kMaxRanks = 128;
+// The per-rank pointer tables live in device memory (Team::peer, Team::pool_peer: not a kernel
+// argument), so this bounds only the flag arrays of SymLayout (kMaxRanks words each) and the pull
+// kernels' per-block tables of the team's ranks (dynamic shared memory, team.cuh
+// SourcesSmemBytes: at most kMaxRanks x 24 bytes, under the 48 KiB a launch gets without opt-in).
+// A node (ranks sharing load/store access) may hold any number of them, up to all.
+constexpr int kMaxRanks = 1024;
 
 // Phases recorded in Diag::phase; kPhaseNames (same order) is what Python reads.
 enum Phase : int32_t {
@@ -178,7 +181,14 @@ SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, i
 // src_off value meaning "this call's source rows are in my stage" (docs/zero_copy.md, option B1).
 constexpr uint64_t kStagedSrc = ~uint64_t{0};
 
-// What every kernel needs to reach its peers. Passed by value.
+// What every kernel needs to reach its peers. Passed by value (a few hundred bytes, whatever the
+// team's size): the per-rank pointer tables are in device memory, allocated by the runtime
+// (ffi/cuda/runtime.cu) as ONE array of 2 x size pointers, [peer[0..size) | pool_peer[0..size)],
+// written once before the runtime is published (pool_peer: zero until EnablePool writes it, which
+// happens before any call that reads it is enqueued) and freed only by Finalize after a device
+// synchronize: the tables never change while a kernel may read them, so a graph that captured a
+// Team stays valid until finalize. Host code never dereferences them (the host keeps its own copy,
+// rt::HostPeerTable).
 // Zero-copy (docs/zero_copy.md B1): when XLA's device pool (one VMM allocation) is registered into
 // NVSHMEM's symmetric heap on every PE, pool_size > 0 on every PE (the host decides identically
 // everywhere) and a call may leave its source rows (x for dispatch / dispatch_rows, y for combine)
@@ -190,8 +200,10 @@ constexpr uint64_t kStagedSrc = ~uint64_t{0};
 // no kernel may dereference (a real cluster has no load/store path there: nvshmem_ptr is NULL).
 // Kernels reach other nodes only through NVSHMEM put / put-with-signal on `sym` addresses.
 struct Team {
-  char* peer[kMaxRanks];  // base of PE p's symmetric block in this process (peer[rank] is local)
-  char* pool_peer[kMaxRanks] = {};  // base of PE p's registered XLA pool in this process
+  char* const* peer = nullptr;       // device [size]: base of PE p's symmetric block in this
+                                     // process (peer[rank] is local)
+  char* const* pool_peer = nullptr;  // device [size]: base of PE p's registered XLA pool in this
+                                     // process (read only when pool_size > 0)
   char* sym = nullptr;              // this PE's block at its symmetric address (NVSHMEM calls)
   uintptr_t pool_base = 0;          // this PE's pool, at XLA's (local) address
   size_t pool_size = 0;             // 0: no pool registered (always stage)
@@ -229,6 +241,25 @@ __host__ __device__ inline bool InSet(int source_node, int my_node, int32_t set)
 
 // The poison base of other nodes' peer-table entries (unmapped: a dereference faults).
 constexpr uintptr_t kPoisonPeer = uintptr_t{0xDEAD} << 36;
+
+// The peer table of `rank` in a team of `size` ranks, `node_size` per node, into out[0..size):
+// entry q is map(q) (nvshmem_ptr of the symmetric object on PE q) when q is on rank's node, else
+// kPoisonPeer + q. Returns the first q of rank's node that map() left NULL (no load/store path to
+// a rank the layout calls a node peer), or -1. Host code, no NVSHMEM: the runtime fills both
+// tables with it, and the CPU tests call it through the extension (peer_table_entries).
+template <typename Map>
+int FillPeerTable(int rank, int size, int node_size, Map&& map, char** out) {
+  const int node = rank / node_size;
+  for (int q = 0; q < size; ++q) {
+    if (q / node_size != node) {
+      out[q] = reinterpret_cast<char*>(kPoisonPeer + static_cast<uintptr_t>(q));
+      continue;
+    }
+    out[q] = map(q);
+    if (out[q] == nullptr) return q;
+  }
+  return -1;
+}
 
 __host__ __device__ inline int NodeOf(const Team& t, int r) { return r / t.node_size; }
 __host__ __device__ inline int Nodes(const Team& t) { return t.size / t.node_size; }

@@ -139,6 +139,25 @@ __device__ inline bool AwaitRemoteRow(const Team& team, int s, int64_t i, uint64
   return __all_sync(kFullMask, WaitAtLeast(team, flag, seq, kPhaseRemoteRows, op, s, seq));
 }
 
+// The pull kernels' per-block tables hold one entry per rank of the team, in the block's dynamic
+// shared memory (launched with these many bytes): Source[size] (LoadSources) or const char*[size]
+// (LoadSrcRows); the launch grows with the team, so a small team's kernels keep their occupancy.
+inline size_t SourcesSmemBytes(const Team& t) {
+  return static_cast<size_t>(t.size) * sizeof(Source);
+}
+inline size_t SrcRowsSmemBytes(const Team& t) {
+  return static_cast<size_t>(t.size) * sizeof(const char*);
+}
+static_assert(kMaxRanks * sizeof(Source) <= 32 * 1024,
+              "the largest per-block table must leave room under the 48 KiB default limit");
+
+// The block's dynamic shared memory as an array of T (16-byte aligned).
+template <typename T>
+__device__ __forceinline__ T* DynamicShared() {
+  extern __shared__ __align__(16) unsigned char s_dynamic[];
+  return reinterpret_cast<T*>(s_dynamic);
+}
+
 // Fills s_src[s] = SourceOf(team, s) for every rank s, once per block (ends with __syncthreads:
 // call it from every thread of the block, before any early exit of a thread).
 __device__ __forceinline__ void LoadSources(const Team& team, Source* s_src) {

@@ -21,7 +21,7 @@ DeepEP-style logical bytes / one time, so their ratio is the routing's byte rati
 """
 from __future__ import annotations
 
-from jaxep.bench import presets
+from jaxep.bench import accounting, presets
 
 
 def floors(bytes_by_link: dict, peaks_gbps: dict) -> dict:
@@ -105,3 +105,25 @@ def seed_reading(nvl_logical: int, rdma_logical: int, rdma_true: int, uniform_ra
         note=("the seed's 'NVL'/'RDMA' GB/s are DeepEP-style logical bytes / one time: their ratio "
               "is the routing's byte ratio, not link speed; the NIC's real rate is the true "
               "cross-node bytes / that time"))
+
+
+def uniform_prediction(name: str) -> dict:
+    """Preset `name` on its modeled hardware under uniform routing (accounting's closed forms:
+    K distinct experts per token), without running: per op the busiest-rank bytes (= the mean
+    rank's under uniform routing), floors, bound and as-built time (model.modeled_op).
+
+    dispatch: bf16 rows (H x 2 B) in from own-node peers over NVLink and out once per other node
+    needed over RDMA. combine: the same rows' worth over NVLink (the reducer reads the kept rows),
+    and per (token, other node it needs) one partial at combine_wire_dtype float32 (H x 4 B) over
+    RDMA. Metadata (< 1 %) is left out.
+    """
+    f, hw = presets.fields(name), presets.HARDWARE[name]
+    R, G, T, H = f["ep_size"], f["ranks_per_node"], f["tokens"], f["hidden"]
+    u = accounting.uniform_expectations(R // G, G, f["experts"], f["topk"])
+    row = H * 2
+    peak = dict(nvlink_gbps=hw["nvlink_gbps"], rdma_gbps=hw["rdma_gbps"])
+    ops = dict(dispatch=modeled_op(T * u["dispatch_nvlink"] * row, T * u["dispatch_rdma"] * row, 0,
+                                   **peak),
+               combine=modeled_op(T * u["dispatch_nvlink"] * row,
+                                  T * u["dispatch_rdma"] * H * 4, 0, **peak))
+    return dict(preset=name, hardware=hw["name"], expectations=u, ops=ops)

@@ -8,7 +8,11 @@ peer-memory module; no libibverbs / libmlx5 for NVSHMEM to load; NICs IBGDA skip
 sharing a NIC, a NIC far from its GPU, a bond at half rate, IBGDA off, IBGDA's doorbell rung by a
 CPU for want of the driver's PeerMappingOverride=1, no GDRCopy for the proxy, no transport to
 other nodes, RoCE on an Ethernet MTU too small for a 4096-byte RDMA MTU), each with the setting
-that fixes it; they join `problems`.
+that fixes it; they join `problems`. Its "nvlink_fabric" key (`nvlink_fabric`) holds each GPU's
+NVLink fabric facts as NVML reports them (cluster UUID, clique id, registration state and status,
+health conditions: jaxep.runtime.fabric), the IMEX channels under /dev/nvidia-caps-imex-channels and
+what would stop NVSHMEM from mapping the domain across hosts (registration not completed, no IMEX
+channel, NVSHMEM_DISABLE_MNNVL), each with its fix; those join `problems` too.
 Every probe tolerates a missing tool, file or device: on a machine without GPU, NVSHMEM or NICs
 the doctor says so and carries on. Nothing is changed.
 
@@ -38,6 +42,7 @@ import psutil
 
 from jaxep import _jax_private
 from jaxep.doctor import machine, qos, topology
+from jaxep.runtime import fabric
 
 _ENV_KEYS = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
              "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
@@ -445,6 +450,29 @@ def _problems(f) -> list:
     return out
 
 
+def nvlink_fabric(count: int, nvml=None, root: str = "/", environ=None) -> dict:
+    """Fabric facts of GPUs 0..count-1 (NVML indices; `nvml`: fabric.read's injectable library),
+    the IMEX channels, and the blockers of each GPU whose fabric exists ({"gpu", "what", "fix"})."""
+    gpus, blockers = [], []
+    for i in range(count):
+        fab = fabric.read(i, nvml=nvml)
+        gpus.append(dict(index=i, **(fab.as_dict() if fab else dict(domain=None, state="no fabric"))))
+        blockers += [dict(gpu=i, what=w, fix=x) for w, x in fabric.blockers(fab, environ, root)]
+    domains = sorted({g["domain"] for g in gpus if g["domain"]})
+    return dict(gpus=gpus, domains=domains, imex_channels=fabric.imex_channels(root),
+                blockers=blockers)
+
+
+def _fabric_problems(fab: dict) -> list:
+    out = [dict(level="warn", what=f"GPU {b['gpu']}: {b['what']}", hint=b["fix"])
+           for b in fab["blockers"]]
+    out += [dict(level="warn", what=f"GPU {g['index']}: NVLink fabric health: "
+                 + ", ".join(g["health"]), hint="nvidia-smi -q (Fabric) and the fabric "
+                 "manager's log; expect lower NVLink bandwidth until it clears")
+            for g in fab["gpus"] if g.get("health")]
+    return out
+
+
 def facts(nodes: int | None = None) -> dict:
     """Everything the doctor knows, as a JSON-able dict (see module docstring). `nodes`: how many
     nodes the job spans, for the internode checks that depend on it (None: unknown). "gpu_node":
@@ -461,10 +489,11 @@ def facts(nodes: int | None = None) -> dict:
         "infiniband": infiniband_ports(), "mps": mps(), "env": environment(),
         "topology": topology.summary(nodes=nodes),
         "qos": qos.summary(nodes=nodes),  # RoCE QoS, bonds, idle near NICs (jaxep.doctor.qos)
+        "nvlink_fabric": nvlink_fabric(len(smi["gpus"])),
     }
     f["gpu_node"] = bool(smi["available"] or f["topology"]["gpus"])
     f["can_run"] = can_run(f)
-    f["problems"] = _problems(f)
+    f["problems"] = _problems(f) + _fabric_problems(f["nvlink_fabric"])
     return f
 
 
@@ -550,6 +579,10 @@ def format_report(f: dict) -> str:
                  f", pipe {m['pipe_directory']}")
     lines.append("memory: XLA_PYTHON_CLIENT_PREALLOCATE=" + str(f["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"])
                  + " XLA_PYTHON_CLIENT_MEM_FRACTION=" + str(f["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
+    fab = f["nvlink_fabric"]
+    lines.append("NVLink fabric: " + ("; ".join(fab["domains"]) if fab["domains"] else
+                                      "none (each host is its own NVLink domain)")
+                 + f"; IMEX channels: {', '.join(fab['imex_channels']) or 'none'}")
     lines.append("GPU-NIC, as NVSHMEM would pick (jaxep.doctor.topology):")
     lines += [f"  {line}" for line in f["topology"]["report"]]
     nv = {k: v for k, v in f["env"].items() if k.startswith("NVSHMEM_")}

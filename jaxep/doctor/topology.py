@@ -24,6 +24,7 @@ from jaxep.doctor.machine import (Driver, Topo, int_or_none, parse_topo, read_dr
                                   read_topo_text)
 from jaxep.doctor.rules import (VARIABLES, Choice, Settings, assign,  # noqa: F401  (re-exported)
                                 gdrcopy_missing, nic_for_gpu, rate_text, read_settings)
+from jaxep.runtime import fabric
 
 
 def _doorbell(s: Settings, drv: Driver) -> str:
@@ -86,13 +87,7 @@ def _gather(environ, root, topo_text, driver, ordinal=0):
     return parse_topo(text), read_nics(root), read_settings(environ), drv
 
 
-def _physical(local_gpu: int, environ: Mapping[str, str]) -> int:
-    """nvidia-smi's index of CUDA device `local_gpu`: through CUDA_VISIBLE_DEVICES when it lists
-    indices (UUIDs are not mapped: the local index is taken as is)."""
-    visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if all(v.isdigit() for v in visible) and local_gpu < len(visible):
-        return int(visible[local_gpu])
-    return local_gpu
+_physical = fabric.nvml_index
 
 
 def gpu_report(local_gpu: int, environ: Mapping[str, str] | None = None, root: str = "/",

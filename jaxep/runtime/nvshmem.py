@@ -5,7 +5,8 @@ steps of `start`, in order, each named for what it establishes.
      extension built with NVSHMEM for this GPU, at most the extension's max_ranks processes, NVSHMEM
      not initialized by anyone else;
   2. `bootstrap.agree_configs`: the same configs on every rank (a RuntimeError on every rank
-     otherwise), then the node layout (`node_layout`: processes per host, or the override);
+     otherwise), then the node layout (`node_layout`: processes per NVLink domain, which is the
+     fabric clique where NVML reports one (`fabric`) and the host otherwise, or the override);
   3. `_check_memory`: the symmetric block fits NVSHMEM's heap, and the heap fits the GPU's free
      memory outside XLA's pool (cudaSetDevice + cudaFree(0) on this thread first);
   4. on several hosts, `bootstrap.pin_interface`; `zero_copy.prepare_env`; then
@@ -27,7 +28,7 @@ import os
 import jax
 
 from jaxep import _extension, _jax_private
-from jaxep.runtime import bootstrap, node_layout, zero_copy
+from jaxep.runtime import bootstrap, fabric, node_layout, zero_copy
 from jaxep.runtime.bootstrap import fail as _fail
 from jaxep.runtime.sizes import HEAP_RESERVE, MEM_MARGIN, NVSHMEM_DEFAULT_HEAP, Params, \
     parse_size, recommended_env
@@ -85,6 +86,13 @@ def _this_process(ext) -> _Process:
               "XLA's NVSHMEM collectives or another library); jaxep must own its NVSHMEM init")
     ordinal = getattr(local[0], "local_hardware_id", None)
     return _Process(pe, nproc, local[0], local[0].id if ordinal is None else int(ordinal))
+
+
+def _rank_facts(ordinal: int) -> dict:
+    """This rank's host, NVLink fabric domain and what would stop NVSHMEM from mapping it
+    (node_layout.rank_facts, jaxep.runtime.fabric)."""
+    fab = fabric.read(fabric.nvml_index(ordinal))
+    return node_layout.rank_facts(fab=fab, blockers=fabric.blockers(fab))
 
 
 def _client():
@@ -154,9 +162,10 @@ def start(configs, generation: int) -> Started:
     client = _client()
     wait_ms = int(max(60.0, config.timeout_s) * 1000)
     bootstrap.agree_configs(client, configs, proc.pe, proc.nproc, generation, wait_ms)
-    hosts = tuple(node_layout.gather_hosts(client, proc.pe, proc.nproc, generation,
-                                           timeout_ms=wait_ms))
-    node = node_layout.layout_from_hosts(list(hosts), config.ranks_per_node)
+    facts = node_layout.gather_facts(client, proc.pe, proc.nproc, generation,
+                                     _rank_facts(proc.ordinal), timeout_ms=wait_ms)
+    hosts = tuple(f["host"] for f in facts)
+    node = node_layout.layout_from_facts(facts, config.ranks_per_node)
     n_hosts = len(set(hosts))
     params = Params.of(configs, device=proc.ordinal, rank=proc.pe, size=proc.nproc, node_size=node)
     record = _record(ext, params)  # the one crossing into C++: sized here, started by _init
@@ -196,7 +205,7 @@ def _log_started(ext, proc, params, config, hosts, rec, sym, heap, free) -> None
     log.info("jaxep node layout: %d node(s) x %d ranks (%s; rank = node * %d + local index), "
              "this rank: node %d, local %d; hosts: %s; peers of other nodes by NVSHMEM puts only",
              proc.nproc // node, node,
-             "Config.ranks_per_node" if config.ranks_per_node else "processes per host",
+             "Config.ranks_per_node" if config.ranks_per_node else "processes per NVLink domain",
              node, proc.pe // node, proc.pe % node, node_layout.describe_hosts(list(hosts)))
     if log.isEnabledFor(logging.INFO):
         from jaxep.doctor import topology  # pylint: disable=g-import-not-at-top

@@ -1,0 +1,48 @@
+"""CPU tier: the reference backend on large layouts: 64 emulated CPU devices as 16 nodes x 4 and
+1 node x 64 (tiny shapes), dispatch and combine bitwise equal to the NumPy oracle. The test
+session has 8 devices (conftest.py), so the run is a child process with 64."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import harness
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+
+CHILD = textwrap.dedent("""
+    import jax, ml_dtypes, numpy as np
+    import harness, jaxep, oracle
+    assert jax.device_count() == 64, jax.devices()
+    R, T, H, K, E = 64, 3, 8, 4, 128  # 2 experts per rank
+    rng = np.random.default_rng(7)
+    idxs = harness.routing(rng, R, T, K, E)
+    idxs[5][0, 1] = -1  # a masked slot
+    xs, ws = harness.inputs(rng, R, T, H, K, ml_dtypes.bfloat16)
+    for G in (4, 64):
+        cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
+                           dtype="bfloat16", ranks_per_node=G, combine_wire_dtype="bfloat16")
+        got = harness.run(cfg, xs, idxs, ws, backend="reference")
+        want = oracle.dispatch(xs, idxs, ws, num_experts=E, capacity=cfg.capacity(R))
+        for name in ("x", "group_sizes", "weights", "send_row", "recv_slot"):
+            for r in range(R):
+                assert np.array_equal(np.asarray(got[name][r]).view(np.uint8),
+                                      np.asarray(want[name][r]).view(np.uint8)), (G, name, r)
+        out = oracle.combine(got["y"], want["weights"], want["send_row"], idxs, num_experts=E,
+                             ranks_per_node=G, wire_dtype="bfloat16")
+        for r in range(R):
+            assert np.array_equal(np.asarray(got["out"][r]).view(np.uint8),
+                                  np.asarray(out[r]).view(np.uint8)), (G, "out", r)
+        print("layout", R // G, "x", G, "ok")
+""")
+
+
+def test_reference_on_64_devices_as_16x4_and_1x64():
+    env = harness.cpu_child_env(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([TESTS, env["PYTHONPATH"]])
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
+    p = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env,
+                       timeout=900, cwd=REPO)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "layout 16 x 4 ok" in p.stdout and "layout 1 x 64 ok" in p.stdout, p.stdout
