@@ -63,14 +63,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
-try:  # flax and optax: the [nn] extra; absl-py and rich: the [bench] extra
+try:  # flax, optax, absl-py and rich: the [nn] extra
     import optax  # noqa: E402
     from absl import app, flags  # noqa: E402
     from flax import nnx  # noqa: E402
     from rich import progress as rp  # noqa: E402
     from rich.console import Console  # noqa: E402
 except ModuleNotFoundError as e:
-    raise SystemExit(f"moe_flax: needs {e.name}: pip install -e '.[nn,bench]'") from e
+    raise SystemExit(f"moe_flax: needs {e.name}: pip install -e '.[nn]'") from e
 
 import jaxep  # noqa: E402
 import jaxep.nn  # noqa: E402
