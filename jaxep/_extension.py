@@ -25,7 +25,6 @@ import importlib
 import re
 from typing import Any
 
-import numpy as np
 
 from jaxep import config as _config
 

@@ -313,7 +313,7 @@ class Config:
         expert twice). Raises when the experts do not divide evenly, when the global slot ids of
         this EP size do not fit int32 (as `capacity`), or when L * M rows do not."""
         L = self.local_experts(ep_size)
-        worst = self._slot_ids_fit(ep_size)
+        self._slot_ids_fit(ep_size)  # raises when the slot ids of this EP size overflow int32
         M = (self.rows_per_expert if self.rows_per_expert is not None
              else ep_size * self.max_tokens_per_rank)
         if L * M > INT32_MAX:

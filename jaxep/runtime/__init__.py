@@ -26,7 +26,6 @@ from __future__ import annotations
 import jax
 
 from jaxep.config import Config
-from jaxep.runtime.sizes import SHARED_FIELDS, recommended_env, recv_rows  # noqa: F401
 from jaxep.runtime.state import RUNTIME
 from jaxep.runtime.watchdog import TimeoutError  # noqa: A004  pylint: disable=redefined-builtin
 

@@ -27,7 +27,6 @@ import ctypes
 import json
 import logging
 import os
-import time
 
 from jaxep.runtime.sizes import parse_size
 
