@@ -2,27 +2,15 @@
 (jaxep.bench.checklist), on a fake sysfs tree (a copy of tests/fixtures/topology/seed_node's)
 whose counters change between the two reads, and on a hand-made op report; no NIC is read."""
 import os
-import shutil
 
 from jaxep.bench import checklist, report, wire
 from jaxep.doctor import record
+from seed_fixture import bump, copy_root
 
 SEED = os.path.join(os.path.dirname(__file__), "fixtures", "topology", "seed_node")
 MB = 1_000_000
 
 
-def _tree(tmp_path):
-    root = str(tmp_path / "root")
-    shutil.copytree(os.path.join(SEED, "root"), root)
-    return root
-
-
-def _bump(root, nic, rel, by):
-    path = os.path.join(root, "sys/class/infiniband", nic, "ports/1", rel)
-    with open(path) as f:
-        v = int(f.read())
-    with open(path, "w") as f:
-        f.write(f"{v + by}\n")
 
 
 def _ops(rdma_per_rank, median=1e-3):
@@ -44,14 +32,14 @@ def _window(p, root, words):
     """One timed window of 100 calls in which each NIC sends and receives `words[nic]` words."""
     before = p.read()
     for nic, (x, r, cnp) in words.items():
-        _bump(root, nic, "counters/port_xmit_data", x)
-        _bump(root, nic, "counters/port_rcv_data", r)
-        _bump(root, nic, "hw_counters/np_cnp_sent", cnp)
+        bump(root, nic, "counters/port_xmit_data", x)
+        bump(root, nic, "counters/port_rcv_data", r)
+        bump(root, nic, "hw_counters/np_cnp_sent", cnp)
     p.keep("dispatch", dict(before=before, after=p.read(), ops=100))
 
 
 def test_wire_bytes_per_call_against_the_model(tmp_path):
-    root = _tree(tmp_path)
+    root = copy_root(tmp_path)
     p = _probe(root)
     assert [(t["gpu"], t["nic"], t["rate_gbps"]) for t in p.targets] == [
         (0, "mlx5_bond_0", 800.0), (3, "mlx5_bond_3", 800.0)]
@@ -75,7 +63,7 @@ def test_wire_bytes_per_call_against_the_model(tmp_path):
 
 
 def test_wire_far_below_the_model(tmp_path):
-    root = _tree(tmp_path)
+    root = copy_root(tmp_path)
     p = _probe(root, gpus=(5,))
     _window(p, root, {"mlx5_bond_5": (MB * 100 // 4, MB * 100 // 4, 0)})
     row = wire.section([p.payload()], _ops([58.6 * MB] * 16), None)["rows"][0]
@@ -85,7 +73,7 @@ def test_wire_far_below_the_model(tmp_path):
 def test_no_nic_and_emulated_say_so_in_one_line(tmp_path):
     p, why = wire.probe({0: [0]}, emulated=False, root=str(tmp_path))
     assert p is None and why == wire.NO_NIC
-    assert wire.probe({0: [0]}, emulated=True, root=_tree(tmp_path))[1] == wire.EMULATED
+    assert wire.probe({0: [0]}, emulated=True, root=copy_root(tmp_path))[1] == wire.EMULATED
     w = wire.section([], _ops([0] * 16), why)
     assert w == dict(available=False, note=wire.NO_NIC, rows=[])
     assert wire.renderables(dict(wire=w)) == [f"wire (NIC counters): {wire.NO_NIC}"]

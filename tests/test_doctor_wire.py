@@ -9,12 +9,12 @@ and two counter reads 2 s apart in which the CNP, ECN, out-of-sequence and disca
 and the bytes go out on priority 0."""
 import json
 import os
-import shutil
 import tarfile
 
 import pytest
 
 from jaxep.doctor import counters, machine, qos, record, report
+from seed_fixture import bump, copy_root
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "topology")
 SEED = os.path.join(FIXTURES, "seed_node")
@@ -102,28 +102,16 @@ def test_two_near_nics_one_used():
     assert "NVSHMEM_IBGDA_ENABLE_MULTI_PORT=1" in f[0].hint and "unverified" in f[0].hint
 
 
-def _copy_root(tmp_path):
-    root = str(tmp_path / "root")
-    shutil.copytree(os.path.join(SEED, "root"), root)
-    return root
-
-
-def _bump(root, nic, rel, by):
-    path = os.path.join(root, "sys/class/infiniband", nic, "ports/1", rel)
-    with open(path) as f:
-        v = int(f.read())
-    with open(path, "w") as f:
-        f.write(f"{v + by}\n")
 
 
 def test_counters_between_two_reads(tmp_path):
-    root = _copy_root(tmp_path)
+    root = copy_root(tmp_path)
     ports, ifaces = {"mlx5_bond_3": 1}, {"mlx5_bond_3": ("ens7f0np0",)}
     ethtool = {"ens7f0np0": "NIC statistics:\n     tx_prio0_bytes: 100\n     rx_prio3_pause: 7\n"}
     a = counters.snapshot(root, ports, ifaces, ethtool.get)
-    _bump(root, "mlx5_bond_3", "counters/port_xmit_data", 1000)
-    _bump(root, "mlx5_bond_3", "counters/port_rcv_data", 10)
-    _bump(root, "mlx5_bond_3", "hw_counters/np_cnp_sent", 5)
+    bump(root, "mlx5_bond_3", "counters/port_xmit_data", 1000)
+    bump(root, "mlx5_bond_3", "counters/port_rcv_data", 10)
+    bump(root, "mlx5_bond_3", "hw_counters/np_cnp_sent", 5)
     ethtool["ens7f0np0"] = "NIC statistics:\n     tx_prio0_bytes: 4100\n     rx_prio3_pause: 9\n"
     d = counters.delta(a["mlx5_bond_3"], counters.snapshot(root, ports, ifaces,
                                                            ethtool.get)["mlx5_bond_3"])

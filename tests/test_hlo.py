@@ -15,8 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import jaxep
-from jaxep import _extension, backends, runtime
+from jaxep import _extension, backends
 from jaxep.backends import Sizes, cuda as cuda_backend, cuda_calls
+from jaxep.backends.contract import route_of
 from test_runtime_checks import CONSTANTS
 
 CFG = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=4, dtype="bfloat16")
@@ -119,7 +120,7 @@ def test_cuda_ep1_lowers_to_the_custom_calls(cuda_lowering):
         kw = dict(axis_name="ep", config=CFG,
                   sizes=Sizes(ep=1, node=1, local_experts=CFG.num_experts, rows=CFG.capacity(1)))
         out = cuda_backend.dispatch(x, idx, w, **kw)
-        return cuda_backend.combine(out.x, out.weights, out.route, **kw)
+        return cuda_backend.combine(out.x, out.weights, route_of(out), **kw)
     traced = jax.jit(body).trace(x, idx, w)
     assert traced.out_info.shape == (4, 16) and traced.out_info.dtype == jnp.bfloat16
     hlo = traced.lower(lowering_platforms=("cuda",)).as_text()

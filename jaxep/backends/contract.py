@@ -52,10 +52,6 @@ class DispatchOut(NamedTuple):
     topk_idx: jax.Array
     stats: jax.Array
 
-    @property
-    def route(self) -> Route:
-        return Route(self.send_row, self.recv_slot, self.topk_idx)
-
 
 class LowLatencyOut(NamedTuple):
     """`ll_dispatch_recv`'s result: x [L,M,H] (payload dtype or float8_e4m3fn), scales
@@ -70,9 +66,10 @@ class LowLatencyOut(NamedTuple):
     topk_idx: jax.Array
     stats: jax.Array
 
-    @property
-    def route(self) -> Route:
-        return Route(self.send_row, self.recv_slot, self.topk_idx)
+
+def route_of(out) -> Route:
+    """The route of a `DispatchOut` or a `LowLatencyOut` (both carry its three arrays)."""
+    return Route(out.send_row, out.recv_slot, out.topk_idx)
 
 
 @runtime_checkable

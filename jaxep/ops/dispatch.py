@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxep import backends
+from jaxep.backends.contract import route_of
 from jaxep.ops import _checks, _transpose, dispatch_ll
 from jaxep.types import DispatchResult, Handle, Stats
 
@@ -75,7 +76,7 @@ def _dispatch(x, topk_idx, topk_weights, call):
 
 def _dispatch_fwd(x, topk_idx, topk_weights, call):
     out = _dispatch(x, topk_idx, topk_weights, call)
-    return out, out.route
+    return out, route_of(out)
 
 
 def _dispatch_bwd(call, route, cts):

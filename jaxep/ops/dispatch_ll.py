@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from jaxep import backends, runtime
+from jaxep.backends.contract import route_of
 from jaxep.config import Config
 from jaxep.ops import _checks, _transpose
 from jaxep.types import DispatchPending, Handle, LowLatencyDispatchResult, Stats
@@ -109,7 +110,7 @@ def _recv(x, topk_weights, sent, call):
 def _recv_fwd(x, topk_weights, sent, call):
     out = _recv(x.value, topk_weights.value, jax.tree.map(lambda a: a.value, sent), call)
     # Whether x is differentiated, as the residual's structure (static): () yes, None no.
-    return out, (out.route, () if x.perturbed else None)
+    return out, (route_of(out), () if x.perturbed else None)
 
 
 def _recv_bwd(call, res, cts):
