@@ -1,7 +1,7 @@
 // XLA FFI handlers of the FP8 quantization (docs/design.md, "Low-latency mode": FP8;
 // ffi/cuda/fp8.h), local kernels on the CUDA platform at any EP size; shapes were checked at trace time.
 //   `jaxep_fp8_quantize`: x [T, H] -> codes [T, H] u8 (e4m3fn bytes), scales [T, H/128] f32: the
-//     FP8 option of the low-latency dispatch at EP size 1 (jaxep/cuda_backend.py).
+//     FP8 option of the low-latency dispatch at EP size 1 (jaxep/backends/cuda.py).
 //   `jaxep_fp8_quantize_rows`: the same bits as packed rows [T, H + H/32] u8 (each row's codes,
 //     then its scales' bytes): the source pass of normal mode's fp8 dispatch wire
 //     (Config.dispatch_wire_dtype; jaxep/fp8.py has the row format).

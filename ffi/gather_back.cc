@@ -1,5 +1,5 @@
 // XLA FFI handler `jaxep_gather_back` (CUDA platform, ep_size > 1 only; EP size 1 gathers locally
-// in jaxep/cuda_backend.py): the cross-rank half of the gradient of dispatch's per-row weights.
+// in jaxep/backends/cuda.py): the cross-rank half of the gradient of dispatch's per-row weights.
 // out[t,k] = v[send_row[t,k]] on the slot's destination rank, 0 if the slot was not kept. The
 // destination stages v, each source pulls its slots' values (the sequence of ffi/exchange.h).
 #include <cstdint>

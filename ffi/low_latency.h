@@ -1,7 +1,7 @@
 // What the XLA FFI handlers of mode="low_latency" with ep_size > 1 share (CUDA platform, any node
 // layout): ffi/dispatch_ll.cc (jaxep_ll_dispatch_send / _recv) and ffi/combine_ll.cc
 // (jaxep_ll_combine_send / _recv), the kernels of ffi/cuda/{dispatch,combine}_ll.h (protocol:
-// ffi/cuda/low_latency.h), called by jaxep/cuda_backend.py.
+// ffi/cuda/low_latency.h), called by jaxep/backends/cuda.py.
 //
 // CUDA-graph (XLA command buffer) compatible, unlike the normal mode's handlers (exchange.h):
 // a handler only launches kernels with arguments that are the same every execution (the team,

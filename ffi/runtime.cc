@@ -1,4 +1,4 @@
-// Python bindings of the multi-rank runtime (ffi/cuda/runtime.h), used by jaxep/runtime.py: the
+// Python bindings of the multi-rank runtime (ffi/cuda/runtime.h), used by jaxep/runtime/: the
 // parameter record, NVSHMEM queries, init/finalize, the zero-copy pool, the runtime's state and
 // diagnostic record. Errors raise (these run on the Python thread, never inside an XLA execution).
 #include <new>

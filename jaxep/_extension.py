@@ -102,7 +102,7 @@ def _load() -> None:
   global _module, _constants, _reason, _registered, _targets
   _preload_nvshmem()
   try:
-    # import_module rather than `from jaxep import ...`: this runs while jaxep/__init__ is still
+    # import_module rather than `from jaxep import ...`: this runs while jaxep/__init__.py is still
     # importing, where the latter reports a misleading "circular import".
     _jaxep_cuda = importlib.import_module("jaxep._jaxep_cuda")
   except ModuleNotFoundError as e:

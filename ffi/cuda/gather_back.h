@@ -1,6 +1,6 @@
 // Launcher of gather_back's kernel (ffi/cuda/gather_back.cu): the cross-rank half of the gradient
 // of dispatch's per-row weights. Plain C++; no XLA or JAX types. (EP size 1 gathers locally in
-// jaxep/cuda_backend.py.)
+// jaxep/backends/cuda.py.)
 #pragma once
 
 #include <cstdint>

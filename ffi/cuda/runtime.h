@@ -57,7 +57,7 @@ std::string Init(const InitParams& p, const std::string& unique_id);
 std::string Finalize(bool collective);
 
 // Zero-copy (Config.zero_copy, on by default; docs/zero_copy.md option B1): peers read dispatch's
-// x and combine's y in XLA's pool. jaxep/zero_copy.py checks every condition on every rank and
+// x and combine's y in XLA's pool. jaxep/runtime/zero_copy.py checks every condition on every rank and
 // decides identically on all ranks before these run.
 // True when the loaded NVSHMEM has nvshmemx_buffer_register_symmetric (>= 3.3.9; weak symbols).
 bool PoolRegistrationSupported();
