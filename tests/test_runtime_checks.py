@@ -7,6 +7,7 @@ the memory NVSHMEM needs) is covered here; the real NVSHMEM init is covered by t
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import types
@@ -407,11 +408,16 @@ def test_low_latency_calls_that_fit_the_area_pass(monkeypatch):
                             row_bytes=128, topk=65)
 
 
+def _facts(host: str) -> str:
+    """What a rank on `host` without an NVLink fabric publishes (node_layout.rank_facts)."""
+    return json.dumps(node_layout.rank_facts(host), sort_keys=True)
+
+
 def _two_hosts(client, monkeypatch, findings):
     """Process 1 publishes another host (so 2 nodes of 1), and topology.summary reports
     `findings` (this CPU machine's own would depend on it)."""
     gen = RUNTIME.generation
-    client.kv[f"jaxep/host/{gen}/1"] = "node1"
+    client.kv[f"jaxep/host/{gen}/1"] = _facts("node1")
     seen = []
 
     def summary(nodes=None):
@@ -572,9 +578,9 @@ def test_only_node_leaders_read_the_network_before_init_the_others_on_failure(fa
 
     def publish_the_others():
         gen = RUNTIME.generation
-        client.kv[f"jaxep/host/{gen}/0"] = node_layout.this_host()
+        client.kv[f"jaxep/host/{gen}/0"] = _facts(node_layout.this_host())
         for r in (2, 3):
-            client.kv[f"jaxep/host/{gen}/{r}"] = "node1"
+            client.kv[f"jaxep/host/{gen}/{r}"] = _facts("node1")
         client.kv[f"jaxep/nvshmem_uid/{gen}"] = b"uid"
     publish_the_others()
     _start(CFG)
