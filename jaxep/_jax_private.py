@@ -22,6 +22,9 @@ them, tests/test_jax_private.py fails on them).
                         points NVSHMEM's bootstrap sockets at the interface that reaches it
                         (several hosts only); public JAX does not say which address was used
                         (SLURM and other clusters detect it).
+  bound_axes()          jax._src.core.get_axis_env(): the mapped axes bound at trace time. An op
+                        called inside a shard_map over other axes names them in its error; public
+                        JAX only answers whether one given name is bound (jax.lax.axis_size).
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ import importlib
 # Dotted paths: a module, then attributes of it.
 DISTRIBUTED_CLIENT = "jax._src.distributed.global_state.client"
 COORDINATOR_ADDRESS = "jax._src.distributed.global_state.coordinator_address"
-PRIVATE = (DISTRIBUTED_CLIENT, COORDINATOR_ADDRESS)
+AXIS_ENV = "jax._src.core.get_axis_env"
+PRIVATE = (DISTRIBUTED_CLIENT, COORDINATOR_ADDRESS, AXIS_ENV)
 
 
 class JaxPrivateMoved(RuntimeError):
@@ -95,9 +99,8 @@ def coordinator_address() -> str | None:
 
 def bound_axes() -> dict | None:
     """The mapped axes bound where this is called ({name: size}), or None when this JAX keeps
-    them elsewhere (jax._src.core.get_axis_env().axis_sizes); only error messages use it."""
+    them elsewhere; only error messages use it (an op called over other axes names them)."""
     try:
-        from jax._src import core  # pylint: disable=g-import-not-at-top
-        return dict(core.get_axis_env().axis_sizes)
-    except Exception:  # pylint: disable=broad-except
+        return dict(resolve(AXIS_ENV)().axis_sizes)
+    except (JaxPrivateMoved, AttributeError, TypeError):
         return None
