@@ -67,7 +67,7 @@ def test_topology_section_from_the_seed_fixture(monkeypatch, capsys):
         {"NVSHMEM_REMOTE_TRANSPORT": "none"}, os.path.join(fixture, "root"), text, nodes))
     assert doctor.main(["--nodes", "2"]) == 1
     out = capsys.readouterr().out
-    assert "GPU-NIC, as NVSHMEM would pick (jaxep.doctor.topology):" in out
+    assert "GPU-NIC, as NVSHMEM would pick (jaxep.topology):" in out
     assert "  GPU 7: NIC mlx5_7 port 1, 800 Gb/s RoCE, PXB from the GPU (closest)" in out
     assert "[error] NVSHMEM_REMOTE_TRANSPORT=none and IBGDA off on 2 nodes" in out
     # a fixture tree is not this machine: no CUDA driver is asked about dma-buf

@@ -13,7 +13,8 @@ import tarfile
 
 import pytest
 
-from jaxep.doctor import counters, machine, qos, record, report
+from jaxep.topology import machine
+from jaxep.doctor import counters, qos, record, report
 from seed_fixture import bump, copy_root
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "topology")

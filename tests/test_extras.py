@@ -57,8 +57,8 @@ PROBE = textwrap.dedent("""
 
     # The runtime imports the doctor's topology to word a multi-host failure: stdlib only.
     before_topo = set(sys.modules)
-    import jaxep.doctor.topology
-    out["import jaxep.doctor.topology"] = [
+    import jaxep.topology
+    out["import jaxep.topology"] = [
         m for m in tooling(set(sys.modules) - before_topo) if m.split(".")[0] in DEPS]
     print(json.dumps(out))
 """)
@@ -73,7 +73,7 @@ def test_the_library_imports_no_tool_and_no_tool_dependency():
     assert out.pop("combine") == 32.0  # every token's rows back, weights 0.5 + 0.5
     assert out == {"import jaxep": [], "an op on the reference backend": [],
                    "import jaxep.nn": [], "tools anywhere": [],
-                   "import jaxep.doctor.topology": []}, out
+                   "import jaxep.topology": []}, out
 
 
 def _one_line(exc) -> str:

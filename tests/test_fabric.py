@@ -1,4 +1,4 @@
-"""CPU tier: NVLink fabric domains (jaxep.runtime.fabric) read through a stand-in NVML fed from
+"""CPU tier: NVLink fabric domains (jaxep.topology.fabric) read through a stand-in NVML fed from
 tests/fixtures/fabric/, what stops NVSHMEM from mapping a domain across hosts, and the node layout
 that ranks agree on when several hosts report one clique (jaxep.runtime.node_layout)."""
 import ctypes
@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from jaxep.runtime import fabric, node_layout
+from jaxep.runtime import node_layout
+from jaxep.topology import fabric
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "fabric")
 NOT_SUPPORTED = 3

@@ -1,4 +1,4 @@
-"""CPU tier: jaxep.doctor.machine, what this machine has for internode RDMA, read from recorded
+"""CPU tier: jaxep.topology.machine, what this machine has for internode RDMA, read from recorded
 `nvidia-smi topo -m` text and sysfs trees (tests/fixtures/topology/, described in
 tests/test_topology.py), from stand-ins for libcuda and the kernel's routes, and from this machine's
 own loopback; and the route to JAX's coordinator that NVSHMEM's bootstrap is pinned to
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from jaxep.doctor import machine
+from jaxep.topology import machine
 from jaxep.runtime import bootstrap
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "topology")

@@ -17,7 +17,7 @@ import pytest
 import jaxep
 from jaxep import _extension, runtime
 from jaxep.backends import cuda_calls
-from jaxep.doctor import topology
+from jaxep import topology
 from jaxep.runtime import bootstrap, node_layout, nvshmem, sizes, state, watchdog
 from jaxep.runtime.state import RUNTIME
 

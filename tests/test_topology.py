@@ -1,5 +1,5 @@
-"""CPU tier: jaxep.doctor.topology (what NVSHMEM makes of the machine) on recorded `nvidia-smi topo -m`
-text and sysfs trees, read by jaxep.doctor.machine (its own tests: tests/test_machine.py).
+"""CPU tier: jaxep.topology (what NVSHMEM makes of the machine) on recorded `nvidia-smi topo -m`
+text and sysfs trees, read by jaxep.topology.machine (its own tests: tests/test_machine.py).
 
 Fixtures (tests/fixtures/topology/<case>/topo.txt and <case>/root, a /sys + /proc + /dev tree):
   seed    8 x B300, mlx5_i PXB to GPU i and SYS to the others, CX-8 800 Gb/s RoCE, GDRCopy, the
@@ -20,7 +20,8 @@ import shutil
 
 import pytest
 
-from jaxep.doctor import machine, topology
+from jaxep import topology
+from jaxep.topology import machine
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "topology")
 CASES = ("seed", "shared", "far", "bond")

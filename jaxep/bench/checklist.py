@@ -23,7 +23,8 @@ ORDER = (
 
 def doctor_findings(nodes: int | None) -> list[dict]:
     """The doctor's network findings on this machine ({level, what, hint})."""
-    from jaxep.doctor import qos, topology  # pylint: disable=g-import-not-at-top
+    from jaxep import topology
+    from jaxep.doctor import qos  # pylint: disable=g-import-not-at-top
     return topology.summary(nodes=nodes)["findings"] + qos.summary(nodes=nodes)["findings"]
 
 

@@ -35,7 +35,7 @@ def gpu_peaks(device_kind: str):
 
 def nic_gbps() -> float | None:
     """The fastest active InfiniBand/RoCE port rate in GB/s from sysfs, or None."""
-    from jaxep.doctor import machine  # pylint: disable=g-import-not-at-top
+    from jaxep.topology import machine  # pylint: disable=g-import-not-at-top
     rates = [p.rate_gbps for nic in machine.read_nics().values() for p in nic.ports
              if p.active and p.rate_gbps]
     return max(rates) / 8.0 if rates else None

@@ -34,7 +34,7 @@ import jaxep
 from jaxep import backends, runtime
 from jaxep.bench import accounting, check, figures, peaks, routing, timing, wire
 from jaxep.bench import checklist
-from jaxep.doctor import topology
+from jaxep import topology
 from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS, fp8_row_bytes
 
 SCHEMA_VERSION = 1

@@ -1,5 +1,5 @@
 """What the NICs carried during the bench's timed loop: the port counters of each local GPU's NIC
-(the one NVSHMEM gives it: jaxep.doctor.rules.assign), read right before and right after an op's
+(the one NVSHMEM gives it: jaxep.topology.rules.assign), read right before and right after an op's
 timed samples (jaxep.doctor.counters), against the byte model.
 
 Per GPU and op (JSON `wire`, the report's wire table, a plot row per op):
@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import socket
 
-from jaxep.doctor import counters, machine, rules
+from jaxep.topology import machine, rules
+from jaxep.doctor import counters
 
 FAR = 0.25            # |wire / expected - 1| above this is flagged
 HEADER_BYTES = 62     # RoCE v2 per packet: Ethernet 14 + FCS 4 + IPv4 20 + UDP 8 + BTH 12 + ICRC 4

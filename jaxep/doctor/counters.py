@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from typing import Callable, Mapping
 
-from jaxep.doctor import machine
+from jaxep.topology import machine
 
 WORD_BYTES = 4  # port_xmit_data / port_rcv_data count 4-byte words
 SATURATED_32 = 0xFFFFFFFF

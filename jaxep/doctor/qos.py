@@ -27,9 +27,9 @@ import shutil
 import subprocess
 from typing import Callable, Mapping
 
-from jaxep.doctor import machine
-from jaxep.doctor.findings import Finding
-from jaxep.doctor.rules import CLASSES, Settings, assign, int_or_none, read_settings
+from jaxep.topology import machine
+from jaxep.topology.findings import Finding
+from jaxep.topology.rules import CLASSES, Settings, assign, int_or_none, read_settings
 
 Run = Callable[[tuple], "str | None"]
 WHERE = "\0"  # stands for the NICs a finding names, filled in once they are grouped (summary)

@@ -2,12 +2,12 @@
 captured on the node, and diagnosed again on any machine (attach the record to a bug report).
 
 A record holds what the doctor's network readers read, and only that:
-  root/...          every sysfs / procfs file and directory listing jaxep.doctor.machine's readers
+  root/...          every sysfs / procfs file and directory listing jaxep.topology.machine's readers
                     (and .qos's, .counters') read, at their paths under /, plus empty markers for
                     the files whose existence is the fact (/dev/gdrdrv, the peer-memory modules)
   topo.txt          `nvidia-smi topo -m` (absent where it gave nothing)
   env.json          the NVSHMEM_* and NCCL_* variables and CUDA_VISIBLE_DEVICES, as set
-  driver.json       jaxep.doctor.machine.read_driver's facts (dma-buf as libcuda said, the verbs
+  driver.json       jaxep.topology.machine.read_driver's facts (dma-buf as libcuda said, the verbs
                     libraries that did not load)
   commands.json     {"argv joined by spaces": "commands/NNN.txt" or null where it gave nothing}:
                     the QoS tools (mlnx_qos, dcb), ethtool -S, ofed_info -s, nvidia-smi's GPU list
@@ -34,8 +34,10 @@ import tarfile
 import tempfile
 import time
 
-from jaxep.doctor import counters, machine, qos, topology
-from jaxep.doctor.findings import Finding
+from jaxep import topology
+from jaxep.topology import machine
+from jaxep.doctor import counters, qos
+from jaxep.topology.findings import Finding
 
 FORMAT = 1
 ENV_PREFIXES = ("NVSHMEM_", "NCCL_")

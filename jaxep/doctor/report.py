@@ -1,8 +1,8 @@
 """`python -m jaxep.doctor`: what this machine has for jaxep, and what is wrong or slow.
 
 `facts()` returns a JSON-able dict; `problems` in it lists {"level", "what", "hint"}. Its
-"infiniband" key lists the RDMA ports `jaxep.doctor.machine.read_nics` finds; its "topology" key
-(jaxep.doctor.topology.summary) holds the NIC NVSHMEM would give each GPU, the NVSHMEM transport
+"infiniband" key lists the RDMA ports `jaxep.topology.machine.read_nics` finds; its "topology" key
+(jaxep.topology.summary) holds the NIC NVSHMEM would give each GPU, the NVSHMEM transport
 settings, the drivers' facts and the internode findings (no GPUDirect RDMA: neither dma-buf nor a
 peer-memory module; no libibverbs / libmlx5 for NVSHMEM to load; NICs IBGDA skips by name; GPUs
 sharing a NIC, a NIC far from its GPU, a bond at half rate, IBGDA off, IBGDA's doorbell rung by a
@@ -10,14 +10,14 @@ CPU for want of the driver's PeerMappingOverride=1, no GDRCopy for the proxy, no
 other nodes, RoCE on an Ethernet MTU too small for a 4096-byte RDMA MTU), each with the setting
 that fixes it; they join `problems`. Its "nvlink_fabric" key (`nvlink_fabric`) holds each GPU's
 NVLink fabric facts as NVML reports them (cluster UUID, clique id, registration state and status,
-health conditions: jaxep.runtime.fabric), the IMEX channels under /dev/nvidia-caps-imex-channels and
+health conditions: jaxep.topology.fabric), the IMEX channels under /dev/nvidia-caps-imex-channels and
 what would stop NVSHMEM from mapping the domain across hosts (registration not completed, no IMEX
 channel, NVSHMEM_DISABLE_MNNVL), each with its fix; those join `problems` too.
 Every probe tolerates a missing tool, file or device: on a machine without GPU, NVSHMEM or NICs
 the doctor says so and carries on. Nothing is changed.
 
 Sources: GPUs from NVML (nvidia-ml-py, the `cu12`/`cu13` extras) where it loads, else nvidia-smi;
-processes from psutil; the NICs from sysfs (jaxep.doctor.machine, the one reader: the nearest-NIC
+processes from psutil; the NICs from sysfs (jaxep.topology.machine, the one reader: the nearest-NIC
 rule is topology's); the extension from its import spec (so an editable install is found where
 it really is) and its ELF dynamic section (which libnvshmem_host it links); the CUDA majors from
 the installed distributions (nvidia-nvshmem-cuNN, jax-cudaNN-plugin) and the extension's
@@ -39,11 +39,11 @@ import sys
 
 import psutil
 
-from jaxep import _jax_private
-from jaxep.doctor import machine, qos, topology
+from jaxep import _jax_private, topology
+from jaxep.doctor import qos
 from jaxep.doctor.packages import (_so_major, cuda_majors, cuda_problems, elf_needed,
                                    installed_distributions)
-from jaxep.runtime import fabric
+from jaxep.topology import fabric, machine
 
 _ENV_KEYS = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
              "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
@@ -463,7 +463,7 @@ def format_report(f: dict) -> str:
     lines.append("NVLink fabric: " + ("; ".join(fab["domains"]) if fab["domains"] else
                                       "none (each host is its own NVLink domain)")
                  + f"; IMEX channels: {', '.join(fab['imex_channels']) or 'none'}")
-    lines.append("GPU-NIC, as NVSHMEM would pick (jaxep.doctor.topology):")
+    lines.append("GPU-NIC, as NVSHMEM would pick (jaxep.topology):")
     lines += [f"  {line}" for line in f["topology"]["report"]]
     nv = {k: v for k, v in f["env"].items() if k.startswith("NVSHMEM_")}
     lines.append(f"NVSHMEM env: {nv or 'none'}")

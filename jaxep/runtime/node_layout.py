@@ -7,7 +7,7 @@ NVLink peers. It comes from the machine or from `Config.ranks_per_node`:
 
   - machine (override None): every rank publishes its facts under jaxep/host/<generation>/<rank>
     in jax.distributed's key-value store (JSON: its host, its NVLink fabric domain or null, and
-    what would stop NVSHMEM from mapping that domain's peers: jaxep.runtime.fabric) and reads
+    what would stop NVSHMEM from mapping that domain's peers: jaxep.topology.fabric) and reads
     every rank's. A rank's *domain* is its NVLink fabric domain (NVML: cluster UUID + clique id,
     registration completed; GB200 / GB300 NVL72: all 72 GPUs of 18 hosts), else its host (HGX,
     PCIe). The ranks of one domain must be contiguous and every domain must hold the same number
@@ -173,7 +173,7 @@ def this_host() -> str:
 
 def rank_facts(hostname: str | None = None, fab=None, blockers=()) -> dict:
     """What a rank publishes: {"host", "nvlink": its fabric domain or None, "blockers": [[what,
-    fix]]} (fab: a jaxep.runtime.fabric.Fabric or None; blockers: fabric.blockers' pairs)."""
+    fix]]} (fab: a jaxep.topology.fabric.Fabric or None; blockers: fabric.blockers' pairs)."""
     host = this_host() if hostname is None else hostname
     if not isinstance(host, str) or not host:
         _fail(f"hostname must be a non-empty str, got {host!r}")

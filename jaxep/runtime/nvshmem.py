@@ -16,8 +16,10 @@ steps of `start`, in order, each named for what it establishes.
      diagnostic record);
   6. `zero_copy.setup` (every rank takes the same decision).
 
-The network facts of several hosts come from the doctor (`jaxep.doctor.topology`), imported only
-to word a failure of NVSHMEM's init, to warn before it, and at INFO to log what NVSHMEM will use.
+The network facts of several hosts come from `jaxep.topology` (what the machine has and what
+NVSHMEM makes of it; what the doctor reports), imported inside the functions that use them: to warn
+before NVSHMEM's init on several hosts, to word its failure, and at INFO to log the NIC each GPU
+will use.
 """
 from __future__ import annotations
 
@@ -28,10 +30,11 @@ import os
 import jax
 
 from jaxep import _extension, _jax_private
-from jaxep.runtime import bootstrap, fabric, node_layout, zero_copy
+from jaxep.runtime import bootstrap, node_layout, zero_copy
 from jaxep.runtime.bootstrap import fail as _fail
 from jaxep.runtime.sizes import HEAP_RESERVE, MEM_MARGIN, NVSHMEM_DEFAULT_HEAP, Params, \
     parse_size, recommended_env
+from jaxep.topology import fabric
 
 log = logging.getLogger("jaxep")
 
@@ -90,7 +93,7 @@ def _this_process(ext) -> _Process:
 
 def _rank_facts(ordinal: int) -> dict:
     """This rank's host, NVLink fabric domain and what would stop NVSHMEM from mapping it
-    (node_layout.rank_facts, jaxep.runtime.fabric)."""
+    (node_layout.rank_facts, jaxep.topology.fabric)."""
     fab = fabric.read(fabric.nvml_index(ordinal))
     return node_layout.rank_facts(fab=fab, blockers=fabric.blockers(fab))
 
@@ -133,8 +136,9 @@ def _record(ext, params: Params):
 
 
 def network_findings(hosts: int) -> list[dict]:
-    """The doctor's warnings and errors about NVSHMEM's network on this machine (`hosts` > 1)."""
-    from jaxep.doctor import topology  # pylint: disable=g-import-not-at-top
+    """The warnings and errors about NVSHMEM's network on this machine (`hosts` > 1), as the
+    doctor reports them."""
+    from jaxep import topology  # pylint: disable=g-import-not-at-top
     return [f for f in topology.summary(nodes=hosts)["findings"]
             if f["level"] in ("warn", "error")]
 
@@ -208,7 +212,7 @@ def _log_started(ext, proc, params, config, hosts, rec, sym, heap, free) -> None
              "Config.ranks_per_node" if config.ranks_per_node else "processes per NVLink domain",
              node, proc.pe // node, proc.pe % node, node_layout.describe_hosts(list(hosts)))
     if log.isEnabledFor(logging.INFO):
-        from jaxep.doctor import topology  # pylint: disable=g-import-not-at-top
+        from jaxep import topology  # pylint: disable=g-import-not-at-top
         for line in topology.gpu_report(proc.ordinal):
             log.info("jaxep network: %s", line)
     log.info("jaxep recommends (not set by jaxep): %s%s",

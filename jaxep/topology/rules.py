@@ -1,4 +1,4 @@
-"""NVSHMEM's rules, applied to what jaxep.doctor.machine reads: its settings as NVSHMEM parses
+"""NVSHMEM's rules, applied to what jaxep.topology.machine reads: its settings as NVSHMEM parses
 them, the NIC it gives each local GPU, and whether it runs with GDRCopy. Pure Python (no jax);
 nothing here writes os.environ.
 
@@ -24,7 +24,7 @@ import dataclasses
 import os
 from typing import Mapping
 
-from jaxep.doctor.machine import Driver, Nic, Topo, int_or_none
+from jaxep.topology.machine import Driver, Nic, Topo, int_or_none
 
 # The NVSHMEM variables read here: meaning [default]. The one place jaxep documents them.
 VARIABLES = {

@@ -1,8 +1,8 @@
 """What this machine has for internode RDMA, read and never changed: `nvidia-smi topo -m`, the
 RDMA NICs in sysfs, what the drivers give (GPUDirect RDMA, the IBGDA doorbell's registry key,
-GDRCopy). Pure Python, stdlib only (the runtime imports it through jaxep.doctor.topology); every
+GDRCopy). Pure Python, stdlib only (the runtime imports it through jaxep.topology); every
 reader takes the root of a /sys + /proc + /dev tree or recorded text, so the tests feed fixtures
-(tests/fixtures/topology/). What NVSHMEM makes of these facts: jaxep.doctor.rules, .findings
+(tests/fixtures/topology/). What NVSHMEM makes of these facts: jaxep.topology.rules, .findings
 and .topology.
 
   read_topo_text(), parse_topo(text)   `nvidia-smi topo -m` -> Topo

@@ -1,17 +1,18 @@
-"""What NVSHMEM makes of this machine's network, as reports: `gpu_report(local_gpu)`, the lines
-`jaxep.initialize` logs at INFO for one GPU, and `summary(...)`, all of it as a JSON-able dict
-(the doctor's "topology" key, whose findings the runtime adds to a multi-host init failure).
+"""This machine's network for NVSHMEM: what the machine has and what NVSHMEM makes of it, as
+reports: `gpu_report(local_gpu)`, the lines `jaxep.initialize` logs at INFO for one GPU, and
+`summary(...)`, all of it as a JSON-able dict (the doctor's "topology" key, whose findings the
+runtime adds to a multi-host init failure).
 
 Pure Python (no jax), stdlib only: every function takes the machine's facts (recorded
 `nvidia-smi topo -m` text, a sysfs tree under `root`, the drivers' facts) and an environ mapping,
 so the tests feed fixtures (tests/fixtures/topology/) and nothing here needs a GPU. Nothing here
 writes os.environ: the settings jaxep recommends are printed in hints.
 
-  jaxep.doctor.machine    what the machine has (topo -m, the RDMA NICs, the drivers), read only
-  jaxep.doctor.rules      NVSHMEM's settings and the NIC it gives each GPU (read_settings, assign,
-                          nic_for_gpu: the one nearest-NIC rule)
-  jaxep.doctor.findings   what is wrong or slow, each with the setting that fixes it
-  this module             the reports over all three; their public names are re-exported here
+  jaxep.topology.machine    what the machine has (topo -m, the RDMA NICs, the drivers), read only
+  jaxep.topology.rules      NVSHMEM's settings and the NIC it gives each GPU (read_settings, assign,
+                            nic_for_gpu: the one nearest-NIC rule)
+  jaxep.topology.findings   what is wrong or slow, each with the setting that fixes it
+  this module               the reports over all three; their public names are re-exported here
 """
 from __future__ import annotations
 
@@ -19,16 +20,16 @@ import dataclasses
 import os
 from typing import Mapping
 
-from jaxep.doctor.findings import Finding, findings  # noqa: F401  (re-exported)
-from jaxep.doctor.machine import (Driver, Topo, int_or_none, parse_topo, read_driver, read_nics,
-                                  read_topo_text)
-from jaxep.doctor.rules import (VARIABLES, Choice, Settings, assign,  # noqa: F401  (re-exported)
+from jaxep.topology.findings import Finding, findings  # noqa: F401  (re-exported)
+from jaxep.topology.machine import (Driver, Topo, int_or_none, parse_topo, read_driver,
+                                    read_nics, read_topo_text)
+from jaxep.topology.rules import (VARIABLES, Choice, Settings, assign,  # noqa: F401  (re-exported)
                                 gdrcopy_missing, nic_for_gpu, rate_text, read_settings)
-from jaxep.runtime import fabric
+from jaxep.topology import fabric
 
 
 def _doorbell(s: Settings, drv: Driver) -> str:
-    """Who rings the NIC doorbell under IBGDA (jaxep.doctor.findings' docstring has NVSHMEM's
+    """Who rings the NIC doorbell under IBGDA (jaxep.topology.findings' docstring has NVSHMEM's
     rule)."""
     if s.nic_handler not in ("auto", "gpu"):
         return f"{s.nic_handler}: a CPU proxy"

@@ -1,12 +1,12 @@
 """What is wrong or slow for internode traffic on this machine, each with the NVSHMEM setting
 that fixes it: `findings(topo, nics, settings, driver, nodes)` -> [Finding]. Pure Python (no jax),
-over the facts of jaxep.doctor.machine and the rules of jaxep.doctor.rules.
+over the facts of jaxep.topology.machine and the rules of jaxep.topology.rules.
 
 NVSHMEM's rules these checks model, beyond the NIC choice (its transport_ib_common.cpp, ibrc.cpp,
 ibgda.cpp, 3.x):
 - GPUDirect RDMA: the InfiniBand/RoCE transports register GPU memory with the NIC through dma-buf
   where CUDA reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED and NVSHMEM_IB_DISABLE_DMABUF is unset,
-  else through a peer-memory kernel module found at one of jaxep.doctor.machine.PEER_MEMORY_FILES.
+  else through a peer-memory kernel module found at one of jaxep.topology.machine.PEER_MEMORY_FILES.
   With neither, each skips itself ("neither nv_peer_mem, or nvidia_peermem detected") and init
   stops at "Peer GPU N is not accessible ... building transport map failed": the classic first
   multi-node failure.
@@ -22,8 +22,8 @@ import collections
 import os
 from typing import Mapping, NamedTuple
 
-from jaxep.doctor.machine import LIBRARIES, Driver, Nic, Topo, int_or_none
-from jaxep.doctor.rules import (Settings, assign, gdrcopy_missing, mapping_env, own_nic_mapping,
+from jaxep.topology.machine import LIBRARIES, Driver, Nic, Topo, int_or_none
+from jaxep.topology.rules import (Settings, assign, gdrcopy_missing, mapping_env, own_nic_mapping,
                                 rate_text, usable)
 
 # RoCE's RDMA MTU is the largest of 256 ... 4096 that fits the Ethernet MTU less the RoCE headers:
