@@ -1,6 +1,6 @@
 // The FP8 quantization of one 128-channel block by one warp (fp8.h gives the contract), written
 // once: the jaxep_fp8_quantize kernel (fp8.cu) and the low-latency dispatch (dispatch_ll.cu)
-// both call it, so both give the bits of jaxep.reference.fp8_quantize. Each lane holds 4
+// both call it, so both give the bits of jaxep.fp8.quantize. Each lane holds 4
 // channels; the block's amax is a warp max (max is exact: the order does not matter); the scale
 // and every code are IEEE f32 divisions (round to nearest even; XLA's own GPU division is not
 // correctly rounded, see ScaleDivisor for how the codes' divisions are done) and the code is
@@ -74,7 +74,7 @@ struct ScaleDivisor {
 
 // One lane's share of a 128-channel block: its 4 values (channels 4 * lane + i) in, its 4 codes
 // out as one little-endian word (byte i = channel 4 * lane + i). Whole warp; returns the block's
-// scale on every lane. The bits of jaxep.reference.fp8_quantize, written once.
+// scale on every lane. The bits of jaxep.fp8.quantize, written once.
 __device__ __forceinline__ float QuantizeFp8Lane(const float (&v)[kFp8PerLane], uint32_t* codes) {
   float amax = 0.0f;
 #pragma unroll

@@ -1,6 +1,6 @@
 // Launcher of the FP8 quantization kernel (ffi/cuda/fp8.cu) behind `jaxep_fp8_quantize`: the
 // low-latency dispatch's FP8 option (docs/design.md, "Low-latency mode"), bit for bit with
-// jaxep.reference.
+// jaxep.fp8.quantize (the reference backend's).
 // Plain C++: raw device pointers, sizes and a stream.
 #pragma once
 
