@@ -28,7 +28,8 @@ def result():
 
 
 TOP_KEYS = {"schema_version", "tool", "jaxep_version", "jax_version", "time_utc", "config", "topology",
-            "peaks_gbps", "correctness", "routing", "copy_baseline", "ops", "sweep", "notes", "model", "wire"}
+            "peaks_gbps", "correctness", "routing", "copy_baseline", "ops", "sweep", "notes", "model", "wire",
+            "memory"}
 OP_KEYS = {"time_s", "links", "bound_by", "floor_s", "efficiency", "algbw_gbps", "baselines",
            "logical", "metadata"}
 LINK_KEYS = {"bytes_per_rank_max", "busiest_rank", "gbps", "peak_gbps", "peak_source", "floor_s",

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxep
 from jaxep import backends, runtime
-from jaxep.bench import accounting, check, figures, peaks, routing, timing, wire
+from jaxep.bench import accounting, check, figures, memory, peaks, routing, timing, wire
 from jaxep.bench import checklist
 from jaxep.doctor import topology
 from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS, fp8_row_bytes
@@ -86,6 +86,7 @@ class BenchConfig:
     # an expert's uniform load) and Config.fp8_dispatch.
     rows_per_expert: int | None = None
     fp8_dispatch: bool = False
+    memory_check: bool = True   # refuse a run whose estimate exceeds this machine's memory
 
     def jaxep_config(self, **override) -> jaxep.Config:
         kw = dict(num_experts=self.experts, topk=self.topk, hidden=self.hidden,
@@ -276,6 +277,9 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
         from jaxep.bench import low_latency  # pylint: disable=g-import-not-at-top
         stage.total = int(bc.check) + 6
         return low_latency.run(bc, mesh, R, backends.select("bench", bc.backend, R), emit, stage)
+    ref_runs = backends.select("bench", bc.backend, R) == "reference" or not (
+        jax.process_count() > 1 and _ranks_per_gpu(bc, R, mesh.devices.flat[0].platform) > 1)
+    mem = memory.check_run(bc, mesh, R, ref_runs)  # before anything is allocated or compiled
     s = _setup(bc, mesh, R)
     ops, ref_ops = _programs(s, emit)
     stage.total = _stage_count(s, ref_ops)
@@ -296,6 +300,7 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     # --- the NICs' counters (jaxep.bench.wire) and, with a preset, what to check on a cluster ---
     payloads = timing.gather(probe.payload() if probe else None)
     out["wire"] = wire.section([p for p in payloads or () if p], out_ops, no_probe)
+    out["memory"] = mem
     if bc.preset:
         out["cluster_checks"] = checklist.checks(out, checklist.doctor_findings(s.topo.num_nodes))
     return out
