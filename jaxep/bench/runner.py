@@ -294,6 +294,7 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     times, ref_times = _time_ops(s, ops, ref_ops, stage, notes, probe)
     base = _baselines(s, stage)
     moved = _link_bytes(s)
+    base = base._replace(peaks=figures.best_rates(base.peaks, times, moved.parts, base.hbm, notes))
     out_ops = _op_reports(s, ops, times, ref_times, base, moved, notes)
     notes += _traffic_notes(s, moved)
     out = _result(s, checked, base, moved, out_ops, notes, emit, stage)
@@ -405,7 +406,8 @@ def _platform_notes(s: _Setup) -> list:
         notes.append("link classes are emulated (CPU devices or several ranks per GPU): every byte moves "
                      "through memory; read the figures as ratios against the copy baseline")
     if s.device.platform != "gpu":
-        notes.append("CPU: peaks are unknown, floors use the measured copy bandwidth for every class")
+        notes.append("CPU: peaks are unknown, floors use the measured copy bandwidth for every class "
+                     "(or an op's own rate where it beat the copy)")
     return notes
 
 
@@ -504,7 +506,8 @@ def _op_reports(s: _Setup, ops, times, ref_times, base: _Baselines, moved: _Byte
                  (t if s.backend == "reference" else None))
         out[op] = figures.op_report(op, times[op], moved.parts[op],
                                     moved.meta if op != "combine" else None, base.hbm,
-                                    base.peaks, base.copy["median"], ref_t, moved.logical[op])
+                                    base.peaks, base.copy["median"], ref_t, moved.logical[op],
+                                    s.backend)
         n = 2 if op == "both" else 1
         pc = base.payload_copy["median"] * n
         out[op]["payload"] = dict(
