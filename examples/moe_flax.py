@@ -293,6 +293,29 @@ class Progress:
             self.console.print(f"step {i:>5}/{self.total} {text}", soft_wrap=True)
 
 
+def backend_choice(requested: str | None, ep: int) -> str:
+    """'backend: NAME (why)': what jaxep.backends.select decides for these ops, and the reason."""
+    from jaxep import _extension, backends  # pylint: disable=g-import-not-at-top
+    name = backends.select("dispatch", requested, ep)
+    platform = jax.default_backend()
+    arch = _extension.arch_mismatch(jax.devices()[0]) if platform == "gpu" else None
+    if requested:
+        why = f"--backend {requested}"
+    elif name == "cuda":
+        why = ("the extension is built and a GPU is present" if ep == 1 else
+               f"the extension is built and the multi-rank runtime has EP size {ep}")
+    elif platform != "gpu":
+        why = f"no GPU: jax default backend is {platform}"
+    elif not _extension.is_available():
+        why = f"the CUDA extension is not available: {_extension.unavailable_reason()}"
+    elif arch:
+        why = arch[0]
+    else:
+        why = (f"EP size {ep} on a GPU needs the multi-rank runtime (jaxep.initialize in {ep} "
+               "processes, python -m jaxep.launch); one process runs EP 1 on the CUDA backend")
+    return f"backend: {name} ({why})"
+
+
 def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
     backend_flag = backend_flag or _BACKEND.value
     backend = None if backend_flag == "auto" else backend_flag
@@ -341,6 +364,7 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
           f"backend={backend or 'auto'} dtype={dtype.name} layers={_LAYERS.value} d={_D.value} "
           f"arch={_ARCH.value} experts={experts} topk={topk} ffn={_F.value} "
           f"batch={_BATCH.value}x{_SEQ.value} steps={steps} params={n_params}", flush=True)
+    print(f"moe_flax: {backend_choice(backend, ep)}", flush=True)
     worst = ep * tokens_per_rank * topk
     print(f"moe_flax: MoE {', '.join(f'{k}={v}' for k, v in arch_kw.items()) or 'defaults'}; "
           f"capacity {capacity} receive rows per rank: "

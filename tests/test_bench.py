@@ -28,9 +28,10 @@ def result():
 
 
 TOP_KEYS = {"schema_version", "tool", "jaxep_version", "jax_version", "time_utc", "config", "topology",
-            "peaks_gbps", "correctness", "routing", "copy_baseline", "ops", "sweep", "notes", "model", "wire"}
-OP_KEYS = {"time_s", "links", "bound_by", "floor_s", "efficiency", "algbw_gbps", "baselines",
-           "logical", "metadata"}
+            "peaks_gbps", "correctness", "routing", "copy_baseline", "ops", "sweep", "notes", "model", "wire",
+            "memory"}
+OP_KEYS = {"time_s", "links", "bound_by", "floor_s", "efficiency", "efficiency_note", "algbw_gbps",
+           "baselines", "logical", "metadata"}
 LINK_KEYS = {"bytes_per_rank_max", "busiest_rank", "gbps", "peak_gbps", "peak_source", "floor_s",
              "bytes_per_rank"}
 NEW_KEYS = {"node_layout", "row_bytes_combine_nvlink", "row_bytes_metadata",
@@ -97,8 +98,9 @@ def test_table_and_plot(result, tmp_path):
                            "4 device(s); emulated links (CPU devices"), head
     assert "GPU" not in head and "\n" not in head
     # Every ratio is named after its baseline and oriented the same way (op / baseline), with a legend.
-    for name in ("op/min-bytes copy", "op/payload copy", "op/reference", "legend: ratios are op median "
-                 "/ baseline median"):
+    for name in ("op takes x min-bytes copy", "op takes x payload copy", "op takes x reference",
+                 "legend: 'op takes x <baseline>' = op median / baseline median, same run: 41.8x = "
+                 "the op takes 41.8 times as long as that baseline"):
         assert name in text, name
     assert "vs_copy" not in text and "copy/op" not in text
     # The same-device class is named, not glued to the rank column; no NVLink/HBM on CPU.
@@ -111,8 +113,8 @@ def test_table_and_plot(result, tmp_path):
     # Each op's row carries its three ratios, as in the JSON.
     for op, o in result["ops"].items():
         row = next(l for l in lines if l.startswith(op) and "(itself)" in l)
-        assert f"{o['baselines']['copy']['ratio']:.2f}" in row
-        assert f"{o['baselines']['payload_copy']['ratio']:.2f}" in row
+        assert f"{o['baselines']['copy']['ratio']:.2f}x" in row
+        assert f"{o['baselines']['payload_copy']['ratio']:.2f}x" in row
     from jaxep.bench import plot
     drawn = plot.plot(result, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG" and drawn["emulated_note"]
@@ -487,6 +489,13 @@ def test_preset_seed_2x8_on_cpu(tmp_path):
     d = doc["ops"]["dispatch"]
     assert len(d["links"]["rdma"]["bytes_per_rank"]) == 16
     assert d["logical"]["rdma"]["bytes_per_rank_max"] > 0 and d["metadata"]["bytes_per_rank_max"] > 0
+    pytest.importorskip("matplotlib")
+    from jaxep.bench import plot  # the plot carries the preset and its link model's verdict
+    model = " ".join(plot.figure(doc)[1]["model"])
+    for want in ("preset seed_2x8: link model on B300 NVLink", "MODELED", "dispatch ",
+                 "% of line rate", "RDMA/NVL = 0.295 is the routing's byte ratio",
+                 "(uniform model 0.302), not a link speed", "GB/s NIC"):
+        assert want in model, (want, model)
 
 
 def test_phase_lines_keep_each_ops_steps_in_call_order():

@@ -70,9 +70,9 @@ def test_cpu_plot_content(result, tmp_path):
             drawn_rows = [row for row in d["rows"] if row["value_s"]]
             bars = _bars(ax)
             assert len(bars) == len(drawn_rows) and all(b.get_width() > 0 for b in bars)
-            notes = [t.get_text() for t in ax.texts]
+            notes = [" ".join(t.get_text().split()) for t in ax.texts]  # long ones wrapped
             for row in d["rows"]:
-                assert row["note"] in notes
+                assert " ".join(row["note"].split()) in notes
             # The bounding class is marked in its row and named in the title.
             bound = [row for row in d["rows"] if row["bound"]]
             assert [row["key"] for row in bound] == [o["bound_by"]]
@@ -112,3 +112,65 @@ def test_gpu_plot_labels_and_shared_peaks(result):
         assert "rdma" not in d  # no bytes cross it: no row about it
     finally:
         plt.close(fig)
+
+
+def _fake_ops(medians, hbm_bytes):
+    """Two ops' parts and times for figures.best_rates: no link bytes, memory bytes only."""
+    import numpy as np
+    zero = dict(per_rank=np.zeros(1, np.int64))
+    parts = {op: [dict(nvlink=zero, rdma=zero)] for op in ("dispatch", "combine")}
+    parts["both"] = parts["dispatch"] + parts["combine"]
+    return parts, {op: dict(median=m) for op, m in medians.items()}, np.array([hbm_bytes])
+
+
+def test_a_measured_peak_is_raised_to_an_op_that_beat_the_copy():
+    """A copy is not the machine's peak: where combine moved its least bytes faster than the copy
+    (EP 1 on CPU: 528 MB in 34.8 ms vs a 77.9 ms copy), the memory peak becomes combine's rate,
+    so every floor is at most its op's time; a table peak (a datasheet's) is left alone."""
+    from jaxep.bench import figures
+    parts, times, hbm = _fake_ops(dict(dispatch=0.131, combine=0.0348, both=0.044), 528_000_000)
+    notes = []
+    pk = figures.best_rates({"hbm": (528e6 / 0.0779 / 1e9, "measured copy"),
+                             "nvlink": (None, "unknown"), "rdma": (None, "unknown")},
+                            times, parts, hbm, notes)
+    assert pk["hbm"][0] == pytest.approx(528e6 / 0.0348 / 1e9) and "combine" in pk["hbm"][1]
+    assert len(notes) == 1 and "faster than the copy baseline" in notes[0]
+    for op in ("dispatch", "combine"):
+        floor = figures.class_bytes(parts[op], hbm)["hbm"] / (pk["hbm"][0] * 1e9)
+        assert floor <= times[op]["median"] * (1 + 1e-12)
+    table = {"hbm": (4800.0, "table:H200")}
+    assert figures.best_rates(table, times, parts, hbm, []) == table
+
+
+def test_a_floor_above_the_measurement_carries_a_note():
+    from jaxep.bench import figures
+    pk = {"hbm": (10.0, "measured copy")}
+    assert figures.efficiency_note("combine", 0.01, "hbm", 0.02, pk, "reference") is None
+    assert "XLA fused" in figures.efficiency_note("both", 0.03, "hbm", 0.02, pk, "reference")
+    why = figures.efficiency_note("dispatch", 0.03, "hbm", 0.02, pk, "cuda")
+    assert "exceed what the op moved" in why and "measured copy" in why
+
+
+def test_every_efficiency_is_at_most_100_or_noted():
+    """EP 1 on CPU, the case that printed 'memory 77.9 ms = 224% of measured': no efficiency
+    above 100 % without a note, in the JSON, the table and the plot."""
+    from jaxep.bench import BenchConfig, plot, report, run
+    r = run(BenchConfig(tokens=512, hidden=1024, topk=8, experts=16, ep_size=1, iters=3,
+                        warmup=1), emit=lambda *_: None)
+    text = report.table(r)
+    drawn = plot.figure(r)[1]
+    for op, o in r["ops"].items():
+        assert o["floor_s"] <= o["time_s"]["median"] * (1 + 1e-9) or o["efficiency_note"], op
+        if o["efficiency_note"]:
+            assert f"note: {op}'s efficiency" in text and "above 100 %" in drawn["axes"][op]["title"]
+    for op in ("dispatch", "combine"):  # their own rates set a measured peak: never above
+        assert r["ops"][op]["efficiency"] <= 1 + 1e-9
+
+
+def test_the_time_axis_fits_the_data(result):
+    from jaxep.bench import plot
+    drawn = plot.figure(result)[1]
+    lo, hi = drawn["xlim_ms"]
+    values = [x * 1e3 for a in drawn["axes"].values() for row in a["rows"]
+              for x in (row["value_s"], row.get("lo_s"), row.get("hi_s")) if x]
+    assert 1 < min(values) / lo <= plot.MARGIN * 1.0001 and 1 < hi / max(values) <= plot.MARGIN * 1.0001

@@ -241,4 +241,6 @@ def test_example_arch_deepseek_v3():
     assert ("MoE score_fn=sigmoid, selection_bias=True, num_groups=4, topk_groups=2, "
             "routed_scaling_factor=2.5, shared_ffn=128" in out), out[-3000:]
     assert "experts=16 topk=4" in out and ": PASS" in out and "moe_flax: OK" in out, out[-3000:]
+    # Which backend runs and why (jaxep.backends.select's choice; no GPU here).
+    assert "moe_flax: backend: reference (no GPU: jax default backend is cpu)" in out, out[:3000]
     assert "generate check" in out and "tol" in out and ": ok" in out, out[-3000:]

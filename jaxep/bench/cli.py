@@ -86,6 +86,9 @@ RDMA_GBPS = flags.DEFINE_float("rdma_gbps", 0.0, "RDMA peak GB/s per GPU (NIC); 
                                lower_bound=0.0, upper_bound=1e5)
 HBM_GBPS = flags.DEFINE_float("hbm_gbps", 0.0, "Device memory peak GB/s; 0 = table or measured copy.",
                               lower_bound=0.0, upper_bound=1e6)
+MEMORY_CHECK = flags.DEFINE_bool("memory_check", True, "Refuse, before allocating anything, a run "
+                                 "whose memory estimate exceeds what this machine has "
+                                 "(jaxep/bench/memory.py); --nomemory_check runs it anyway.")
 CHECK = flags.DEFINE_bool("check", True, "Check correctness before timing (keep it on).")
 TIMEOUT_S = flags.DEFINE_float("timeout_s", 60.0, "Bound on every device-side wait of the multi-rank "
                                "CUDA kernels (jaxep.Config.timeout_s): a stuck peer gives "
@@ -119,7 +122,7 @@ def bench_config():
         ranks_per_gpu=nz(RANKS_PER_GPU.value), combine_wire_dtype=COMBINE_WIRE_DTYPE.value,
         dispatch_wire_dtype=DISPATCH_WIRE_DTYPE.value,
         nvlink_gbps=nz(NVLINK_GBPS.value), rdma_gbps=nz(RDMA_GBPS.value), hbm_gbps=nz(HBM_GBPS.value),
-        check=CHECK.value, timeout_s=TIMEOUT_S.value, sweep=SWEEP.value,
+        check=CHECK.value, memory_check=MEMORY_CHECK.value, timeout_s=TIMEOUT_S.value, sweep=SWEEP.value,
         rows_per_expert=nz(ROWS_PER_EXPERT.value), fp8_dispatch=FP8_DISPATCH.value,
         sweep_num_sms=tuple(_sms(v) for v in SWEEP_NUM_SMS.value), sweep_kernels=SWEEP_KERNELS.value)
     if PRESET.value:
@@ -187,9 +190,12 @@ def main(argv):
     lead = jax.process_index() == 0
     console = report.console()
     emit = (lambda text: console.print(text, soft_wrap=True)) if lead else (lambda *_: None)
+    from jaxep.bench import memory  # pylint: disable=g-import-not-at-top
     try:
         with progress_bar(console, enabled=lead) as progress:
             result = runner.run(bench_config(), emit=emit, progress=progress)
+    except memory.BenchMemoryError as e:  # the sizes are valid, the machine too small: no --help
+        raise SystemExit(str(e)) from e
     except (ValueError, NotImplementedError) as e:  # a config that does not fit: say which
         raise app.UsageError(str(e)) from e
     if not lead:

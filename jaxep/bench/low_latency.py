@@ -382,21 +382,23 @@ def report(r: dict) -> str:
              f"signal round trip (low-latency kernels, no rows): {sr['median'] * 1e6:.1f} us; "
              f"kernels: {ll.get('kernels')}" if sr else
              f"signal round trip: not measured; kernels: {ll.get('kernels')}",
-             f"{'op':<9} {'median us':>10} {'payload KB':>11} {'copy us':>9} {'copy/op':>8} "
-             f"{'op/floor':>9} {'op/signal':>10}"]
+             f"{'op':<9} {'median us':>10} {'payload KB':>11} {'copy us':>9} "
+             f"{'op takes x: copy':>16} {'sync floor':>10} {'signal':>8}"]
     for op in OPS:
         o = r["ops"][op]
         fl = o["baselines"]["sync_floor"]
         sg = o["baselines"].get("signal_round_trip")
         lines.append(f"{op:<9} {o['time_s']['median'] * 1e6:>10.1f} "
                      f"{o['payload']['bytes_total'] / 1e3:>11.1f} "
-                     f"{o['payload']['copy_time_s'] * 1e6:>9.1f} {o['payload']['copy_over_op']:>8.2f} "
-                     f"{(fl['ratio'] if fl else float('nan')):>9.2f} "
-                     f"{(sg['ratio'] if sg else float('nan')):>10.2f}")
+                     f"{o['payload']['copy_time_s'] * 1e6:>9.1f} "
+                     f"{1 / o['payload']['copy_over_op']:>15.2f}x "
+                     f"{(fl['ratio'] if fl else float('nan')):>9.2f}x "
+                     f"{(sg['ratio'] if sg else float('nan')):>7.2f}x")
     if ll.get("x_copy_s"):
         lines.append(f"x [L, M, H] ({ll['x_bytes_per_rank'] / 1e3:.1f} KB per rank, zero rows "
-                     f"included): copy {ll['x_copy_s']['median'] * 1e6:.1f} us, copy/dispatch "
-                     f"{ll['x_copy_over_dispatch']:.2f}")
-    lines.append("copy/op: same-run copy of the payload bytes / op (> 1: faster than that copy); "
-                 "op/floor: op / the sync floor; op/signal: op / the signal round trip")
+                     f"included): copy {ll['x_copy_s']['median'] * 1e6:.1f} us; dispatch takes "
+                     f"{1 / ll['x_copy_over_dispatch']:.2f}x that copy")
+    lines.append("op takes x: the op's median as a multiple of each same-run baseline (2.00x = "
+                 "twice as long; < 1x: faster): a copy of the payload bytes, the sync floor, the "
+                 "signal round trip")
     return "\n".join(lines)

@@ -24,6 +24,16 @@ COLORS = dict(measured="#1f77b4", copy="#7f7f7f", payload_copy="#b0b0b0", refere
 TITLE_PT, SUB_PT, AX_TITLE_PT, LABEL_PT, VALUE_PT = 14, 11, 12, 10, 10
 
 
+# The x axis spans the data and this factor either side (log scale: about 0.1 decade).
+MARGIN = 1.3
+
+
+def axis_limits(values_s) -> tuple[float, float]:
+    """(lo, hi) in ms: the smallest and largest value, MARGIN either side."""
+    ms = [v * 1e3 for v in values_s]
+    return min(ms) / MARGIN, max(ms) * MARGIN
+
+
 def _fmt_ms(s: float) -> str:
     ms = s * 1e3
     return f"{ms:.3g} ms" if ms >= 0.01 else f"{ms * 1e3:.3g} us"
@@ -62,7 +72,8 @@ def _rows(r: dict, op: str) -> list[dict]:
         else:
             share = l["floor_s"] / t["median"]
             row.update(value_s=l["floor_s"], note=f"{_fmt_ms(l['floor_s'])} = {100 * share:.3g}% of "
-                       "measured" + ("  <- BOUNDS THE OP" if row["bound"] else ""))
+                       "measured" + ("  <- BOUNDS THE OP" if row["bound"] else "")
+                       + ("  (above measured: see the panel title)" if share > 1 else ""))
         rows.append(row)
     from jaxep.bench import wire  # pylint: disable=g-import-not-at-top
     return rows + wire.plot_rows(r, op)  # the NICs' counters, or why none
@@ -86,6 +97,75 @@ def _titles(r: dict) -> tuple[str, str, str | None]:
     return title, sub, note
 
 
+def model_text(r: dict) -> list[str]:
+    """A preset's link model and the seed's reading, a few lines (none without a preset)."""
+    m = r.get("model")
+    if not m:
+        return []
+    hw, fmt = m["hardware"], report.fmt
+    ops = []
+    for op, o in m["ops"].items():
+        rate = (f", true cross-node {fmt(o['rdma_true_gbps_at_floor'])} GB/s per GPU = "
+                f"{100 * o['line_rate_fraction_at_floor']:.3g}% of line rate"
+                if o.get("rdma_true_gbps_at_floor") else "")
+        ops.append(f"{op} {_fmt_ms(o['floor_s'])} ({o['bound_by'] or '-'}{rate})")
+    lines = [f"preset {r['config']['preset']}: link model on {hw['name']} (from {hw['source']}); "
+             "MODELED from this run's byte counts, not measured. Floors: " + "; ".join(ops) + "."]
+    sd = m.get("seed")
+    if sd:
+        text = (f"The seed's \"NVL {fmt(sd['seed_nvl_gbps'])} GB/s, RDMA {fmt(sd['seed_rdma_gbps'])} "
+                f"GB/s\" divide byte counts by one time: RDMA/NVL = {sd['seed_ratio']:.3f} is the "
+                f"routing's byte ratio (uniform model {sd['ratio_uniform_model']:.3f}), not a link "
+                "speed.")
+        if sd.get("seed_time_s"):
+            text += (f" At the seed's time ({_fmt_ms(sd['seed_time_s'])}) the true cross-node bytes "
+                     f"move at {fmt(sd['true_gbps_at_seed_time'])} GB/s per GPU = "
+                     f"{100 * sd['line_rate_fraction_at_seed_time']:.3g}% of a "
+                     f"{fmt(sd['nic_gbps'])} GB/s NIC.")
+        lines.append(text)
+    return lines
+
+
+def _panel(ax, r: dict, op: str, rows: list, xlim: tuple, last: bool) -> dict:
+    """One op's bars on `ax`, their values in a column right of the axes; what it drew."""
+    from matplotlib.transforms import blended_transform_factory
+    lo, _ = xlim
+    column = blended_transform_factory(ax.transAxes, ax.transData)
+    ys = list(range(len(rows)))[::-1]
+    for y, row in zip(ys, rows):
+        v = row["value_s"]
+        if v:
+            ms = v * 1e3
+            xerr = ([[ms - row["lo_s"] * 1e3], [row["hi_s"] * 1e3 - ms]]
+                    if row["kind"] == "measured" else None)
+            ax.barh(y, ms - lo, height=0.7, color=COLORS[row["key"]], xerr=xerr, capsize=4,
+                    edgecolor="black" if row["bound"] else "none", linewidth=2 if row["bound"] else 0,
+                    hatch="//" if row["bound"] else None, left=lo)
+        ax.text(1.01, y, textwrap.fill(row["note"], 70), va="center", fontsize=VALUE_PT,
+                transform=column, style="normal" if v else "italic",
+                color="black" if v else "#555555",
+                fontweight="bold" if row["bound"] or row["kind"] == "measured" else "normal")
+    o = r["ops"][op]
+    ax.axvline(o["time_s"]["median"] * 1e3, color=COLORS["measured"], ls=":", lw=1.2)
+    ax.set_yticks(ys, [row["label"] for row in rows], fontsize=LABEL_PT)
+    ax.set_xscale("log")
+    ax.set_xlim(*xlim)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.tick_params(axis="x", labelsize=LABEL_PT)
+    ax.grid(axis="x", which="major", alpha=0.3)
+    bound = report.short_names(r).get(o["bound_by"])
+    title = (f"{op}: measured {_fmt_ms(o['time_s']['median'])}" + (
+        f"; bound by {bound} (efficiency {100 * o['efficiency']:.3g}%)" if bound else "")
+        + ("\n" + textwrap.fill(f"efficiency above 100 %: {o['efficiency_note']}", 110)
+           if o.get("efficiency_note") else ""))
+    ax.set_title(title, fontsize=AX_TITLE_PT, loc="left", fontweight="bold")
+    xlabel = "time per op (ms, log scale)" if last else ""
+    ax.set_xlabel(xlabel, fontsize=LABEL_PT + 1)
+    if not last:
+        ax.tick_params(axis="x", labelbottom=False)
+    return dict(title=title, xlabel=xlabel, xscale=ax.get_xscale(), rows=rows)
+
+
 def figure(r: dict):
     """(Figure, drawn) for a `run()` result."""
     import matplotlib
@@ -96,8 +176,10 @@ def figure(r: dict):
     ops = list(r["ops"])
     per_op = {op: _rows(r, op) for op in ops}
     title, sub, note = _titles(r)
-    heights = [1.1 if note else 0.7] + [0.55 * len(per_op[op]) + 0.6 for op in ops]
-    fig = plt.figure(figsize=(13, sum(heights) + 0.8), layout="constrained")
+    model = [textwrap.fill(line, 150) for line in model_text(r)]
+    extra = [0.22 * sum(m.count("\n") + 1 for m in model) + 0.2] if model else []
+    heights = [1.1 if note else 0.7] + extra + [0.55 * len(per_op[op]) + 0.6 for op in ops]
+    fig = plt.figure(figsize=(17, sum(heights) + 0.8), layout="constrained")
     gs = fig.add_gridspec(len(heights), 1, height_ratios=heights)
     fig.suptitle(title, fontsize=TITLE_PT, fontweight="bold")
     head = fig.add_subplot(gs[0])
@@ -111,48 +193,22 @@ def figure(r: dict):
         head.text(0.015, 0.05, textwrap.fill(note, 135), fontsize=SUB_PT, color="#b00000",
                   fontweight="bold", va="bottom", transform=at, in_layout=False,
                   bbox=dict(boxstyle="round,pad=0.3", fc="#fff0f0", ec="#b00000"))
+    if model:
+        box = fig.add_subplot(gs[1])
+        box.axis("off")
+        box.text(0.015, 0.95, "\n".join(model), fontsize=SUB_PT, va="top", color="#003c80",
+                 transform=blended_transform_factory(fig.transFigure, box.transAxes),
+                 in_layout=False, bbox=dict(boxstyle="round,pad=0.3", fc="#eef4ff", ec="#003c80"))
     values = [x for rows in per_op.values() for row in rows
               for x in (row["value_s"], row.get("lo_s"), row.get("hi_s")) if x]
-    lo, hi = min(values) * 1e3 / 2.5, max(values) * 1e3 * 20  # room right of the bars: labels
-    drawn = dict(title=title, subtitle=sub, emulated_note=note, axes={})
+    lo, hi = axis_limits(values)
+    drawn = dict(title=title, subtitle=sub, emulated_note=note, model=model_text(r), axes={},
+                 xlim_ms=(lo, hi))
     axes = []
     for i, op in enumerate(ops):
-        ax = fig.add_subplot(gs[i + 1], sharex=axes[0] if axes else None)
+        ax = fig.add_subplot(gs[i + 1 + len(extra)], sharex=axes[0] if axes else None)
         axes.append(ax)
-        rows = per_op[op]
-        ys = list(range(len(rows)))[::-1]
-        for y, row in zip(ys, rows):
-            v = row["value_s"]
-            if v:
-                ms = v * 1e3
-                xerr = ([[ms - row["lo_s"] * 1e3], [row["hi_s"] * 1e3 - ms]]
-                        if row["kind"] == "measured" else None)
-                ax.barh(y, ms - lo, height=0.7, color=COLORS[row["key"]], xerr=xerr, capsize=4,
-                        edgecolor="black" if row["bound"] else "none", linewidth=2 if row["bound"] else 0,
-                        hatch="//" if row["bound"] else None, left=lo)
-                end = max(ms, row["hi_s"] * 1e3 if row["kind"] == "measured" else ms)
-                ax.text(end * 1.12, y, row["note"], va="center", fontsize=VALUE_PT, in_layout=False,
-                        fontweight="bold" if row["bound"] or row["kind"] == "measured" else "normal")
-            else:
-                ax.text(lo * 1.12, y, row["note"], va="center", fontsize=VALUE_PT, style="italic",
-                        color="#555555", in_layout=False)
-        o = r["ops"][op]
-        ax.axvline(o["time_s"]["median"] * 1e3, color=COLORS["measured"], ls=":", lw=1.2)
-        ax.set_yticks(ys, [row["label"] for row in rows], fontsize=LABEL_PT)
-        ax.set_xscale("log")
-        ax.set_xlim(lo, hi)
-        ax.set_ylim(-0.6, len(rows) - 0.4)
-        ax.tick_params(axis="x", labelsize=LABEL_PT)
-        ax.grid(axis="x", which="major", alpha=0.3)
-        bound = report.short_names(r).get(o["bound_by"])
-        ax_title = (f"{op}: measured {_fmt_ms(o['time_s']['median'])}" + (
-            f"; bound by {bound} (efficiency {100 * o['efficiency']:.3g}%)" if bound else ""))
-        ax.set_title(ax_title, fontsize=AX_TITLE_PT, loc="left", fontweight="bold")
-        xlabel = "time per op (ms, log scale)" if i == len(ops) - 1 else ""
-        ax.set_xlabel(xlabel, fontsize=LABEL_PT + 1)
-        if i < len(ops) - 1:
-            ax.tick_params(axis="x", labelbottom=False)
-        drawn["axes"][op] = dict(title=ax_title, xlabel=xlabel, xscale=ax.get_xscale(), rows=rows)
+        drawn["axes"][op] = _panel(ax, r, op, per_op[op], (lo, hi), last=i == len(ops) - 1)
     return fig, drawn
 
 

@@ -2,7 +2,7 @@
 
 `print_report(result, console)` prints the one-line header and the tables; `header`, `table` and
 `sweep_table` return the same as plain text. Every ratio in the tables is op time / baseline time
-of the same run (> 1: the op is slower than that baseline).
+of the same run, printed as a multiple under "op takes x <baseline>" (> 1x: the op is slower).
 """
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ from rich.table import Table
 CLASSES = ("same_gpu", "nvlink", "rdma", "hbm")
 WIDTH = 200  # columns when not writing to a terminal: the tables never wrap in a log or a file
 
-# Baselines as named in the tables and the plot, in that order; each ratio = op / baseline.
-BASELINES = (("copy", "op/min-bytes copy"), ("payload_copy", "op/payload copy"),
-             ("reference", "op/reference"))
-LEGEND = ("ratios are op median / baseline median, same run (> 1: slower than the baseline). "
+# Baselines as named in the tables, in that order; each column is op / baseline, printed as a
+# multiple ("41.8x": the op takes 41.8 times as long as that baseline).
+BASELINES = (("copy", "op takes x min-bytes copy"), ("payload_copy", "op takes x payload copy"),
+             ("reference", "op takes x reference"))
+LEGEND = ("'op takes x <baseline>' = op median / baseline median, same run: 41.8x = the op takes "
+          "41.8 times as long as that baseline (< 1x: the op is faster). "
           "min-bytes copy: a device copy of the op's least memory bytes (read the inputs once, write "
           "the outputs once); payload copy: every rank copies 1/R of the unique (token, destination "
           "rank) rows at once; reference: jaxep's reference backend on the same inputs. "
@@ -61,7 +63,7 @@ def fmt(x) -> str:
 
 
 def _x(x):
-    return "-" if x is None else f"{x:.2f}"
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def emulated_reason(t: dict) -> str | None:
@@ -149,12 +151,13 @@ def time_table(r: dict) -> Table:
         ratios = []
         for key, _ in BASELINES:
             if key == "reference" and itself:
-                ratios.append("1 (itself)")
+                ratios.append("1x (itself)")
             else:
                 ratios.append(_x(b[key]["ratio"]) if b.get(key) else "-")
         tb.add_row(op, _ms(t["median"]), _ms(t["min"]), _ms(t["max"]),
                    *([f"p{t['slowest_process']}" if "slowest_process" in t else "-"] if multi else []),
-                   _ms(o["floor_s"]), short.get(o["bound_by"], "-"), _pct(o["efficiency"]), *ratios)
+                   _ms(o["floor_s"]), short.get(o["bound_by"], "-"),
+                   _pct(o["efficiency"]) + (" (note)" if o.get("efficiency_note") else ""), *ratios)
     return tb
 
 
@@ -299,6 +302,8 @@ def _lines(r: dict) -> list[str]:
     ro = r["routing"]
     lines.append(f"rows/rank {min(ro['rows_per_rank'])}..{max(ro['rows_per_rank'])}, dropped "
                  f"{sum(ro['dropped_rows'])}, invalid ids {sum(ro['invalid_ids'])}")
+    lines += [f"note: {op}'s efficiency {_pct(o['efficiency'])} exceeds 100 %: {o['efficiency_note']}"
+              for op, o in r["ops"].items() if o.get("efficiency_note")]
     return lines + model_lines(r) + [f"note: {n}" for n in r["notes"]]
 
 

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxep
 from jaxep import backends, runtime
-from jaxep.bench import accounting, check, figures, peaks, routing, timing, wire
+from jaxep.bench import accounting, check, figures, memory, peaks, routing, timing, wire
 from jaxep.bench import checklist
 from jaxep import topology
 from jaxep.config import COMBINE_KERNELS, DISPATCH_KERNELS, fp8_row_bytes
@@ -86,6 +86,7 @@ class BenchConfig:
     # an expert's uniform load) and Config.fp8_dispatch.
     rows_per_expert: int | None = None
     fp8_dispatch: bool = False
+    memory_check: bool = True   # refuse a run whose estimate exceeds this machine's memory
 
     def jaxep_config(self, **override) -> jaxep.Config:
         kw = dict(num_experts=self.experts, topk=self.topk, hidden=self.hidden,
@@ -276,6 +277,9 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
         from jaxep.bench import low_latency  # pylint: disable=g-import-not-at-top
         stage.total = int(bc.check) + 6
         return low_latency.run(bc, mesh, R, backends.select("bench", bc.backend, R), emit, stage)
+    ref_runs = backends.select("bench", bc.backend, R) == "reference" or not (
+        jax.process_count() > 1 and _ranks_per_gpu(bc, R, mesh.devices.flat[0].platform) > 1)
+    mem = memory.check_run(bc, mesh, R, ref_runs)  # before anything is allocated or compiled
     s = _setup(bc, mesh, R)
     ops, ref_ops = _programs(s, emit)
     stage.total = _stage_count(s, ref_ops)
@@ -290,12 +294,14 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     times, ref_times = _time_ops(s, ops, ref_ops, stage, notes, probe)
     base = _baselines(s, stage)
     moved = _link_bytes(s)
+    base = base._replace(peaks=figures.best_rates(base.peaks, times, moved.parts, base.hbm, notes))
     out_ops = _op_reports(s, ops, times, ref_times, base, moved, notes)
     notes += _traffic_notes(s, moved)
     out = _result(s, checked, base, moved, out_ops, notes, emit, stage)
     # --- the NICs' counters (jaxep.bench.wire) and, with a preset, what to check on a cluster ---
     payloads = timing.gather(probe.payload() if probe else None)
     out["wire"] = wire.section([p for p in payloads or () if p], out_ops, no_probe)
+    out["memory"] = mem
     if bc.preset:
         out["cluster_checks"] = checklist.checks(out, checklist.doctor_findings(s.topo.num_nodes))
     return out
@@ -400,7 +406,8 @@ def _platform_notes(s: _Setup) -> list:
         notes.append("link classes are emulated (CPU devices or several ranks per GPU): every byte moves "
                      "through memory; read the figures as ratios against the copy baseline")
     if s.device.platform != "gpu":
-        notes.append("CPU: peaks are unknown, floors use the measured copy bandwidth for every class")
+        notes.append("CPU: peaks are unknown, floors use the measured copy bandwidth for every class "
+                     "(or an op's own rate where it beat the copy)")
     return notes
 
 
@@ -499,7 +506,8 @@ def _op_reports(s: _Setup, ops, times, ref_times, base: _Baselines, moved: _Byte
                  (t if s.backend == "reference" else None))
         out[op] = figures.op_report(op, times[op], moved.parts[op],
                                     moved.meta if op != "combine" else None, base.hbm,
-                                    base.peaks, base.copy["median"], ref_t, moved.logical[op])
+                                    base.peaks, base.copy["median"], ref_t, moved.logical[op],
+                                    s.backend)
         n = 2 if op == "both" else 1
         pc = base.payload_copy["median"] * n
         out[op]["payload"] = dict(
