@@ -38,13 +38,20 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_reference_on_64_devices_as_16x4_and_1x64():
+def _child(code: str, devices: int) -> subprocess.CompletedProcess:
+    """Runs `code` in a CPU child with `devices` emulated devices (tests/ importable); it must
+    exit 0."""
     env = harness.cpu_child_env(REPO)
     env["PYTHONPATH"] = os.pathsep.join([TESTS, env["PYTHONPATH"]])
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
-    p = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env,
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=900, cwd=REPO)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return p
+
+
+def test_reference_on_64_devices_as_16x4_and_1x64():
+    p = _child(CHILD, devices=64)
     assert "layout 16 x 4 ok" in p.stdout and "layout 1 x 64 ok" in p.stdout, p.stdout
 
 
@@ -90,10 +97,5 @@ def test_cuda_lowering_at_144_ranks_as_2_x_72():
     """The CUDA backend's custom calls at EP 144 in two NVLink domains of 72 (no GPU: a fake
     extension and runtime), forward and gradient: every call carries ep_size 144 and
     ranks_per_node 72; the ops' checks accept the layout."""
-    env = harness.cpu_child_env(REPO)
-    env["PYTHONPATH"] = os.pathsep.join([TESTS, env["PYTHONPATH"]])
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=144"
-    p = subprocess.run([sys.executable, "-c", LOWER], capture_output=True, text=True, env=env,
-                       timeout=900, cwd=REPO)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    p = _child(LOWER, devices=144)
     assert "lowered" in p.stdout and "at 144 ranks as 2 x 72" in p.stdout, p.stdout
