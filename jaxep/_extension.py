@@ -32,7 +32,7 @@ _module: Any = None
 _constants: dict | None = None  # the extension's constants(), normalized; None until loaded
 _reason = "not loaded yet"
 _registered = False
-_targets: frozenset = frozenset()  # the FFI targets registrations() gave (the one list of names)
+_targets: frozenset | None = None  # the FFI targets a loaded extension registered (the one list)
 
 
 def _preload_nvshmem() -> str | None:
@@ -193,7 +193,7 @@ def require(op: str, target: str | None = None) -> None:
   extension registered no FFI target `target` (a build older than this Python side)."""
   if not _registered:
     raise RuntimeError(f"jaxep CUDA backend ({op}): the CUDA backend is unavailable: {_reason}")
-  if target is not None and _module is not None and target not in _targets:
+  if target is not None and _targets is not None and target not in _targets:
     raise RuntimeError(_stale(f"its registrations() have no FFI target {target!r}; it has "
                               f"{sorted(_targets)}"))
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxep import _jax_private, backends, runtime
 from jaxep.backends import Sizes
 from jaxep.config import PAYLOAD_DTYPES, Config, field_diff
+from jaxep.runtime.sizes import recv_rows
 from jaxep.types import Handle
 
 PAYLOAD = tuple(jnp.dtype(d) for d in PAYLOAD_DTYPES)  # x / y dtypes, from jaxep.config
@@ -50,11 +51,9 @@ def sizes(op: str, config: Config, R: int) -> Sizes:
         G = runtime.node_size(config, R)  # 1 when R == 1 (G divides R)
     except ValueError as e:
         raise ValueError(f"jaxep.{op}: {str(e).removeprefix('jaxep: ')}") from None
-    L = config.local_experts(R)
-    if config.mode == "low_latency":
-        M = config.expert_rows(R)
-        return Sizes(ep=R, node=G, local_experts=L, rows=L * M, expert_rows=M)
-    return Sizes(ep=R, node=G, local_experts=L, rows=config.capacity(R))
+    M = config.expert_rows(R) if config.mode == "low_latency" else 0
+    return Sizes(ep=R, node=G, local_experts=config.local_experts(R), rows=recv_rows(config, R),
+                 expert_rows=M)
 
 
 def resolve(op: str, config, axis_name, backend) -> Call:
