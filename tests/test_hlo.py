@@ -244,3 +244,13 @@ def test_low_latency_grad_lowers_on_the_cuda_backend_at_ep_2(cuda_lowering, monk
               "jaxep_ll_combine_recv", "jaxep_dispatch_rows", "jaxep_gather_back"):
         assert t in targets, (t, targets)
     assert ("jaxep_combine" in targets) == (not fp8), targets  # d x: the unweighted combine
+
+
+def test_both_backends_implement_the_contract():
+    """Every backend named in backends.NAMES has every operation of contract.Backend."""
+    from jaxep.backends.contract import Backend  # pylint: disable=g-import-not-at-top
+    for name in backends.NAMES:
+        assert isinstance(backends.get(name), Backend), name
+        missing = [op for op in Backend.__dict__ if not op.startswith("_")
+                   and not hasattr(backends.get(name), op)]
+        assert not missing, (name, missing)
