@@ -1,4 +1,4 @@
-"""The CUDA 13 build needs only a C++ compiler (issue 30): buildsys/jaxep_build.py's choice of the
+"""The CUDA 13 build needs only a C++ compiler: buildsys/jaxep_build.py's choice of the
 CUDA compiler, and a real build of it.
 
 - The choice (fast, fake nvcc scripts): JAXEP_CUDA=13 with a CUDA 13 nvcc on PATH adds nothing;

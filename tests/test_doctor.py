@@ -321,7 +321,7 @@ def test_mps_daemon_detection_skips_zombies(tmp_path):
 
 def test_a_machine_without_a_gpu_is_not_an_error(monkeypatch, capsys):
     """No GPU (this CPU tier): exit 0 at --nodes 2 too, what it can run and not, no GPU-node lines
-    (MPS, GPU-NIC, NVSHMEM env) and no topology findings (issue 30)."""
+    (MPS, GPU-NIC, NVSHMEM env) and no topology findings."""
     monkeypatch.setattr(doctor, "nvidia_smi", lambda: {"available": False, "gpus": []})
     real = doctor.topology.summary
     monkeypatch.setattr(doctor.topology, "summary", lambda nodes=None: dict(

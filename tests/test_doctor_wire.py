@@ -2,7 +2,7 @@
 --record / --replay (jaxep.doctor.record), on recorded fixtures.
 
 tests/fixtures/topology/seed_node is a record (jaxep.doctor.record's format) of the seed's node as
-issue 31 describes it, written by hand, not recorded on a real machine: 8 B300, 8 mlx5_bond_N
+its user reported it, written by hand, not recorded on a real machine: 8 B300, 8 mlx5_bond_N
 (two 400G members each, 802.3ad) PXB to their GPU, RoCE, mlnx_qos output with trust dscp and PFC
 on priority 3 only, NVSHMEM's traffic class unset (0) while NCCL_IB_TC=106, Ethernet MTU 1500,
 and two counter reads 2 s apart in which the CNP, ECN, out-of-sequence and discard counters move

@@ -5,7 +5,7 @@ README's Flax snippet) and examples/moe_flax.py --short. About 3-4 minutes on 2 
 cache warm; it needs the package index (skipped, with the reason, when pip cannot reach it) and is
 skipped by JAXEP_MIN_VERSIONS_TEST=0.
 
-Why these minimums (issue 30): jax 0.10.0 and 0.10.1 fail an empty batch with EP > 1 in the
+Why these minimums: jax 0.10.0 and 0.10.1 fail an empty batch with EP > 1 in the
 shard_map lowering; flax 0.10.0 and 0.12.1 call jit(abstracted_axes=...), which current jax lacks,
 and 0.11.0, 0.12.0 import mutable_array, which it no longer has. jax 0.10.x is the newest that
 Python 3.11 reaches (0.11 and later need Python 3.12).
