@@ -294,26 +294,10 @@ class Progress:
 
 
 def backend_choice(requested: str | None, ep: int) -> str:
-    """'backend: NAME (why)': what jaxep.backends.select decides for these ops, and the reason."""
-    from jaxep import _extension, backends  # pylint: disable=g-import-not-at-top
-    name = backends.select("dispatch", requested, ep)
-    platform = jax.default_backend()
-    arch = _extension.arch_mismatch(jax.devices()[0]) if platform == "gpu" else None
-    if requested:
-        why = f"--backend {requested}"
-    elif name == "cuda":
-        why = ("the extension is built and a GPU is present" if ep == 1 else
-               f"the extension is built and the multi-rank runtime has EP size {ep}")
-    elif platform != "gpu":
-        why = f"no GPU: jax default backend is {platform}"
-    elif not _extension.is_available():
-        why = f"the CUDA extension is not available: {_extension.unavailable_reason()}"
-    elif arch:
-        why = arch[0]
-    else:
-        why = (f"EP size {ep} on a GPU needs the multi-rank runtime (jaxep.initialize in {ep} "
-               "processes, python -m jaxep.launch); one process runs EP 1 on the CUDA backend")
-    return f"backend: {name} ({why})"
+    """'backend: NAME (why)': what jaxep.backends.choose decides for these ops, and the reason."""
+    from jaxep import backends  # pylint: disable=g-import-not-at-top
+    name, why = backends.choose("dispatch", requested, ep)
+    return f"backend: {name} ({f'--backend {requested}' if requested else why})"
 
 
 def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
@@ -341,7 +325,8 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
                   capacity_factor=_CF.value or None, decode_config=decode_config, **arch_kw)
     model = MoELM(_VOCAB.value, _SEQ.value, _D.value, _HEADS.value, _LAYERS.value, moe_kw,
                   rngs=nnx.Rngs(_SEED.value), dtype=dtype)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, max(1, steps // 10), steps,
+    warmup = max(1, steps // 10)  # optax's cosine part needs at least one step after the warmup
+    schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, warmup, max(steps, warmup + 1),
                                                   _LR.value / 10)
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
     place_on_mesh(model, mesh)  # so that step 2 does not recompile

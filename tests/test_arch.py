@@ -82,6 +82,26 @@ def test_a_gpu_the_build_runs_keeps_the_cuda_backend(b300_with_an_h200_build, mo
     assert backends.select("dispatch", "cuda", 1) == "cuda"
 
 
+def test_choose_gives_the_reason_for_each_choice(b300_with_an_h200_build, monkeypatch):
+    """backends.choose: the automatic choice and its reason in each state select() tells apart."""
+    name, why = backends.choose("dispatch", None, 1)
+    assert name == "reference" and "compute capability 10.3" in why, why
+    monkeypatch.setattr(_extension, "build_info", lambda: {"cuda_archs": "90,100"})
+    assert backends.choose("dispatch", None, 1) == ("cuda", "the extension is built and a GPU is present")
+    name, why = backends.choose("dispatch", None, 4)
+    assert name == "reference" and "EP size 4 on a GPU needs the multi-rank runtime" in why, why
+    monkeypatch.setattr(runtime, "multi_rank_size", lambda: 4)
+    assert backends.choose("dispatch", None, 4) == (
+        "cuda", "the extension is built and the multi-rank runtime has EP size 4")
+    assert backends.choose("dispatch", "reference", 4) == ("reference", "backend='reference' requested")
+    monkeypatch.setattr(_extension, "is_available", lambda: False)
+    monkeypatch.setattr(_extension, "unavailable_reason", lambda: "not built here")
+    assert backends.choose("dispatch", None, 1) == (
+        "reference", "the CUDA extension is not available: not built here")
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert backends.choose("dispatch", None, 1) == ("reference", "no GPU: jax default backend is cpu")
+
+
 def test_doctor_reports_the_mismatch(monkeypatch, capsys):
     real = doctor.jax_facts
     monkeypatch.setattr(doctor, "jax_facts", lambda: dict(

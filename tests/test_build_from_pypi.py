@@ -139,10 +139,13 @@ def test_a_cuda_13_wheel_from_a_clean_clone_with_no_nvcc(tmp_path):
         assert "site-packages/nvidia/cu13/bin/nvcc (wheel nvidia-cuda-nvcc 13." in out, out[-5000:]
         wheels = glob.glob(os.path.join(work, "dist", "jaxep-*.whl"))
         assert len(wheels) == 1 and "py3-none-any" not in wheels[0], wheels
-        # A fresh environment with no compiler reachable: jax from the system site (not built),
-        # the wheel and the NVSHMEM wheel installed without a build step.
+        # A fresh environment with no compiler reachable: the wheel and the NVSHMEM wheel installed
+        # without a build step into a venv that sees no other jaxep (an editable install's import
+        # hook in the system site would shadow the wheel); jax and its dependencies are taken from
+        # this interpreter's site directories, appended to sys.path after the venv's own, so no
+        # .pth file of theirs runs.
         venv = os.path.join(work, "venv")
-        assert _run([sys.executable, "-m", "venv", "--system-site-packages", venv], 300).returncode == 0
+        assert _run([sys.executable, "-m", "venv", venv], 300).returncode == 0
         bare = dict(env, PATH=os.path.join(venv, "bin"), CC="/bin/false", CXX="/bin/false",
                     JAX_PLATFORMS="cpu")
         bare.pop("JAXEP_CUDA")
@@ -150,10 +153,17 @@ def test_a_cuda_13_wheel_from_a_clean_clone_with_no_nvcc(tmp_path):
         p = _run([py, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary", ":all:",
                   wheels[0], "nvidia-nvshmem-cu13>=3,<4"], 900, env=bare, cwd=work)
         assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-        p = _run([py, "-c", "import jaxep._extension as e; assert e.is_available(), "
-                  "e.unavailable_reason(); print(e.build_info())"], 300, env=bare, cwd=work)
+        deps = sorted({os.path.dirname(os.path.dirname(importlib.util.find_spec(m).origin))
+                       for m in ("jax", "jaxlib", "numpy", "ml_dtypes", "opt_einsum", "scipy")
+                       if importlib.util.find_spec(m)})
+        check = (f"import sys; sys.path.extend({deps!r}); import jaxep._extension as e; "
+                 "assert e.is_available(), e.unavailable_reason(); print(e.__file__); "
+                 "print(e.build_info())")
+        p = _run([py, "-c", check], 300, env=bare, cwd=work)
         assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-        info = eval(p.stdout.strip().splitlines()[-1])  # pylint: disable=eval-used
+        where, info = p.stdout.strip().splitlines()[-2:]
+        assert where.startswith(venv + os.sep), where
+        info = eval(info)  # pylint: disable=eval-used
         assert info["cuda_version"] // 1000 == 13 and info["multi_rank"] is True, info
         assert info["cuda_archs"] == "90" and info["nvshmem_wheel"] == "nvidia-nvshmem-cu13", info
     finally:
