@@ -35,6 +35,10 @@ def test_recommended_env():
     assert int(rec["NVSHMEM_SYMMETRIC_SIZE"]) >= 3 << 30
     assert rec["NVSHMEM_DISABLE_NCCL"] == "1"
     assert "NVSHMEM_DISABLE_NCCL" not in sizes.recommended_env(1 << 20)
+    assert sizes.recommended_env(1 << 20, hosts=2)["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
+    one_domain = sizes.recommended_env(1 << 20, hosts=2, nodes=1)  # NVL72 trays: no NIC traffic
+    assert "NVSHMEM_IB_ENABLE_IBGDA" not in one_domain
+    assert "NVSHMEM_REMOTE_TRANSPORT" not in one_domain
 
 
 def test_cuda_backend_multi_rank_needs_the_runtime():

@@ -135,24 +135,24 @@ def _record(ext, params: Params):
     return ext.RuntimeParams(**dataclasses.asdict(params))
 
 
-def network_findings(hosts: int) -> list[dict]:
-    """The warnings and errors about NVSHMEM's network on this machine (`hosts` > 1), as the
-    doctor reports them."""
+def network_findings(nodes: int) -> list[dict]:
+    """The warnings and errors about NVSHMEM's network on this machine (`nodes` > 1 NVLink
+    domains, so some peers are reached through the NICs), as the doctor reports them."""
     from jaxep import topology  # pylint: disable=g-import-not-at-top
-    return [f for f in topology.summary(nodes=hosts)["findings"]
+    return [f for f in topology.summary(nodes=nodes)["findings"]
             if f["level"] in ("warn", "error")]
 
 
-def _init(ext, record, uid: bytes, n_hosts: int, network) -> None:
+def _init(ext, record, uid: bytes, n_nodes: int, network) -> None:
     try:
         ext.runtime_init(record, uid)
     except RuntimeError as e:
-        if n_hosts > 1 and network is None:
-            network = network_findings(n_hosts)
+        if n_nodes > 1 and network is None:
+            network = network_findings(n_nodes)
         if not network:
             raise
         raise RuntimeError(
-            f"jaxep.initialize: {e}. On {n_hosts} hosts, what this machine shows for "
+            f"jaxep.initialize: {e}. On {n_nodes} nodes, what this machine shows for "
             "NVSHMEM's network (python -m jaxep.doctor --nodes N prints it all): "
             + "; ".join(f"[{f['level']}] {f['what']} -> {f['hint']}" for f in network)) from e
 
@@ -171,20 +171,23 @@ def start(configs, generation: int) -> Started:
     hosts = tuple(f["host"] for f in facts)
     node = node_layout.layout_from_facts(facts, config.ranks_per_node)
     n_hosts = len(set(hosts))
+    n_nodes = proc.nproc // node  # NVLink domains: NVSHMEM's network carries only what crosses them
     params = Params.of(configs, device=proc.ordinal, rank=proc.pe, size=proc.nproc, node_size=node)
     record = _record(ext, params)  # the one crossing into C++: sized here, started by _init
     sym = ext.symmetric_bytes(record)
-    rec = recommended_env(sym, ranks_on_gpu=proc.nproc if shares_gpu() else 1, hosts=n_hosts)
+    rec = recommended_env(sym, ranks_on_gpu=proc.nproc if shares_gpu() else 1, hosts=n_hosts,
+                          nodes=n_nodes)
     heap, free = _check_memory(ext, params, sym, len(configs), rec)
-    # Several hosts: what would stop or slow NVSHMEM's network transports, logged before its init
-    # (which may end the process) by one rank per node; every rank adds it to an init failure.
-    network = network_findings(n_hosts) if n_hosts > 1 and proc.pe % node == 0 else None
+    # Several nodes: what would stop or slow NVSHMEM's network transports, logged before its init
+    # (which may end the process) by one rank per node; every rank adds it to an init failure. One
+    # NVLink domain over several hosts (NVL72) sends nothing through the NICs: nothing to check.
+    network = network_findings(n_nodes) if n_nodes > 1 and proc.pe % node == 0 else None
     for f in network or ():
         log.warning("jaxep network: %s; fix: %s", f["what"], f["hint"])
     bootstrap.pin_interface(n_hosts)  # before NVSHMEM opens its sockets (uid, init)
     zero_copy.prepare_env(config.zero_copy)  # before NVSHMEM reads its environment (uid, init)
     uid = bootstrap.exchange_unique_id(client, ext, proc.pe, generation, wait_ms)
-    _init(ext, record, uid, n_hosts, network)
+    _init(ext, record, uid, n_nodes, network)
     try:
         zc = zero_copy.setup(ext, client, proc.pe, proc.nproc, proc.device, generation, wait_ms,
                              requested=config.zero_copy)

@@ -100,8 +100,11 @@ def parse_size(text: str) -> int:
     return int(float(t) * mult)
 
 
-def recommended_env(sym_bytes: int, ranks_on_gpu: int = 1, hosts: int = 1) -> dict:
-    """NVSHMEM settings jaxep recommends for this run (printed, never set)."""
+def recommended_env(sym_bytes: int, ranks_on_gpu: int = 1, hosts: int = 1,
+                    nodes: int | None = None) -> dict:
+    """NVSHMEM settings jaxep recommends for this run (printed, never set). `nodes`: NVLink domains
+    (default: one per host); one domain over several hosts (NVL72) reaches every peer by NVLink,
+    so neither the one-host nor the network setting applies."""
     heap = sym_bytes + HEAP_RESERVE
     rec = {
         "NVSHMEM_DISABLE_NVLS": "1",  # no NVLink multicast
@@ -109,7 +112,7 @@ def recommended_env(sym_bytes: int, ranks_on_gpu: int = 1, hosts: int = 1) -> di
     }
     if hosts == 1:
         rec["NVSHMEM_REMOTE_TRANSPORT"] = "none"  # one host: peers by NVLink/P2P only
-    else:
+    elif (hosts if nodes is None else nodes) > 1:
         rec["NVSHMEM_IB_ENABLE_IBGDA"] = "1"  # GPU-initiated RDMA, no CPU proxy thread
     if ranks_on_gpu > 1:
         rec["NVSHMEM_DISABLE_NCCL"] = "1"
