@@ -1,5 +1,5 @@
-"""CPU tier: `jaxep.nn.MoE` configured as the MoE block of DeepSeek-V3, Qwen3-MoE, Mixtral and
-gpt-oss, against dense implementations written here from each model's published math (papers and
+"""CPU tier: `jaxep.nn.MoE` configured as the MoE block of DeepSeek-V3 (with its sequence-wise
+balance loss), Qwen3-MoE, Qwen2-MoE (gated shared expert), Mixtral and gpt-oss, against dense implementations written here from each model's published math (papers and
 model cards), not from any code: f32, forward and every gradient, EP 1/2/4/8.
 
 The dense implementations work one token at a time (vmapped), choose experts with `jnp.argsort`
@@ -20,6 +20,7 @@ nnx = pytest.importorskip("flax.nnx")
 from jaxep.nn import MoE  # noqa: E402
 
 H, N = 16, 32  # hidden width, tokens per call (4 per rank at EP size 8)
+SEQ = 8  # DeepSeek-V3's case: the layer sees x as [N / SEQ, SEQ, H], sequences across 2 ranks at EP 8
 HP = jax.lax.Precision.HIGHEST
 
 
@@ -58,6 +59,35 @@ def deepseek_v3(p, x, *, topk, groups, topk_groups, scale):
         routed = _mix(p, u, chosen, g,
                       lambda p, e, u: _swiglu(p["w1"][e], p["w3"][e], p["w2"][e], u))
         return routed + _swiglu(p["s1"], p["s3"], p["s2"], u), chosen
+
+    return jax.vmap(token)(x)
+
+
+def deepseek_v3_sequence_loss(x, e, chosen, seq_len):
+    """DeepSeek-V3's complementary sequence-wise balance loss (eqs. 17-20), alpha left out:
+    s'_{i,t} = s_{i,t} / sum_j s_{j,t}; f_i = N_r / (K_r T) sum_t 1(expert i chosen for t);
+    P_i = (1/T) sum_t s'_{i,t}; L = sum_i f_i P_i for each sequence of T tokens, here averaged over
+    the sequences of x (consecutive runs of seq_len tokens)."""
+    E, K = e.shape[1], chosen.shape[1]
+    s = jax.nn.sigmoid(jnp.dot(x, e, precision=HP))
+    s_norm = (s / jnp.sum(s, axis=-1, keepdims=True)).reshape(-1, seq_len, E)
+    picked = jax.nn.one_hot(chosen, E).sum(axis=1).reshape(-1, seq_len, E)
+    f = E / (K * seq_len) * jnp.sum(picked, axis=1)
+    return jnp.mean(jnp.sum(f * jnp.mean(s_norm, axis=1), axis=-1))
+
+
+# -- Qwen2-MoE (Qwen2 technical report, arXiv 2407.10671, and its model card: softmax router,
+#    top-k probabilities used as they are (not renormalized), and a shared expert whose output is
+#    scaled by a sigmoid gate of the token, sigmoid(u . w_g)) ---------------------------------------
+
+def qwen2_moe(p, x, *, topk):
+    def token(u):
+        prob = jax.nn.softmax(jnp.dot(u, p["gate"], precision=HP))
+        chosen = jnp.argsort(-prob)[:topk]
+        y = _mix(p, u, chosen, prob[chosen], lambda p, e, u: _swiglu(
+            p["gate_proj"][e], p["up_proj"][e], p["down_proj"][e], u))
+        shared = _swiglu(p["sh_gate"], p["sh_up"], p["sh_down"], u)
+        return y + jax.nn.sigmoid(jnp.dot(u, p["sh_gate_w"], precision=HP)) * shared, chosen
 
     return jax.vmap(token)(x)
 
@@ -132,7 +162,8 @@ def gpt_oss(p, x, *, topk, alpha=1.702, limit=7.0):
 ARCHS = {
     "deepseek_v3": dict(
         layer=dict(num_experts=16, topk=4, ffn=8, score_fn="sigmoid", selection_bias=True,
-                   num_groups=4, topk_groups=2, routed_scaling_factor=2.5, shared_ffn=8),
+                   num_groups=4, topk_groups=2, routed_scaling_factor=2.5, shared_ffn=8,
+                   sequence_loss=True),
         dense=lambda p, x: deepseek_v3(p, x, topk=4, groups=4, topk_groups=2, scale=2.5),
         names=dict(router="e", selection_bias="b", w_gate="w1", w_up="w3", w_down="w2",
                    shared_w_gate="s1", shared_w_up="s3", shared_w_down="s2")),
@@ -140,6 +171,13 @@ ARCHS = {
         layer=dict(num_experts=8, topk=2, ffn=8, score_fn="softmax", renormalize=True),
         dense=lambda p, x: qwen3_moe(p, x, topk=2),
         names=dict(router="gate", w_gate="gate_proj", w_up="up_proj", w_down="down_proj")),
+    "qwen2_moe": dict(
+        layer=dict(num_experts=8, topk=2, ffn=8, score_fn="softmax", renormalize=False,
+                   shared_ffn=16, shared_gate=True),
+        dense=lambda p, x: qwen2_moe(p, x, topk=2),
+        names=dict(router="gate", w_gate="gate_proj", w_up="up_proj", w_down="down_proj",
+                   shared_w_gate="sh_gate", shared_w_up="sh_up", shared_w_down="sh_down",
+                   shared_gate="sh_gate_w")),
     "mixtral": dict(
         layer=dict(num_experts=8, topk=2, ffn=8, score_fn="softmax_after_topk"),
         dense=lambda p, x: mixtral(p, x, topk=2),
@@ -184,14 +222,22 @@ def _dense_loss(arch, params, x, c):
     if arch in ("qwen3", "mixtral"):
         loss = loss + 0.1 * switch_aux_loss(x, params["router"], chosen)
         loss = loss + 0.01 * z_loss(x, params["router"])
+    if arch == "deepseek_v3":
+        loss = loss + 0.1 * deepseek_v3_sequence_loss(x, params["router"], chosen, SEQ)
     return loss, (y, chosen)
 
 
 def _layer_loss(arch, moe, x, c):
-    y, aux = moe(x)
+    if arch == "deepseek_v3":  # sequences of SEQ tokens, for the sequence-wise loss
+        y, aux = moe(x.reshape(-1, SEQ, H))
+        y = y.reshape(x.shape)
+    else:
+        y, aux = moe(x)
     loss = jnp.sum(y * c)
     if arch in ("qwen3", "mixtral"):
         loss = loss + 0.1 * aux["load_balancing_loss"] + 0.01 * aux["router_z_loss"]
+    if arch == "deepseek_v3":
+        loss = loss + 0.1 * aux["sequence_balancing_loss"]
     return loss, (y, aux)
 
 

@@ -126,8 +126,34 @@ def test_callable_activation_params_dict_and_dropless_default():
                           activation=act)[0]
     assert not np.allclose(np.asarray(y), np.asarray(dense))  # the shared experts add something
     full = MoE(H, F, E, K, mesh=_mesh(1), router_bias=True, selection_bias=True, expert_bias=True,
-               shared_ffn=4, rngs=nnx.Rngs(1))
+               shared_ffn=4, shared_gate=True, rngs=nnx.Rngs(1))
     assert tuple(full.params_dict()) == jaxep.nn.PARAM_NAMES
+
+
+@pytest.mark.parametrize("R, shape", [(1, (2, 8, H)), (4, (4, 4, H)), (8, (2, 2, 4, H)),
+                                      (4, (N, H))])
+def test_sequence_balancing_loss_equals_the_reference(R, shape):
+    """aux["sequence_balancing_loss"] per sequence along axis -2 of x, whether a sequence lies on
+    one rank ([4, 4, H] at EP 4) or spans ranks ([2, 8, H] ... at EP 8); x [N, H] is one sequence,
+    so the loss is the call's load-balancing loss. Forward and router gradient vs the reference."""
+    moe = MoE(H, F, E, K, mesh=_mesh(R), score_fn="sigmoid", sequence_loss=True,
+              router_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(2))
+    x = _x(11, shape)
+    loss = lambda m, x: m(x)[1]["sequence_balancing_loss"]  # noqa: E731
+    val, grads = nnx.jit(nnx.value_and_grad(loss))(moe, x)
+    p = moe.params_dict()
+    ref = lambda p: moe_reference(p, x, topk=K, score_fn="sigmoid")[1]  # noqa: E731
+    val_r, g_r = jax.value_and_grad(lambda p: ref(p)["sequence_balancing_loss"])(p)
+    np.testing.assert_allclose(float(val), float(val_r), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads["router"][...]), np.asarray(g_r["router"]),
+                               rtol=1e-4, atol=1e-7)
+    if len(shape) == 2:
+        np.testing.assert_allclose(float(val), float(ref(p)["load_balancing_loss"]), rtol=1e-6)
+    else:  # per sequence is not per call: the two losses differ on these inputs
+        assert abs(float(val) - float(ref(p)["load_balancing_loss"])) > 1e-4
+    with pytest.raises(ValueError, match=r"sequence_loss needs x with a sequence axis, \[\.\.\., "
+                                         r"S, 16\], got shape \(16,\)"):
+        moe(x.reshape(-1)[:H])
 
 
 def test_bfloat16_with_biases_shared_experts_and_bf16_router():
@@ -182,6 +208,7 @@ def test_docs_scan_stack_runs_and_equals_the_dense_layers():
     (dict(ffn=0), "ffn must be a positive int: expected > 0, got 0"),
     (dict(ffn=-4), "ffn must be a positive int: expected > 0, got -4"),
     (dict(shared_ffn=0), "shared_ffn must be a positive int: expected > 0, got 0"),
+    (dict(shared_gate=True), "shared_gate gates the shared experts' output: it needs shared_ffn"),
     (dict(num_groups=4, topk_groups=5), r"topk_groups must be in \[1, num_groups=4\], got 5"),
     (dict(num_groups=3), r"num_groups must be >= 1 and divide num_experts=8 .*got 3"),
     (dict(num_groups=4, topk_groups=1, topk=3),

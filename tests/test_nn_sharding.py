@@ -17,8 +17,8 @@ nnx = pytest.importorskip("flax.nnx")
 from jaxep.nn import MoE, MoEShardingConfig  # noqa: E402
 
 H, F, FS, E, K, N = 16, 8, 12, 8, 2, 32
-# Every weight kind: router and expert biases, gpt-oss's activation, shared experts.
-KW = dict(router_bias=True, expert_bias=True, activation="gpt_oss", shared_ffn=FS,
+# Every weight kind: router and expert biases, gpt-oss's activation, shared experts and their gate.
+KW = dict(router_bias=True, expert_bias=True, activation="gpt_oss", shared_ffn=FS, shared_gate=True,
           score_fn="softmax_after_topk", bias_init=nnx.initializers.normal(0.3))
 
 
@@ -71,7 +71,7 @@ def test_tensor_fsdp_and_sharded_router_equal_one_device():
     np.testing.assert_allclose(np.asarray(gx), np.asarray(gx_r), rtol=1e-4, atol=1e-5)
     names = set(ref.params_dict())
     assert names == {"router", "router_bias", "w_gate", "w_up", "w_down", "b_gate", "b_up",
-                     "b_down", "shared_w_gate", "shared_w_up", "shared_w_down"}
+                     "b_down", "shared_w_gate", "shared_w_up", "shared_w_down", "shared_gate"}
     for k in names:
         np.testing.assert_allclose(np.asarray(g[k][...]), np.asarray(g_r[k][...]), rtol=1e-4,
                                    atol=1e-5, err_msg=k)

@@ -102,8 +102,12 @@ def batched_experts(x: Array, p: dict[str, Array], counts: Array, *, act: Callab
 def shared_mlp(x: Array, p: dict[str, Array], *, act: Callable, dtype: Any,
                tensor_axes: Sequence[str] = ()) -> Array:
     """The shared experts, a dense gated MLP on every token: x [T,H] -> [T,H] in `dtype`.
-    p: "shared_w_gate"/"shared_w_up" [H,Fs'], "shared_w_down" [Fs',H]."""
+    p: "shared_w_gate"/"shared_w_up" [H,Fs'], "shared_w_down" [Fs',H]; with "shared_gate" [H,1]
+    (Qwen2-MoE) the output is scaled per token by sigmoid(x @ shared_gate), in f32."""
     f32 = jnp.float32
     mm = lambda a, w: jnp.dot(a, w.astype(dtype), preferred_element_type=f32)  # noqa: E731
     a = act(mm(x, p["shared_w_gate"]), mm(x, p["shared_w_up"])).astype(dtype)
-    return _psum(mm(a, p["shared_w_down"]), tensor_axes).astype(dtype)
+    out = _psum(mm(a, p["shared_w_down"]), tensor_axes)
+    if "shared_gate" in p:
+        out = out * jax.nn.sigmoid(mm(x, p["shared_gate"]))
+    return out.astype(dtype)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import jaxep
 from jaxep import Config
 from jaxep.nn.experts import activation_fn, batched_experts, grouped_experts, shared_mlp
-from jaxep.nn.routing import Routed, Routing, route_full, routing_stats
+from jaxep.nn.routing import Routed, Routing, route_full, routing_stats, token_slots
 
 Array = jax.Array
 
@@ -34,20 +34,23 @@ def _route(params: dict[str, Array], x: Array, routing: Routing) -> Routed:
 
 def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: Config,
               axis_name: str, backend: str | None = None, activation: str | Callable = "silu",
-              tensor_axes: tuple[str, ...] = ()) -> tuple[Array, dict[str, Array]]:
+              tensor_axes: tuple[str, ...] = (),
+              token_stats: bool = False) -> tuple[Array, dict[str, Array]]:
     """One rank's share of the layer; call inside `jax.shard_map` over `axis_name`.
 
     Args:
       params: the names of `MoE.params_dict()`: "router" [H,E] (whole), "w_gate"/"w_up" [L,H,F'],
         "w_down" [L,F',H], "b_gate"/"b_up" [L,F'], "b_down" [L,H] (this rank's experts; F' the
-        slice of F on this device's `tensor_axes`), optional router_bias, selection_bias and
-        shared_w_* ([H,Fs'], [Fs',H]).
+        slice of F on this device's `tensor_axes`), optional router_bias, selection_bias,
+        shared_w_* ([H,Fs'], [Fs',H]) and shared_gate [H,1].
       x: [T,H] this rank's tokens, in the compute dtype `routing.dtype`.
     Returns:
       y [T,H] and per-rank statistics, each with a leading dim of 1 (concatenate over ranks):
       "expert_counts" [1,E] int32, "prob_sum" [1,E] f32, "z_sum" [1] f32, "dropped_rows" [1]
       int32, "invalid_ids" [1] int32; and "kept" [T,K] bool (per token, not per rank): the
-      (token, k) pairs that reached their expert (False: dropped for capacity or masked).
+      (token, k) pairs that reached their expert (False: dropped for capacity or masked). With
+      `token_stats`, also per token "token_slots" [T,E] int32 (`token_slots`) and "token_probs"
+      [T,E] f32 (router probabilities): what `sequence_balancing_loss` sums per sequence.
     """
     routed = _route(params, x, routing)
     res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
@@ -57,23 +60,28 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
                            dtype=routing.dtype, tensor_axes=tensor_axes)
     y = jaxep.combine(rows, res.handle, axis_name=axis_name, config=config)
     y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
-    return y, _layer_stats(routed, routing, res)
+    return y, _layer_stats(routed, routing, res, token_stats)
 
 
-def _layer_stats(routed: Routed, routing: Routing, res) -> dict[str, Array]:
-    """The per-rank aux of both paths: routing sums, the dispatch's stats and the kept slots."""
+def _layer_stats(routed: Routed, routing: Routing, res, token_stats: bool) -> dict[str, Array]:
+    """The per-rank aux of both paths: routing sums, the dispatch's stats and the kept slots
+    (and with `token_stats` the per-token slots and probabilities)."""
     st = routing_stats(routed, routing.num_experts)
-    return dict(expert_counts=st["expert_counts"][None], prob_sum=st["prob_sum"][None],
-                z_sum=st["z_sum"].reshape(1),
-                dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
-                invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
-                kept=res.handle.send_row >= 0)
+    out = dict(expert_counts=st["expert_counts"][None], prob_sum=st["prob_sum"][None],
+               z_sum=st["z_sum"].reshape(1),
+               dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
+               invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
+               kept=res.handle.send_row >= 0)
+    if token_stats:
+        out.update(token_slots=token_slots(routed.idx, routing.num_experts),
+                   token_probs=routed.probs)
+    return out
 
 
 def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, config: Config,
                      axis_name: str, backend: str | None = None,
-                     activation: str | Callable = "silu",
-                     tensor_axes: tuple[str, ...] = ()) -> tuple[Array, dict[str, Array]]:
+                     activation: str | Callable = "silu", tensor_axes: tuple[str, ...] = (),
+                     token_stats: bool = False) -> tuple[Array, dict[str, Array]]:
     """`moe_local` through the low-latency mode (`config.mode == "low_latency"`): the decode path.
 
     Same arguments and results as `moe_local`. dispatch returns this rank's rows as [L, M, H]
@@ -91,4 +99,4 @@ def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, co
                           tensor_axes=tensor_axes)
     y = jaxep.combine(out, res.handle, axis_name=axis_name)
     y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
-    return y, _layer_stats(routed, routing, res)
+    return y, _layer_stats(routed, routing, res, token_stats)

@@ -57,13 +57,13 @@ from jaxep.nn.experts import activation_fn
 from jaxep.nn.local import moe_local, moe_local_decode
 from jaxep.nn.reference import moe_reference
 from jaxep.nn.routing import (Routing, check_routing, load_balancing_loss, router_z_loss,
-                              update_selection_bias)
+                              sequence_balancing_loss, update_selection_bias)
 from jaxep.nn.sharding import MoEShardingConfig
 
 Array = jax.Array
 _Routing = Routing  # the name tests/gpu/nn_multirank_worker.py and cmdbuf_worker.py import
 PARAM_NAMES = ("router", "router_bias", "selection_bias", "w_gate", "w_up", "w_down", "b_gate",
-               "b_up", "b_down", "shared_w_gate", "shared_w_up", "shared_w_down")
+               "b_up", "b_down", "shared_w_gate", "shared_w_up", "shared_w_down", "shared_gate")
 
 
 class SelectionBias(nnx.Variable):
@@ -163,7 +163,10 @@ class MoE(nnx.Module):
       - "dropped_rows" [S] int32 / "invalid_ids" [S] int32: per token shard (per EP rank when
         tokens are sharded on the EP axis only), rows dropped for capacity and invalid expert ids;
       - "drop_fraction": f32 scalar, dropped rows / (N * K);
-      - "kept" [..., K] bool: which (token, k) pairs reached their expert.
+      - "kept" [..., K] bool: which (token, k) pairs reached their expert;
+      - with `sequence_loss`, "sequence_balancing_loss": f32 scalar, DeepSeek-V3's sequence-wise
+        balance loss over the sequences along axis -2 of x [..., S, H] (`load_balancing_loss`
+        within each sequence, averaged; scale it, e.g. 1e-4, and add it to the training loss).
 
     Args:
       hidden: H, model width. ffn: F, each routed expert's hidden width.
@@ -186,6 +189,10 @@ class MoE(nnx.Module):
       expert_bias: biases b_gate, b_up [E,F] and b_down [E,H] on each expert's projections.
       shared_ffn: Fs, the hidden width of shared experts run on every token (None: none); for
         S shared experts of width F each, Fs = S * F.
+      shared_gate: a learned [H,1] gate on the shared experts' output, sigmoid(x @ shared_gate)
+        per token (Qwen2-MoE); needs shared_ffn. Initialized with router_init.
+      sequence_loss: also return aux["sequence_balancing_loss"] (x with a sequence axis, [..., S,
+        H]); the layer then carries [tokens, E] routing statistics out of its shard_map.
       capacity_factor, recv_capacity: receive capacity per rank, as in `jaxep.Config`. Default
         None: never drop (R * T * K rows per rank; docs/nn.md gives its memory at scale).
       max_tokens_per_rank: sizes jaxep's buffers; default: the tokens per rank of each call.
@@ -206,7 +213,8 @@ class MoE(nnx.Module):
                  selection_bias: bool = False, num_groups: int = 1, topk_groups: int | None = None,
                  routed_scaling_factor: float = 1.0, router_dtype: Any = jnp.float32,
                  activation: str | Callable = "silu", expert_bias: bool = False,
-                 shared_ffn: int | None = None, capacity_factor: float | None = None,
+                 shared_ffn: int | None = None, shared_gate: bool = False,
+                 sequence_loss: bool = False, capacity_factor: float | None = None,
                  recv_capacity: int | None = None, max_tokens_per_rank: int | None = None,
                  config: Config | None = None, backend: str | None = None,
                  decode_config: Config | None = None, decode_backend: str | None = None,
@@ -217,6 +225,9 @@ class MoE(nnx.Module):
         _check_sizes(hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk,
                      shared_ffn=shared_ffn, num_groups=num_groups, topk_groups=topk_groups)
         topk_groups = num_groups if topk_groups is None else topk_groups
+        if shared_gate and shared_ffn is None:
+            raise ValueError("jaxep.nn.MoE: shared_gate gates the shared experts' output: it "
+                             "needs shared_ffn (their width), got shared_ffn=None")
         check_routing(num_experts, topk, score_fn, num_groups, topk_groups)
         activation_fn(activation)
         if not isinstance(sharding, MoEShardingConfig):
@@ -237,16 +248,17 @@ class MoE(nnx.Module):
         self.decode_backend = decode_backend if decode_backend is not None else backend
         self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
         self.shared_ffn, self.activation, self.sharding = shared_ffn, activation, sharding
+        self.sequence_loss = bool(sequence_loss)
         self.routing = Routing(num_experts, topk, score_fn, renormalize, dtype, num_groups,
                                topk_groups, float(routed_scaling_factor), router_dtype)
         self.capacity_factor, self.recv_capacity = capacity_factor, recv_capacity
         self.max_tokens_per_rank, self.backend = max_tokens_per_rank, backend
         self.dtype, self.param_dtype = dtype, param_dtype
-        self._make_params(rngs, router_bias, selection_bias, expert_bias, kernel_init,
-                          router_init, bias_init)
+        self._make_params(rngs, router_bias, selection_bias, expert_bias, shared_gate,
+                          kernel_init, router_init, bias_init)
 
-    def _make_params(self, rngs, router_bias, selection_bias, expert_bias, kernel_init,
-                     router_init, bias_init) -> None:
+    def _make_params(self, rngs, router_bias, selection_bias, expert_bias, shared_gate,
+                     kernel_init, router_init, bias_init) -> None:
         """The layer's variables, each annotated with its full-rank storage spec."""
         specs = self.sharding.storage_specs()
         H, F, E, Fs = self.hidden, self.ffn, self.num_experts, self.shared_ffn
@@ -270,6 +282,8 @@ class MoE(nnx.Module):
             for name, shape in (("shared_w_gate", (H, Fs)), ("shared_w_up", (H, Fs)),
                                 ("shared_w_down", (Fs, H))):
                 param(name, one, shape)
+            if shared_gate:
+                param("shared_gate", router_init, (H, 1))
 
     # Read-only views of the routing settings, under the constructor's argument names.
     score_fn = property(lambda self: self.routing.score_fn)
@@ -334,6 +348,9 @@ class MoE(nnx.Module):
         low-latency path (`decode_config`, `decode_backend`), same math as the normal path."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"jaxep.nn.MoE: x must be [..., {self.hidden}], got shape {x.shape}")
+        if self.sequence_loss and x.ndim < 2:
+            raise ValueError(f"jaxep.nn.MoE: sequence_loss needs x with a sequence axis, [..., S, "
+                             f"{self.hidden}], got shape {x.shape}")
         shape, s = x.shape, self.sharding
         xf = _reshape(x, (-1, self.hidden), self.mesh).astype(self.dtype)
         n = xf.shape[0]
@@ -350,11 +367,14 @@ class MoE(nnx.Module):
 
         def local(p, xs):
             return fn(unwrap(p), xs, routing=self.routing, config=config, axis_name=s.axis_name,
-                      backend=backend, activation=self.activation, tensor_axes=s.tensor_axes)
+                      backend=backend, activation=self.activation, tensor_axes=s.tensor_axes,
+                      token_stats=self.sequence_loss)
 
         st_spec = s.stat_spec()
         stat_spec = dict(expert_counts=st_spec, prob_sum=st_spec, z_sum=st_spec,
                          dropped_rows=st_spec, invalid_ids=st_spec, kept=s.tokens)
+        if self.sequence_loss:
+            stat_spec.update(token_slots=s.tokens, token_probs=s.tokens)
         args = _to_spec((params, xf), self.mesh, (pspec, s.tokens))
         y, st = jax.shard_map(local, mesh=self.mesh, in_specs=(pspec, s.tokens),
                               out_specs=(s.tokens, stat_spec))(*args)
@@ -364,11 +384,17 @@ class MoE(nnx.Module):
         """The call's aux from the per-shard statistics (class docstring)."""
         counts = jnp.sum(st["expert_counts"], axis=0)
         lb = load_balancing_loss(counts, jnp.sum(st["prob_sum"], axis=0), n, self.topk)
-        return dict(load_balancing_loss=lb, router_z_loss=router_z_loss(jnp.sum(st["z_sum"]), n),
-                    expert_counts=counts, dropped_rows=st["dropped_rows"],
-                    invalid_ids=st["invalid_ids"],
-                    drop_fraction=jnp.sum(st["dropped_rows"]) / (n * self.topk),
-                    kept=_reshape(st["kept"], shape[:-1] + (self.topk,), self.mesh))
+        aux = dict(load_balancing_loss=lb, router_z_loss=router_z_loss(jnp.sum(st["z_sum"]), n),
+                   expert_counts=counts, dropped_rows=st["dropped_rows"],
+                   invalid_ids=st["invalid_ids"],
+                   drop_fraction=jnp.sum(st["dropped_rows"]) / (n * self.topk),
+                   kept=_reshape(st["kept"], shape[:-1] + (self.topk,), self.mesh))
+        if self.sequence_loss:
+            per_token = shape[:-1] + (self.num_experts,)
+            aux["sequence_balancing_loss"] = sequence_balancing_loss(
+                _reshape(st["token_slots"], per_token, self.mesh),
+                _reshape(st["token_probs"], per_token, self.mesh), self.topk)
+        return aux
 
     def reference(self, x: Array, slot_mask: Array | None = None) -> tuple[Array, dict[str, Array]]:
         """The dense single-device computation of this layer (`moe_reference`, every option), on

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxep.nn.experts import activation_fn
 from jaxep.nn.routing import (Routing, load_balancing_loss, route_full, router_z_loss,
-                              routing_stats)
+                              routing_stats, sequence_balancing_loss, token_slots)
 
 Array = jax.Array
 
@@ -31,12 +31,16 @@ def _dense_experts(x: Array, params: dict[str, Array], act: Callable, dtype: Any
 
 
 def _dense_shared(x: Array, params: dict[str, Array], act: Callable, dtype: Any) -> Array:
-    """[N,H] in `dtype`: the shared experts' MLP on every token."""
+    """[N,H] in `dtype`: the shared experts' MLP on every token, scaled per token by
+    sigmoid(x @ shared_gate) when the layer has that gate (in f32, then rounded once)."""
     f32, hp = jnp.float32, jax.lax.Precision.HIGHEST
     c = lambda a: a.astype(dtype).astype(f32)  # noqa: E731
     g = jnp.dot(c(x), c(params["shared_w_gate"]), precision=hp)
     u = jnp.dot(c(x), c(params["shared_w_up"]), precision=hp)
-    return jnp.dot(c(act(g, u)), c(params["shared_w_down"]), precision=hp).astype(dtype)
+    out = jnp.dot(c(act(g, u)), c(params["shared_w_down"]), precision=hp)
+    if "shared_gate" in params:
+        out = out * jax.nn.sigmoid(jnp.dot(c(x), c(params["shared_gate"]), precision=hp))
+    return out.astype(dtype)
 
 
 def moe_reference(params: dict[str, Array], x: Array, *, topk: int, score_fn: str = "softmax",
@@ -50,13 +54,15 @@ def moe_reference(params: dict[str, Array], x: Array, *, topk: int, score_fn: st
     Args:
       params: the names of `MoE.params_dict()` over all experts: "router" [H,E], "w_gate"/"w_up"
         [E,H,F], "w_down" [E,F,H]; optional "router_bias" [E], "selection_bias" [E], "b_gate"/
-        "b_up" [E,F], "b_down" [E,H], "shared_w_gate"/"shared_w_up" [H,Fs], "shared_w_down" [Fs,H].
-      x: [..., H].
+        "b_up" [E,F], "b_down" [E,H], "shared_w_gate"/"shared_w_up" [H,Fs], "shared_w_down" [Fs,H],
+        "shared_gate" [H,1].
+      x: [..., H]; with two or more dims, sequences of S tokens along its axis -2 (x [..., S, H]).
       slot_mask: optional [N,K] bool (N = tokens of x flattened): False drops that (token, k) pair,
         as a capacity drop does in the layer.
     Returns:
       y like x (in `dtype`) and {"load_balancing_loss", "router_z_loss", "expert_counts" [E],
-      "topk_idx" [N,K], "topk_weights" [N,K]}. The K outputs are summed over k ascending in f32;
+      "topk_idx" [N,K], "topk_weights" [N,K]}, plus "sequence_balancing_loss" when x has two or
+      more dims. The K outputs are summed over k ascending in f32;
       the shared experts' output (in `dtype`) is added to the routed one (in `dtype`).
     """
     shape = x.shape
@@ -82,4 +88,9 @@ def moe_reference(params: dict[str, Array], x: Array, *, topk: int, score_fn: st
     lb = load_balancing_loss(st["expert_counts"], st["prob_sum"], n, topk)
     aux = dict(load_balancing_loss=lb, router_z_loss=router_z_loss(st["z_sum"], n),
                expert_counts=st["expert_counts"], topk_idx=routed.idx, topk_weights=routed.weights)
+    if len(shape) >= 2:
+        per_token = shape[:-1] + (num_experts,)
+        aux["sequence_balancing_loss"] = sequence_balancing_loss(
+            token_slots(routed.idx, num_experts).reshape(per_token),
+            routed.probs.reshape(per_token), topk)
     return y.reshape(shape), aux

@@ -153,7 +153,26 @@ def load_balancing_loss(expert_counts: Array, prob_sum: Array, num_tokens: int, 
     num_experts = expert_counts.shape[-1]
     f = jax.lax.stop_gradient(expert_counts.astype(jnp.float32)) / (num_tokens * topk)
     p = prob_sum / num_tokens
-    return num_experts * jnp.sum(f * p)
+    return num_experts * jnp.sum(f * p, axis=-1)
+
+
+def token_slots(idx: Array, num_experts: int) -> Array:
+    """[N,E] int32: the routing slots each token sends to each expert (K ones per row for valid
+    ids; ids outside [0, E) count nowhere)."""
+    return jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.int32), axis=-2)
+
+
+def sequence_balancing_loss(slots: Array, probs: Array, topk: int) -> Array:
+    """DeepSeek-V3's sequence-wise balance loss: `load_balancing_loss` within each sequence, the
+    mean over sequences. slots [..., S, E] (`token_slots`) and probs [..., S, E] (router
+    probabilities; for sigmoid scores the normalized s / sum(s), DeepSeek-V3's s') of sequences
+    of S tokens along axis -2:
+
+        per sequence  E * sum_e f_e * P_e,  f_e = slots of e / (S * K),  P_e = mean_t probs[t, e]
+    """
+    s = slots.shape[-2]
+    per_seq = load_balancing_loss(jnp.sum(slots, axis=-2), jnp.sum(probs, axis=-2), s, topk)
+    return jnp.mean(per_seq)
 
 
 def router_z_loss(z_sum: Array, num_tokens: int) -> Array:

@@ -51,7 +51,8 @@ class MoEShardingConfig:
       experts: spec of w_gate / w_up [E, H, F]: `P(axis_name, fsdp, tensor)` with fsdp / tensor a
         mesh axis, a tuple of axes or None. w_down [E, F, H] is stored as `P(axis_name, tensor,
         fsdp)`, b_gate / b_up [E, F] as `P(axis_name, tensor)`, b_down [E, H] as `P(axis_name,
-        fsdp)`, the shared experts' [H, Fs] / [Fs, H] as `P(fsdp, tensor)` / `P(tensor, fsdp)`.
+        fsdp)`, the shared experts' [H, Fs] / [Fs, H] as `P(fsdp, tensor)` / `P(tensor, fsdp)`
+        and their gate [H, 1] as `P(fsdp, None)`.
         The FSDP axes are gathered in the layer; the tensor axes split F (the down projection's
         partials are summed over them), so they must not shard the tokens. Default
         `P(axis_name, None, None)`.
@@ -119,7 +120,8 @@ class MoEShardingConfig:
         return dict(router=self.router, router_bias=P(self.router[1]),
                     selection_bias=P(self.router[1]), w_gate=P(ep, fs, tp), w_up=P(ep, fs, tp),
                     w_down=P(ep, tp, fs), b_gate=P(ep, tp), b_up=P(ep, tp), b_down=P(ep, fs),
-                    shared_w_gate=P(fs, tp), shared_w_up=P(fs, tp), shared_w_down=P(tp, fs))
+                    shared_w_gate=P(fs, tp), shared_w_up=P(fs, tp), shared_w_down=P(tp, fs),
+                    shared_gate=P(fs, None))
 
     def compute_specs(self) -> dict[str, P]:
         """The spec each parameter enters the layer's `shard_map` with: storage without the FSDP
@@ -129,7 +131,7 @@ class MoEShardingConfig:
                     w_gate=P(ep, None, tp), w_up=P(ep, None, tp), w_down=P(ep, tp, None),
                     b_gate=P(ep, tp), b_up=P(ep, tp), b_down=P(ep, None),
                     shared_w_gate=P(None, tp), shared_w_up=P(None, tp),
-                    shared_w_down=P(tp, None))
+                    shared_w_down=P(tp, None), shared_gate=P(None, None))
 
     def mesh_axes(self) -> tuple[str, ...]:
         """Every mesh axis this config names."""
