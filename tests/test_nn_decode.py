@@ -38,10 +38,12 @@ _decode = nnx.jit(lambda m, x: m(x, decode=True))
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_decode_equals_normal_path_f32(R):
-    """Same router, experts and weighting: f32 decode output == normal output up to f32 rounding
-    (the expert matmuls differ: einsum over padded [L, M, H] rows vs ragged_dot)."""
+    """Same router, experts (a gated shared expert among them) and weighting: f32 decode output ==
+    normal output up to f32 rounding (the expert matmuls differ: einsum over padded [L, M, H] rows
+    vs ragged_dot); the same losses, the sequence-wise one included."""
     moe = MoE(H, F, E, K, mesh=_mesh(R), capacity_factor=None, rngs=nnx.Rngs(0),
-              decode_config=_ll(tokens=N // R))
+              decode_config=_ll(tokens=N // R), shared_ffn=8, shared_gate=True,
+              sequence_loss=True)
     x = _x()
     y, aux = _normal(moe, x)
     yd, auxd = _decode(moe, x)
@@ -51,7 +53,8 @@ def test_decode_equals_normal_path_f32(R):
     np.testing.assert_allclose(np.asarray(yd), np.asarray(y_ref), rtol=1e-5, atol=1e-6)
     for k in ("expert_counts", "kept", "invalid_ids"):
         np.testing.assert_array_equal(np.asarray(auxd[k]), np.asarray(aux[k]), err_msg=k)
-    np.testing.assert_allclose(auxd["load_balancing_loss"], aux["load_balancing_loss"], rtol=1e-6)
+    for k in ("load_balancing_loss", "sequence_balancing_loss"):
+        np.testing.assert_allclose(auxd[k], aux[k], rtol=1e-6, err_msg=k)
     np.testing.assert_array_equal(auxd["dropped_rows"], np.zeros(R, np.int32))
     assert bool(np.all(auxd["kept"]))
 
