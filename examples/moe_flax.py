@@ -16,7 +16,8 @@ Commands:
     python examples/moe_flax.py --ep 8 --steps 500
     python examples/moe_flax.py --generate_tokens 16   # longer generation (0: none)
     python examples/moe_flax.py --arch deepseek_v3     # the MoE block of DeepSeek-V3 (also: qwen3,
-        # mixtral, gpt_oss) at tiny sizes: its routing, activation, biases and shared experts
+        # qwen2_moe, mixtral, gpt_oss) at tiny sizes: its routing, activation, biases, shared
+        # experts and balance loss
     python examples/moe_flax.py --backend cuda --ep 1 --dtype bfloat16   # one GPU, CUDA custom calls
     python examples/moe_flax.py --compare_backends --dtype bfloat16      # one GPU, EP 1: the same
         # training with the CUDA backend, then with the reference backend, in this one process;
@@ -84,8 +85,8 @@ _VOCAB = flags.DEFINE_integer("vocab", 64, "vocabulary size", lower_bound=16, up
 _D = flags.DEFINE_integer("d_model", 64, "model width H", lower_bound=8)
 _HEADS = flags.DEFINE_integer("heads", 4, "attention heads", lower_bound=1)
 _LAYERS = flags.DEFINE_integer("layers", 2, "transformer blocks", lower_bound=1, upper_bound=64)
-_ARCH = flags.DEFINE_enum("arch", "default", ["default", "deepseek_v3", "qwen3", "mixtral",
-                                                "gpt_oss"],
+_ARCH = flags.DEFINE_enum("arch", "default", ["default", "deepseek_v3", "qwen3", "qwen2_moe",
+                                                "mixtral", "gpt_oss"],
                           "the MoE block's design: jaxep.nn.MoE's defaults, or that model's "
                           "routing, activation, biases and shared experts (docs/nn.md's table)")
 _E = flags.DEFINE_integer("experts", None, "experts per MoE layer (divisible by --ep; default 8, "
@@ -105,7 +106,8 @@ _CF = flags.DEFINE_float("capacity_factor", 1.25, "receive capacity factor; 0 = 
                          "(the layer's default: R * T * K receive rows per rank, ~3x slower here "
                          "on CPU)",
                          lower_bound=0.0)
-_LB = flags.DEFINE_float("lb_weight", 1e-2, "weight of the load-balancing loss", lower_bound=0.0)
+_LB = flags.DEFINE_float("lb_weight", 1e-2, "weight of the load-balancing loss (with --arch "
+                         "deepseek_v3 its sequence-wise balance loss)", lower_bound=0.0)
 _LR = flags.DEFINE_float("lr", 3e-3, "peak learning rate", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 0, "seed for data and parameters")
 _GEN = flags.DEFINE_integer("generate_tokens", 8,
@@ -146,9 +148,11 @@ ARCHS = {
     "default": dict(experts=8, topk=2, moe=dict(), selection_bias_rate=0.0),
     "deepseek_v3": dict(experts=16, topk=4, selection_bias_rate=1e-3, moe=dict(
         score_fn="sigmoid", selection_bias=True, num_groups=4, topk_groups=2,
-        routed_scaling_factor=2.5, shared_ffn="ffn")),
+        routed_scaling_factor=2.5, shared_ffn="ffn", sequence_loss=True)),
     "qwen3": dict(experts=8, topk=2, selection_bias_rate=0.0, moe=dict(score_fn="softmax",
                                                                        renormalize=True)),
+    "qwen2_moe": dict(experts=8, topk=2, selection_bias_rate=0.0, moe=dict(
+        score_fn="softmax", renormalize=False, shared_ffn="ffn", shared_gate=True)),
     "mixtral": dict(experts=8, topk=2, selection_bias_rate=0.0,
                     moe=dict(score_fn="softmax_after_topk")),
     "gpt_oss": dict(experts=8, topk=4, selection_bias_rate=0.0, moe=dict(
@@ -203,12 +207,14 @@ class MoELM(nnx.Module):
         return self.embed(tokens) + self.pos(jnp.arange(tokens.shape[1]))[None]
 
     def __call__(self, tokens):
-        """(logits, mean load-balancing loss, mean drop fraction, each block's expert counts)."""
+        """(logits, mean balance loss (the sequence-wise one where the layer computes it), mean
+        drop fraction, each block's expert counts)."""
         h = self.embed_tokens(tokens)
         lb, drop, counts = 0.0, 0.0, []
         for block in self.blocks:
             h, aux = block(h)
-            lb, drop = lb + aux["load_balancing_loss"], drop + aux["drop_fraction"]
+            balance = aux.get("sequence_balancing_loss", aux["load_balancing_loss"])
+            lb, drop = lb + balance, drop + aux["drop_fraction"]
             counts.append(aux["expert_counts"])
         n = len(self.blocks)
         return self.head(self.norm(h)).astype(jnp.float32), lb / n, drop / n, counts
