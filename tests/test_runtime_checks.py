@@ -455,27 +455,17 @@ def test_an_nvshmem_init_failure_across_hosts_carries_the_network_findings(fake,
         "modprobe nvidia-peermem"]
 
 
-def test_an_nvshmem_init_failure_on_one_host_is_raised_as_it_is(fake, monkeypatch):
-    _client(monkeypatch)
-    monkeypatch.setattr(topology, "summary", lambda nodes=None: pytest.fail("asked"))
-
-    def fail(params, unique_id):
-        raise RuntimeError("NVSHMEM initialization failed with status 7")
-    monkeypatch.setattr(fake.ext, "runtime_init", fail)
-    with pytest.raises(RuntimeError) as e:
-        _start(CFG)
-    assert str(e.value) == "NVSHMEM initialization failed with status 7"
-
-
-def test_one_nvlink_domain_over_two_hosts_asks_nothing_of_the_network(fake, monkeypatch):
-    """Two hosts of one NVLink domain (NVL72 trays): one node, every peer by NVLink; the NICs'
-    findings are neither logged nor added to an init failure."""
-    domain = "nvlink 0a0b clique 7"
+@pytest.mark.parametrize("domain", [None, "nvlink 0a0b clique 7"])
+def test_an_nvshmem_init_failure_on_one_node_is_raised_as_it_is(fake, monkeypatch, domain):
+    """One node: one host (domain None), or two hosts of one NVLink domain (NVL72 trays), where
+    every peer is reached by NVLink. The NICs' findings are neither asked for, logged nor added to
+    an init failure."""
     client = _client(monkeypatch)
-    client.kv[f"jaxep/host/{RUNTIME.generation}/1"] = json.dumps(
-        dict(host="tray1", nvlink=domain, blockers=[]), sort_keys=True)
-    monkeypatch.setattr(nvshmem, "_rank_facts",
-                        lambda ordinal: dict(host="tray0", nvlink=domain, blockers=[]))
+    if domain is not None:
+        client.kv[f"jaxep/host/{RUNTIME.generation}/1"] = json.dumps(
+            dict(host="tray1", nvlink=domain, blockers=[]), sort_keys=True)
+        monkeypatch.setattr(nvshmem, "_rank_facts",
+                            lambda ordinal: dict(host="tray0", nvlink=domain, blockers=[]))
     monkeypatch.setattr(topology, "summary", lambda nodes=None: pytest.fail("asked"))
 
     def fail(params, unique_id):
