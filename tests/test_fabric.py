@@ -85,6 +85,91 @@ def test_degraded_health_is_named():
     assert read("gb200_degraded").health == ("degraded bandwidth",)
 
 
+def test_every_health_field_of_nvml_h_is_read():
+    """healthMask fields past the four 2-bit ones: the configuration's 4-bit reason, partition
+    assignment and the global fabric manager; their healthy values name nothing."""
+    healthy = (2 << 0) | (2 << 2) | (2 << 4) | (2 << 6) | (1 << 8) | (1 << 12) | (1 << 14)
+    assert fabric._health(healthy) == ()  # pylint: disable=protected-access
+    assert fabric._health(0) == ()  # nothing supported  # pylint: disable=protected-access
+    sick = (1 << 2) | (5 << 8) | (2 << 12) | (2 << 14)
+    assert fabric._health(sick) == (  # pylint: disable=protected-access
+        "route recovery in progress", "incorrect configuration: insufficient NVLinks",
+        "no fabric partition assigned", "global fabric manager disconnected")
+
+
+_LAYOUT_C = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include "nvml.h"
+#define F(T, m) printf(#T "." #m " %zu %zu\n", offsetof(T, m), sizeof(((T *)0)->m))
+int main(void) {
+  printf("v1 %zu\nv2 %zu\nversion %u\ncompleted %d\nsuccess %d\n", sizeof(nvmlGpuFabricInfo_t),
+         sizeof(nvmlGpuFabricInfo_v2_t), (unsigned)nvmlGpuFabricInfo_v2,
+         NVML_GPU_FABRIC_STATE_COMPLETED, (int)NVML_SUCCESS);
+  F(nvmlGpuFabricInfo_t, clusterUuid); F(nvmlGpuFabricInfo_t, status);
+  F(nvmlGpuFabricInfo_t, cliqueId); F(nvmlGpuFabricInfo_t, state);
+  F(nvmlGpuFabricInfo_v2_t, version); F(nvmlGpuFabricInfo_v2_t, clusterUuid);
+  F(nvmlGpuFabricInfo_v2_t, status); F(nvmlGpuFabricInfo_v2_t, cliqueId);
+  F(nvmlGpuFabricInfo_v2_t, state); F(nvmlGpuFabricInfo_v2_t, healthMask);
+  printf("shifts %d %d %d %d %d %d %d\n", NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW,
+         NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_RECOVERY,
+         NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_UNHEALTHY,
+         NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ACCESS_TIMEOUT_RECOVERY,
+         NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_INCORRECT_CONFIGURATION,
+         NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_PARTITION_ASSIGNED,
+         NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_GFM_STATE);
+  printf("widths %d %d %d %d %d %d %d\n", NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_DEGRADED_BW,
+         NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_ROUTE_RECOVERY,
+         NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_ROUTE_UNHEALTHY,
+         NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_ACCESS_TIMEOUT_RECOVERY,
+         NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_INCORRECT_CONFIGURATION,
+         NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_PARTITION_ASSIGNED,
+         NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_GFM_STATE);
+  return 0;
+}
+"""
+
+
+def test_ctypes_structs_and_constants_match_nvml_h(tmp_path):
+    """fabric's structs and constants against nvml.h itself: NVIDIA's nvidia-nvml-dev wheel from
+    the package index (skipped offline or without a C compiler), compiled with the system cc."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    p = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                        "--only-binary", ":all:", "-d", str(tmp_path), "nvidia-nvml-dev>=13"],
+                       capture_output=True, text=True, timeout=300)
+    wheels = list(tmp_path.glob("nvidia_nvml_dev-*.whl"))
+    if p.returncode != 0 or not wheels:
+        pytest.skip(f"the package index is out of reach: {(p.stdout + p.stderr)[-300:]}")
+    with zipfile.ZipFile(wheels[0]) as z:
+        (header,) = [n for n in z.namelist() if n.endswith("/nvml.h")]
+        z.extract(header, tmp_path)
+    (tmp_path / "layout.c").write_text(_LAYOUT_C)
+    exe = tmp_path / "layout"
+    subprocess.run([cc, "-I", str(tmp_path / os.path.dirname(header)), "-o", str(exe),
+                    str(tmp_path / "layout.c")], check=True, capture_output=True, timeout=120)
+    facts = dict(line.split(" ", 1) for line in subprocess.run(
+        [str(exe)], check=True, capture_output=True, text=True).stdout.splitlines())
+    assert int(facts["v1"]) == ctypes.sizeof(fabric.FabricInfoV1)
+    assert int(facts["v2"]) == ctypes.sizeof(fabric.FabricInfoV2)
+    assert int(facts["version"]) == fabric.FABRIC_INFO_V2
+    assert int(facts["completed"]) == fabric.STATE_COMPLETED
+    assert int(facts["success"]) == fabric.NVML_SUCCESS
+    for c_name, struct in (("nvmlGpuFabricInfo_t", fabric.FabricInfoV1),
+                           ("nvmlGpuFabricInfo_v2_t", fabric.FabricInfoV2)):
+        for field, _ in struct._fields_:  # pylint: disable=protected-access
+            got = getattr(struct, field)
+            assert facts[f"{c_name}.{field}"] == f"{got.offset} {got.size}", (c_name, field)
+    shifts = [int(v) for v in facts["shifts"].split()]
+    widths = [int(v) for v in facts["widths"].split()]
+    assert [(s, w) for s, w, _ in fabric.HEALTH_FIELDS] == list(zip(shifts, widths))
+
+
 def test_unfinished_registration_and_hgx_have_no_domain():
     pending = read("gb200_in_progress")
     assert not pending.ready and pending.domain is None and pending.state_text() == "in progress"

@@ -12,7 +12,9 @@ injectable: `nvml` is any object with nvmlInit_v2, nvmlDeviceGetHandleByIndex_v2
 nvmlDeviceGetGpuFabricInfoV and / or nvmlDeviceGetGpuFabricInfo, nvmlShutdown, called as ctypes
 functions are (the tests pass one that fills the structs from tests/fixtures/fabric/). The
 structs are nvml.h's: v1 `nvmlGpuFabricInfo_t` {clusterUuid[16], status, cliqueId, state} and
-v2 `nvmlGpuFabricInfo_v2_t` {version, clusterUuid[16], status, cliqueId, state, healthMask}.
+v2 `nvmlGpuFabricInfo_v2_t` {version, clusterUuid[16], status, cliqueId, state, healthMask}
+(`tests/test_fabric.py` compiles nvml.h from NVIDIA's nvidia-nvml-dev wheel and compares sizes,
+offsets, the version word and the constants used here).
 
 A GPU is in a fabric domain when its state is COMPLETED, its status is NVML_SUCCESS and its
 cluster UUID is not all zero; the domain is (cluster UUID, clique id). Every other answer (not
@@ -30,10 +32,22 @@ UUID_LEN = 16
 NVML_SUCCESS = 0
 STATES = {0: "not supported", 1: "not started", 2: "in progress", 3: "completed"}
 STATE_COMPLETED = 3
-# healthMask (v2): 2-bit fields; value 1 = the condition holds, 2 = it does not, 0 = not reported.
-HEALTH_FIELDS = (("degraded bandwidth", 0), ("route recovery", 2), ("route unhealthy", 4),
-                 ("access timeout recovery", 6))
-_HEALTH_TRUE = 1
+# healthMask (v2) fields as nvml.h's NVML_GPU_FABRIC_HEALTH_MASK_*: (shift, width, {value: the
+# condition that holds}); 0 is "not supported" in every field, and the values not listed are the
+# healthy answers.
+HEALTH_FIELDS = (
+    (0, 0x3, {1: "degraded bandwidth"}),
+    (2, 0x3, {1: "route recovery in progress"}),
+    (4, 0x3, {1: "route unhealthy"}),
+    (6, 0x3, {1: "access timeout recovery in progress"}),
+    (8, 0xF, {2: "incorrect configuration: system GUID", 3: "incorrect configuration: chassis "
+              "serial number", 4: "incorrect configuration: no partition", 5: "incorrect "
+              "configuration: insufficient NVLinks", 6: "incorrect configuration: incompatible "
+              "GPU firmware", 7: "incorrect configuration: invalid location", 8: "incorrect "
+              "configuration: GPU state invalid"}),
+    (12, 0x3, {2: "no fabric partition assigned"}),
+    (14, 0x3, {2: "global fabric manager disconnected"}),
+)
 
 
 class FabricInfoV1(ctypes.Structure):
@@ -81,7 +95,9 @@ class Fabric:
 
 
 def _health(mask: int) -> tuple[str, ...]:
-    return tuple(name for name, shift in HEALTH_FIELDS if (mask >> shift) & 3 == _HEALTH_TRUE)
+    """The conditions `mask` (a healthMask) reports, in HEALTH_FIELDS' order."""
+    return tuple(names[(mask >> shift) & width] for shift, width, names in HEALTH_FIELDS
+                 if (mask >> shift) & width in names)
 
 
 def _load_nvml():
