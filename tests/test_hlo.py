@@ -254,3 +254,42 @@ def test_both_backends_implement_the_contract():
         missing = [op for op in Backend.__dict__ if not op.startswith("_")
                    and not hasattr(backends.get(name), op)]
         assert not missing, (name, missing)
+
+
+@pytest.mark.parametrize("R, decode", [(1, False), (2, False), (2, True)])
+def test_the_flax_layer_with_every_option_lowers_on_the_cuda_backend(cuda_lowering, monkeypatch,
+                                                                       R, decode):
+    """jaxep.nn.MoE with every routing, expert and loss option (sigmoid scores, selection and
+    router biases, group-limited top-k, routed scaling, expert biases and gpt-oss's activation
+    (res.expert), gated shared experts, the sequence-wise loss), bf16, on the CUDA backend: the
+    gradient of a loss over its output and losses lowers (no GPU needed) to jaxep's custom calls,
+    normal mode at EP 1 and 2 and the decode path (low latency) at EP 2."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jaxep.nn import MoE  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep_size: dict(
+        size=ep_size, max_tokens=1 << 20, topk=64, experts=1 << 13, capacity=1 << 30,
+        stage_bytes=1 << 40, node_size=ep_size, ll_experts=1 << 10, ll_cap=1 << 20,
+        ll_row_bytes=1 << 20))
+    moe = MoE(128, 32, 8, 2, mesh=harness.mesh(R), rngs=nnx.Rngs(0), score_fn="sigmoid",
+              selection_bias=True, router_bias=True, num_groups=4, topk_groups=2,
+              routed_scaling_factor=2.5, expert_bias=True, activation="gpt_oss", shared_ffn=32,
+              shared_gate=True, sequence_loss=True, dtype=jnp.bfloat16)
+    graphdef, state = nnx.split(moe)
+
+    def loss(state, x):
+        y, aux = nnx.merge(graphdef, state)(x, decode=decode)
+        return (jnp.sum(jnp.sin(y.astype(jnp.float32))) + aux["sequence_balancing_loss"]
+                + aux["load_balancing_loss"] + aux["router_z_loss"])
+
+    x = jnp.ones((2 * R, 4, 128), jnp.bfloat16)
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(state, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    targets = sorted({t for t, _ in custom_calls(hlo)})
+    if decode:
+        want = {"jaxep_ll_dispatch_send", "jaxep_ll_dispatch_recv", "jaxep_ll_combine_send",
+                "jaxep_ll_combine_recv", "jaxep_dispatch_rows", "jaxep_gather_back"}
+    else:
+        want = {"jaxep_dispatch", "jaxep_combine", "jaxep_dispatch_rows"} | (
+            {"jaxep_gather_back"} if R > 1 else set())
+    assert want <= set(targets), targets
+    assert "all_to_all" not in hlo  # the tokens move through jaxep's calls only
