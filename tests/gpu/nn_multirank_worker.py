@@ -25,6 +25,14 @@ decode config (`jaxep.initialize([cfg, decode_cfg])`), and `jaxep.nn.moe_local_d
 layer's `decode=True` path: low-latency dispatch, batched experts over [L, M, H], combine) of a
 small decode batch is compared, forward, with the same dense reference.
 
+Options (cases "options" and "options_decode"): every routing and expert option at once (sigmoid
+scores, router and selection biases, group-limited top-k, routed scaling, expert biases indexed by
+dispatch's per-row expert id, gpt-oss's activation, gated shared experts), forward and backward in
+normal mode and forward in the decode path, against `moe_reference` with the same options; the
+replicated parameters enter with a leading rank dimension like the router (their gradient per rank
+is the reference's for that rank's tokens). Inputs are drawn with no near tie in the choice scores
+(after the group limit) at the top-k boundary, nor in the group scores at the kept-groups boundary.
+
 Prints `RESULT <rank> <case> ok|FAIL <detail>` and `SUMMARY <rank> <passed>/<total>`; exits 1 on
 any failure.
 """
@@ -198,6 +206,13 @@ def run(args) -> int:
     except Exception as e:  # pylint: disable=broad-except
         report("decode", False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
         traceback.print_exc()
+    for name, fn in (("options", case_options), ("options_decode", case_options_decode)):
+        try:
+            fn(args, cfg if name == "options" else decode_cfg,
+               T if name == "options" else T_dec, H, F, E, K, L)
+        except Exception as e:  # pylint: disable=broad-except
+            report(name, False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
+            traceback.print_exc()
     passed = sum(ok for _, ok, _ in RESULTS)
     print(f"SUMMARY {ME} {passed}/{len(RESULTS)}", flush=True)
     jaxep.finalize()
@@ -227,6 +242,149 @@ def case_decode(args, decode_cfg, routing, pspec, T, H, F, E, K, L):
     report("decode", ok_y and n_drop == 0,
            f"rel err vs dense reference ({where}): {detail}, dropped {n_drop}, T={T} per rank, "
            f"M={decode_cfg.expert_rows(R)}")
+
+
+# The options cases: (MoE argument, value) as moe_reference takes them.
+OPTIONS = dict(score_fn="sigmoid", num_groups=2, topk_groups=1, routed_scaling_factor=2.5,
+               activation="gpt_oss")
+REPLICATED = ("router", "router_bias", "selection_bias", "shared_w_gate", "shared_w_up",
+              "shared_w_down", "shared_gate")
+
+
+def _options_routing(E, K):
+    o = OPTIONS
+    return _Routing(E, K, o["score_fn"], True, jnp.float32, o["num_groups"], o["topk_groups"],
+                    o["routed_scaling_factor"])
+
+
+def _near_tie(params, x, K) -> bool:
+    """Whether some token's choice scores (sigmoid + selection bias, group-limited) or group scores
+    are within 1e-4 of each other across the top-k / kept-groups boundary (float64, host)."""
+    G, keep = OPTIONS["num_groups"], OPTIONS["topk_groups"]
+    z = x.astype(np.float64) @ params["router"].astype(np.float64) + params["router_bias"]
+    c = 1 / (1 + np.exp(-z)) + params["selection_bias"]
+    g = c.reshape(len(c), G, -1)
+    gs = np.sort(np.sort(g, axis=2)[:, :, -2:].sum(axis=2), axis=1)[:, ::-1]
+    if np.min(gs[:, keep - 1] - gs[:, keep]) <= 1e-4:
+        return True
+    best = np.argsort(-np.sort(g, axis=2)[:, :, -2:].sum(axis=2), axis=1)[:, :keep]
+    allowed = np.zeros(g.shape[:2], bool)
+    np.put_along_axis(allowed, best, True, axis=1)
+    cl = np.sort(np.where(allowed[:, :, None], g, -np.inf).reshape(len(c), -1), axis=1)[:, ::-1]
+    return bool(np.min(cl[:, K - 1] - cl[:, K]) <= 1e-4)
+
+
+def make_options_problem(seed: int, T: int, H: int, F: int, E: int, K: int):
+    """make_problem's parameters plus every option's, and tokens without a near tie."""
+    Fs = 2 * F
+    for attempt in range(100):
+        rng = np.random.default_rng([seed, 99, attempt])
+        params = dict(router=rng.normal(0, H ** -0.5, (H, E)), router_bias=rng.normal(0, 0.3, E),
+                      selection_bias=rng.normal(0, 0.1, E),
+                      w_gate=rng.normal(0, H ** -0.5, (E, H, F)),
+                      w_up=rng.normal(0, H ** -0.5, (E, H, F)),
+                      w_down=rng.normal(0, F ** -0.5, (E, F, H)), b_gate=rng.normal(0, 0.3, (E, F)),
+                      b_up=rng.normal(0, 0.3, (E, F)), b_down=rng.normal(0, 0.3, (E, H)),
+                      shared_w_gate=rng.normal(0, H ** -0.5, (H, Fs)),
+                      shared_w_up=rng.normal(0, H ** -0.5, (H, Fs)),
+                      shared_w_down=rng.normal(0, Fs ** -0.5, (Fs, H)),
+                      shared_gate=rng.normal(0, H ** -0.5, (H, 1)))
+        params = {k: v.astype(np.float32) for k, v in params.items()}
+        x = rng.standard_normal((R * T, H)).astype(np.float32)
+        g = rng.standard_normal((R * T, H)).astype(np.float32)
+        if not _near_tie(params, x, K):
+            return params, x, g
+    raise RuntimeError("no input without a near tie in 100 draws")
+
+
+def _local_options(params, L):
+    """This rank's share: replicated parameters with a leading rank dim, its experts' slices."""
+    sl = slice(ME * L, (ME + 1) * L)
+    return {k: (v[None] if k in REPLICATED else v[sl]) for k, v in params.items()}, sl
+
+
+def _options_reference(params, x, g, T, K):
+    """Per token block: (y, dparams, dx) of moe_reference with OPTIONS, on the host."""
+    dev, where = host_device()
+
+    def fwd_bwd(p, xb, gb):
+        y, vjp = jax.vjp(lambda p_, x_: moe_reference(p_, x_, topk=K, dtype=jnp.float32,
+                                                      **OPTIONS)[0], p, xb)
+        dp, dx = vjp(gb)
+        return y, dp, dx
+
+    f = jax.jit(fwd_bwd)
+    with jax.default_device(dev):
+        p = jax.device_put(params, dev)
+        out = [jax.tree.map(np.asarray, f(p, jax.device_put(x[s * T:(s + 1) * T], dev),
+                                          jax.device_put(g[s * T:(s + 1) * T], dev)))
+               for s in range(R)]
+    return out, where
+
+
+def case_options(args, cfg, T, H, F, E, K, L):
+    """Every option at once, normal mode, forward and backward, against moe_reference."""
+    routing = _options_routing(E, K)
+    params, x, g = make_options_problem(args.seed + 11, T, H, F, E, K)
+    local, sl = _local_options(params, L)
+    pspec = {k: P("ep") for k in local}
+
+    def per_rank(p, x, g):
+        p = {k: (v[0] if k in REPLICATED else v) for k, v in p.items()}
+
+        def f(p_, x_):
+            return moe_local(p_, x_, routing=routing, config=cfg, axis_name="ep",
+                             backend=args.backend, activation=OPTIONS["activation"])
+
+        y, vjp, st = jax.vjp(f, p, x, has_aux=True)
+        dp, dx = vjp(g)
+        dp = {k: (v[None] if k in REPLICATED else v) for k, v in dp.items()}
+        return y, dx, dp, st["dropped_rows"]
+
+    step = jax.jit(jax.shard_map(per_rank, mesh=MESH, in_specs=(pspec, P("ep"), P("ep")),
+                                 out_specs=(P("ep"), P("ep"), pspec, P("ep"))))
+    y, dx, dp, dropped = step({k: glob(v) for k, v in local.items()},
+                              glob(x[ME * T:(ME + 1) * T]), glob(g[ME * T:(ME + 1) * T]))
+    jax.block_until_ready(y)
+    jaxep.check()
+    ref, where = _options_reference(params, x, g, T, K)
+    y_ref, dp_ref, dx_ref = ref[ME]
+    checks = [close("options", "y", mine(y), y_ref), close("options", "dx", mine(dx), dx_ref)]
+    for k in local:
+        if k == "selection_bias":  # chooses experts only: no gradient on either side
+            continue
+        want = dp_ref[k] if k in REPLICATED else sum(r[1][k] for r in ref)[sl]
+        got = mine(dp[k])[0] if k in REPLICATED else mine(dp[k])
+        checks.append(close("options", f"d_{k}", got, want))
+    n_drop = int(mine(dropped).sum())
+    checks.append((n_drop == 0, f"dropped {n_drop}"))
+    report("options", all(c[0] for c in checks),
+           f"rel err vs dense reference ({where}): " + ", ".join(c[1] for c in checks))
+
+
+def case_options_decode(args, decode_cfg, T, H, F, E, K, L):
+    """Every option at once through the decode path (low latency), forward."""
+    routing = _options_routing(E, K)
+    params, x, g = make_options_problem(args.seed + 13, T, H, F, E, K)
+    local, _ = _local_options(params, L)
+    pspec = {k: P("ep") for k in local}
+
+    def per_rank(p, x):
+        p = {k: (v[0] if k in REPLICATED else v) for k, v in p.items()}
+        y, st = moe_local_decode(p, x, routing=routing, config=decode_cfg, axis_name="ep",
+                                 backend=args.backend, activation=OPTIONS["activation"])
+        return y, st["dropped_rows"]
+
+    step = jax.jit(jax.shard_map(per_rank, mesh=MESH, in_specs=(pspec, P("ep")),
+                                 out_specs=(P("ep"), P("ep"))))
+    y, dropped = step({k: glob(v) for k, v in local.items()}, glob(x[ME * T:(ME + 1) * T]))
+    jax.block_until_ready(y)
+    jaxep.check()
+    ref, where = _options_reference(params, x, g, T, K)
+    ok_y, detail = close("options_decode", "y", mine(y), ref[ME][0])
+    n_drop = int(mine(dropped).sum())
+    report("options_decode", ok_y and n_drop == 0,
+           f"rel err vs dense reference ({where}): {detail}, dropped {n_drop}")
 
 
 def main() -> int:
