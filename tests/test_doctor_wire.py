@@ -174,6 +174,19 @@ def test_counter_saturated_or_backwards():
     assert d["xmit_bytes"] is None and d["rcv_bytes"] is None and "backwards" in d["unknown"]
 
 
+def test_counter_width_and_mlx5_ethtool_names(tmp_path):
+    """ib_core's counters/port_xmit_data is the 64-bit form on mlx5: a reading above 0xFFFFFFFF
+    is one. mlx5's ethtool -S has pause counters only for the priorities with PFC on, and
+    rx|tx_global_pause where link-level pause is on."""
+    root = copy_root(tmp_path)
+    assert counters.read_port(root, "mlx5_bond_0", 1)["width"] == 64  # 81234567890 words
+    text = ("NIC statistics:\n     rx_prio3_pause: 4\n     rx_prio3_pause_transition: 1\n"
+            "     rx_global_pause: 2\n     tx_global_pause_duration: 9\n     tx_prio3_packets: 5\n")
+    assert counters.parse_ethtool(text) == dict(rx_prio3_pause=4, rx_global_pause=2,
+                                                tx_global_pause_duration=9)
+    assert "link-level" in counters.ethtool_meaning("rx_global_pause")
+
+
 def test_record_captures_what_the_doctor_reads_and_replays(tmp_path, monkeypatch):
     """A record of a fake machine (the seed_node tree served as /) holds the files the readers
     read, the commands' answers, the two counter reads; its replay equals the source's."""
