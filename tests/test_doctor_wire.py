@@ -57,11 +57,56 @@ def test_qos_parsers():
     mlnx = record.load(SEED).run(("mlnx_qos", "-i", "ens1f0np0"))
     got = qos.parse_mlnx_qos(mlnx)
     assert got["trust"] == "dscp" and got["pfc"] == {3} and got["dscp2prio"][26] == 3
-    dcb = qos.parse_dcb("pfc-cap 8 macsec-bypass off delay 0\nprio-pfc 0:off 1:off 2:off 3:on "
-                        "4:off 5:on 6:off 7:off\n", "dscp-prio 0:0 24:3 26:3 46:5\n",
-                        "order pcp dscp\n")
+    # iproute2's plain-text printers: "name value " pairs, a trailing space, "order: " with a colon
+    dcb = qos.parse_dcb("pfc-cap 8 macsec-bypass off delay 0 \nprio-pfc 0:off 1:off 2:off 3:on "
+                        "4:off 5:on 6:off 7:off \n", "dscp-prio 0:0 24:3 26:3 46:5 \n",
+                        "order: pcp dscp \n")
     assert dcb == dict(pfc={3, 5}, dscp2prio={0: 0, 24: 3, 26: 3, 46: 5}, trust="dscp")
-    assert qos.parse_dcb(None, None, "order pcp\n") == dict(trust="pcp")
+    assert qos.parse_dcb(None, None, "order: pcp \n") == dict(trust="pcp")
+
+
+def test_dcb_app_names_and_mlx5_trust():
+    """`dcb app show` without -N prints a DSCP by its rt_dsfield name; mlx5 has no apptrust (dcb
+    fails: None) and trusts DSCP exactly while its APP table holds DSCP entries."""
+    named = "default-prio 0 \ndscp-prio default:0 CS3:3 AF31:3 27:3 EF:5 \npcp-prio 0nd:0 \n"
+    assert qos.parse_dcb(None, named, None) == dict(dscp2prio={0: 0, 24: 3, 26: 3, 27: 3, 46: 5},
+                                                   trust="dscp")
+    assert qos.parse_dcb(None, "", None) == dict(trust="pcp")  # dcb answered: an empty table
+    assert qos.parse_dcb(None, None, None) == {}  # dcb missing or failing: unknown
+    assert qos.commands("eth0")[2] == ("dcb", "-N", "app", "show", "dev", "eth0")
+
+
+def test_mlnx_qos_formats():
+    """mlnx_qos before mlnx-tools 25.07 prints "default priority:" (and "\tprio:<p>" under it);
+    "Priority trust state: none" where the trust state is unsupported: unknown here."""
+    old = ("DCBX mode: OS controlled\nPriority trust state: dscp\ndscp2prio mapping:\n"
+           "\tprio:0 dscp:07,06,05,04,03,02,01,00,\n\tprio:3 dscp:31,30,29,28,27,26,25,24,\n"
+           "\tprio:3 dscp:40,\ndefault priority:\n\tprio:0\nCable len: 7\nPFC configuration:\n"
+           "\tpriority    0   1   2   3   4   5   6   7\n"
+           "\tenabled     0   0   0   1   0   0   0   0   \n"
+           "tc: 0 ratelimit: unlimited, tsa: vendor\n")
+    got = qos.parse_mlnx_qos(old)
+    assert got["trust"] == "dscp" and got["pfc"] == {3}
+    assert got["dscp2prio"][26] == 3 and got["dscp2prio"][40] == 3 and got["dscp2prio"][7] == 0
+    none = "Priority trust state is not supported on your system\nPriority trust state: none\n"
+    assert "trust" not in qos.parse_mlnx_qos(none)
+
+
+def test_sysfs_trust_and_device_traffic_class(tmp_path):
+    """MLNX_OFED's qos/trust holds "pcp", "dscp", "port" or "none"; tc/1/traffic_class prints
+    "Global tclass=<n>" where set and one line per address rule after it."""
+    net = tmp_path / "sys/class/net/eth0/qos"
+    net.mkdir(parents=True)
+    (net / "trust").write_text("none\n")
+    assert "trust" not in qos._sysfs_qos(str(tmp_path), "eth0")
+    (net / "trust").write_text("dscp\n")
+    assert qos._sysfs_qos(str(tmp_path), "eth0") == dict(trust="dscp")
+    tc = tmp_path / "sys/class/infiniband/mlx5_0/tc/1"
+    tc.mkdir(parents=True)
+    (tc / "traffic_class").write_text("dst_ip=10.0.0.0/8,tclass=96\n")
+    assert qos.device_traffic_class(str(tmp_path), "mlx5_0") is None
+    (tc / "traffic_class").write_text("Global tclass=106\ndst_ip=10.0.0.0/8,tclass=96\n")
+    assert qos.device_traffic_class(str(tmp_path), "mlx5_0") == 106
 
 
 def test_pcp_trust_names_the_service_level():
@@ -127,6 +172,19 @@ def test_counter_saturated_or_backwards():
     d = counters.delta({**base, "xmit_words": 5, "rcv_words": 0xFFFFFFFF},
                        {**base, "xmit_words": 3, "rcv_words": 0xFFFFFFFF})
     assert d["xmit_bytes"] is None and d["rcv_bytes"] is None and "backwards" in d["unknown"]
+
+
+def test_counter_width_and_mlx5_ethtool_names(tmp_path):
+    """ib_core's counters/port_xmit_data is the 64-bit form on mlx5: a reading above 0xFFFFFFFF
+    is one. mlx5's ethtool -S has pause counters only for the priorities with PFC on, and
+    rx|tx_global_pause where link-level pause is on."""
+    root = copy_root(tmp_path)
+    assert counters.read_port(root, "mlx5_bond_0", 1)["width"] == 64  # 81234567890 words
+    text = ("NIC statistics:\n     rx_prio3_pause: 4\n     rx_prio3_pause_transition: 1\n"
+            "     rx_global_pause: 2\n     tx_global_pause_duration: 9\n     tx_prio3_packets: 5\n")
+    assert counters.parse_ethtool(text) == dict(rx_prio3_pause=4, rx_global_pause=2,
+                                                tx_global_pause_duration=9)
+    assert "link-level" in counters.ethtool_meaning("rx_global_pause")
 
 
 def test_record_captures_what_the_doctor_reads_and_replays(tmp_path, monkeypatch):

@@ -3,17 +3,18 @@
 timed samples (jaxep.doctor.counters), against the byte model.
 
 Per GPU and op (JSON `wire`, the report's wire table, a plot row per op):
-- wire bytes per call: max(sent, received) counted by the port (4-byte words, headers included)
-  over the calls between the two reads, and those bytes / the op's median: GB/s against the
-  port's line rate;
+- wire bytes per call: max(sent, received) counted by the port (4-byte words, headers taken as
+  included) over the calls between the two reads, and those bytes / the op's median: GB/s
+  against the port's line rate;
 - beside them the model: the true cross-node bytes of the ranks on that GPU (links.rdma per rank,
   plus dispatch's metadata) and the DeepEP/HybridEP logical RDMA figure of the busiest rank;
 - a flag when the wire count is far (FAR) from the model with RoCE's headers added (another job on
   the NIC, resends, a path the model does not take), and every congestion, loss or pause counter
   that moved, with what it means.
 No RDMA NIC, or emulated links (CPU, ranks sharing a GPU: no byte crosses a NIC), gives one note.
-On RoCE the port counts every packet the port carries, TCP too (the coordinator's, if it shares
-the port). No real NIC has been read by this code: it is tested on fake sysfs trees only.
+On mlx5 the port counts RoCE traffic only (the vport's InfiniBand-transport octets, mlx5's mad.c):
+another RDMA job on the NIC is in it, TCP on the same port is not. No real NIC has been read by
+this code: it is tested on fake sysfs trees only.
 """
 from __future__ import annotations
 

@@ -4,15 +4,22 @@ congestion and loss counters; `snapshot` reads them, `delta` subtracts two snaps
 takes the root of a /sys tree and `ethtool` a callable, so the tests feed fixtures whose counters
 change between two reads.
 
-Sources (Linux's ib_core sysfs and the mlx5 driver; no real NIC has been read by this code):
+Sources (checked against Linux's ib_core sysfs.c and mlx5 mad.c, counters.c and en_stats.c, and
+MLNX_OFED 25.10's copies of them; no real NIC has been read by this code):
 - bytes: /sys/class/infiniband/<dev>/ports/<p>/counters/port_xmit_data and port_rcv_data, in
-  4-byte words (the InfiniBand PortXmitData / PortRcvData: every octet of a packet between its
-  delimiters, headers included); counters_ext/port_*_data_64 where an older kernel splits the
-  64-bit forms out. A 32-bit counter stops at 0xFFFFFFFF: then the bytes are unknown.
+  4-byte words (the InfiniBand PortXmitData / PortRcvData). ib_core gives the 64-bit
+  PortCountersExtended form there when the driver's PMA ClassPortInfo advertises extended width
+  (mlx5 always does, and counts the vport's RoCE unicast and multicast octets), else the 32-bit
+  form, which stops at 0xFFFFFFFF: then the bytes are unknown. A reading above 0xFFFFFFFF proves
+  the 64-bit form; counters_ext/port_*_data_64 are read first where a driver splits them out.
 - hw_counters: /sys/class/infiniband/<dev>/ports/<p>/hw_counters/<name> (per port), else
-  /sys/class/infiniband/<dev>/hw_counters/<name>; HW_COUNTERS below.
+  /sys/class/infiniband/<dev>/hw_counters/<name>; HW_COUNTERS below (mlx5's q and congestion
+  counter names).
 - Ethernet pause and per-priority counters: `ethtool -S <interface>` (mlx5 names:
-  rx_prio<N>_pause, tx_prio<N>_pause, tx_prio<N>_bytes, rx_discards_phy, ...); ETHTOOL below.
+  rx_prio<N>_bytes|packets|discards and tx_prio<N>_bytes|packets for all 8 priorities;
+  rx|tx_prio<N>_pause and _pause_duration only for the priorities with PFC on, rx|tx_global_pause
+  where link-level pause is on; rx|tx_pause_ctrl_phy, rx|tx_discards_phy, rx_out_of_buffer);
+  ETHTOOL below.
 """
 from __future__ import annotations
 
@@ -48,8 +55,9 @@ HW_COUNTERS = {
 }
 
 # ethtool -S names kept (pause frames and discards per priority and per port; bytes per priority).
-ETHTOOL = re.compile(r"(rx|tx)_prio\d_(pause|pause_duration|bytes|discards)"
-                     r"|(rx|tx)_pause_ctrl_phy|(rx|tx)_discards_phy|rx_out_of_buffer")
+ETHTOOL = re.compile(r"(rx|tx)_(prio\d|global)_(pause|pause_duration)|rx_prio\d_discards"
+                     r"|(rx|tx)_prio\d_bytes|(rx|tx)_pause_ctrl_phy|(rx|tx)_discards_phy"
+                     r"|rx_out_of_buffer")
 PRIO_BYTES = re.compile(r"tx_prio(\d)_bytes")
 
 
@@ -60,6 +68,8 @@ def ethtool_meaning(name: str) -> str | None:
         return (f"PAUSE frames received on priority {m.group(2)}: the switch stopped this port's "
                 "sending (PFC at work: lossless, but back-pressure)" if m.group(1) == "rx" else
                 f"this port paused the switch on priority {m.group(2)}: its receive buffer filled")
+    if name in ("rx_global_pause", "tx_global_pause"):
+        return "link-level (global) PAUSE frames: the whole port stopped, not one priority"
     if name.endswith("_discards") or name.endswith("_discards_phy") or name == "rx_out_of_buffer":
         return "packets the port dropped (buffer full): with RoCE on a lossy priority, a resend each"
     if name.endswith("pause_ctrl_phy"):
@@ -78,7 +88,8 @@ def _port_dir(nic: str, port: int) -> str:
 
 def read_port(root: str, nic: str, port: int) -> dict:
     """{xmit_words, rcv_words, width, hw} of one port: the byte counters in 4-byte words (None
-    when absent), 64 when read from a 64-bit form or 32 (may saturate), and HW_COUNTERS found."""
+    when absent), width 64 where a reading is known to be a 64-bit form, else 32 (may saturate),
+    and HW_COUNTERS found."""
     d = _port_dir(nic, port)
     out = {"width": 32}
     for key, files in _BYTE_FILES.items():
@@ -86,7 +97,8 @@ def read_port(root: str, nic: str, port: int) -> dict:
         for rel in files:
             value = _int(root, os.path.join(d, rel))
             if value is not None:
-                out["width"] = 64 if rel.startswith("counters_ext") else out["width"]
+                wide = rel.startswith("counters_ext") or value > SATURATED_32
+                out["width"] = 64 if wide else out["width"]
                 break
         out[f"{key}_words"] = value
     dev = os.path.join("sys", "class", "infiniband", nic)

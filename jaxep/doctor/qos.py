@@ -10,13 +10,17 @@ The rules modelled (NVIDIA's RoCE QoS guides for mlx5; none confirmed on a real 
   level, which becomes the VLAN PCP on a tagged interface.
 - The NIC maps a packet to a priority by its trust mode: `dscp` through the DSCP-to-priority map
   (default DSCP >> 3, so DSCP 26 -> 3), `pcp` (mlx5's default) by the PCP: priority 0 on an
-  untagged interface.
-- PFC is per priority (lossless where enabled); ECN for RoCE (DCQCN) per priority in mlx5's
-  /sys/class/net/<if>/ecn/roce_np|roce_rp/enable/<prio>. A packet on a priority without PFC is
-  dropped when a switch queue fills, and RoCE resends from the gap.
-Sources, first found wins: `mlnx_qos -i <if>` (MLNX_OFED / DOCA), `dcb pfc show`, `dcb app show`
-and `dcb apptrust show` (iproute2), /sys/class/net/<if>/qos/{trust,pfc} where the driver exposes
-them, /sys/class/infiniband/<dev>/tc/1/traffic_class (MLNX_OFED's per-device traffic class).
+  untagged interface. mlx5 trusts DSCP exactly while its DCB APP table holds DSCP entries (adding
+  the first sets trust dscp, removing the last sets pcp; mlnx_qos reads the trust mode so).
+- PFC is per priority (lossless where enabled); ECN for RoCE (DCQCN) per priority in MLNX_OFED's
+  /sys/class/net/<if>/ecn/roce_np|roce_rp/enable/<prio> ("0" or "1"). A packet on a priority
+  without PFC is dropped when a switch queue fills, and RoCE resends from the gap.
+Sources, first found wins: `mlnx_qos -i <if>` (MLNX_OFED / DOCA), `dcb pfc show`, `dcb -N app
+show` and `dcb apptrust show` (iproute2), /sys/class/net/<if>/qos/trust (MLNX_OFED 4.0-4.1 only),
+/sys/class/infiniband/<dev>/tc/1/traffic_class (MLNX_OFED's per-device traffic class). The output
+formats are those of the tools' printing code (mlnx-tools v2607.0.6 python/mlnx_qos and
+python/Python/dcbnetlink.py; iproute2 v7.1.0-55 dcb/dcb_pfc.c, dcb_app.c, dcb_apptrust.c,
+dcb.c) and of MLNX_OFED 25.10's mlx5 sysfs code.
 """
 from __future__ import annotations
 
@@ -34,6 +38,12 @@ from jaxep.topology.rules import CLASSES, Settings, assign, int_or_none, read_se
 Run = Callable[[tuple], "str | None"]
 WHERE = "\0"  # stands for the NICs a finding names, filled in once they are grouped (summary)
 ROCE_DSCP = 26  # DSCP 26 (AF31) -> priority 3 under the default map: the usual lossless class
+TRUSTS = ("dscp", "pcp")  # the trust modes the rules know; others ("none", "port") are unknown
+# DSCP by name: iproute2's default rt_dsfield (dsfield >> 2), which `dcb app show` prints in place
+# of the number unless -N is given.
+DSCP_NAMES = {"default": 0, "CS1": 8, "CS2": 16, "CS3": 24, "CS4": 32, "CS5": 40, "CS6": 48,
+              "CS7": 56, "AF11": 10, "AF12": 12, "AF13": 14, "AF21": 18, "AF22": 20, "AF23": 22,
+              "AF31": 26, "AF32": 28, "AF33": 30, "AF41": 34, "AF42": 36, "AF43": 38, "EF": 46}
 
 
 def run_command(argv: tuple, timeout: float = 5.0) -> str | None:
@@ -48,9 +58,11 @@ def run_command(argv: tuple, timeout: float = 5.0) -> str | None:
 
 
 def commands(interface: str) -> tuple[tuple, ...]:
-    """The QoS tools' invocations read for one interface (what --record captures)."""
+    """The QoS tools' invocations read for one interface (what --record captures); `dcb -N` prints
+    DSCP values as numbers, whatever names /etc/iproute2/rt_dsfield gives them."""
     return (("mlnx_qos", "-i", interface), ("dcb", "pfc", "show", "dev", interface),
-            ("dcb", "app", "show", "dev", interface), ("dcb", "apptrust", "show", "dev", interface))
+            ("dcb", "-N", "app", "show", "dev", interface),
+            ("dcb", "apptrust", "show", "dev", interface))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +82,16 @@ class Qos:
 
 
 def parse_mlnx_qos(text: str | None) -> dict:
-    """{trust, dscp2prio, pfc} from `mlnx_qos -i <if>` (keys absent where the text lacks them)."""
+    """{trust, dscp2prio, pfc} from `mlnx_qos -i <if>` (keys absent where the text lacks them).
+    Its lines: "Priority trust state: <state>" ("none" where unsupported: unknown here), under
+    trust dscp "dscp2prio mapping:" then "\tprio:<p> dscp:<d>,<d>,...," (at most 8 a line, a
+    priority's line repeated for more), and "PFC configuration:" with a "\tpriority" row of
+    0..7 over an "\tenabled" row of 0/1 flags."""
     out = {}
     if not text:
         return out
     m = re.search(r"trust state:\s*(\w+)", text, re.I)
-    if m:
+    if m and m.group(1).lower() in TRUSTS:
         out["trust"] = m.group(1).lower()
     maps = {int(d): int(p) for p, ds in re.findall(r"prio:\s*(\d)\s+dscp:\s*([\d,\s]+)", text)
             for d in re.findall(r"\d+", ds)}
@@ -88,34 +104,42 @@ def parse_mlnx_qos(text: str | None) -> dict:
     return out
 
 
+def _dscp(token: str) -> int | None:
+    return int(token) if token.isdigit() else DSCP_NAMES.get(token)
+
+
 def parse_dcb(pfc: str | None, app: str | None, apptrust: str | None) -> dict:
-    """{trust, dscp2prio, pfc} from iproute2's `dcb pfc show`, `dcb app show` and
-    `dcb apptrust show` (dscp trust: dscp listed in the apptrust order)."""
+    """{trust, dscp2prio, pfc} from iproute2's `dcb pfc show` ("prio-pfc 0:off 1:off ... 3:on
+    ..."), `dcb [-N] app show` ("dscp-prio <dscp>:<prio> ...", a DSCP by number or rt_dsfield name)
+    and `dcb apptrust show` ("order: <selector> ..."). Trust: dscp where the apptrust order lists
+    dscp; without an apptrust answer (mlx5 has none: dcb exits non-zero), dscp exactly where the
+    APP table holds DSCP entries (mlx5's rule), pcp where it answered with none."""
     out = {}
     m = re.search(r"prio-pfc\s+((?:\d:(?:on|off)\s*)+)", pfc or "")
     if m:
         out["pfc"] = frozenset(int(p) for p, v in re.findall(r"(\d):(on|off)", m.group(1))
                                if v == "on")
-    m = re.search(r"dscp-prio\s+((?:\d+:\d\s*)+)", app or "")
-    if m:
-        out["dscp2prio"] = {int(d): int(p) for d, p in re.findall(r"(\d+):(\d)", m.group(1))}
-    m = re.search(r"order\s+([\w ]+)", apptrust or "")
+    m = re.search(r"dscp-prio\s+((?:[\w-]+:\d\s*)+)", app or "")
+    pairs = [(_dscp(d), int(p)) for d, p in re.findall(r"([\w-]+):(\d)", m.group(1))] if m else []
+    if pairs:
+        out["dscp2prio"] = {d: p for d, p in pairs if d is not None}
+    m = re.search(r"order:?\s+([\w -]+)", apptrust or "")
     if m:
         out["trust"] = "dscp" if "dscp" in m.group(1).split() else "pcp"
+    elif app is not None:
+        out["trust"] = "dscp" if pairs else "pcp"
     return out
 
 
 def _sysfs_qos(root: str, interface: str) -> dict:
-    """{trust, pfc, ecn} from /sys/class/net/<if>/qos and /ecn where the driver exposes them."""
+    """{trust, ecn} from MLNX_OFED's /sys/class/net/<if>/qos/trust ("pcp", "dscp", "port" or
+    "none"; its 4.0 and 4.1 releases only) and /ecn/roce_np|roce_rp/enable/<prio> ("0" / "1")."""
     base = os.path.join(root, "sys", "class", "net", interface)
     out = {}
     trust = machine._read(os.path.join(base, "qos", "trust"))  # pylint: disable=protected-access
-    if trust:
-        out["trust"] = "dscp" if "dscp" in trust.lower() else "pcp"
-    pfc = machine._read(os.path.join(base, "qos", "pfc"))  # pylint: disable=protected-access
-    flags = re.findall(r"\b[01]\b", pfc or "")
-    if len(flags) == 8:
-        out["pfc"] = frozenset(i for i, f in enumerate(flags) if f == "1")
+    trust = (trust or "").strip().lower()
+    if trust in TRUSTS:
+        out["trust"] = trust
     ecn = set()
     seen = False
     for point in ("roce_np", "roce_rp"):
@@ -145,11 +169,12 @@ def read_qos(root: str, interface: str, run: Run = run_command) -> Qos:
 
 
 def device_traffic_class(root: str, nic: str) -> int | None:
-    """MLNX_OFED's per-device RoCE traffic class (/sys/class/infiniband/<dev>/tc/1/traffic_class),
-    None where absent or unset."""
+    """MLNX_OFED's per-device RoCE traffic class (/sys/class/infiniband/<dev>/tc/1/traffic_class:
+    "Global tclass=<n>" where set, then one "...,tclass=<n>" line per address rule; a bare number
+    read as the global one), None where absent or unset."""
     text = machine._read(os.path.join(root, "sys", "class", "infiniband", nic, "tc", "1",  # pylint: disable=protected-access
                                       "traffic_class"))
-    m = re.search(r"(\d+)", text or "")
+    m = re.search(r"^(?:Global tclass=)?(\d+)\s*$", text or "", re.M)
     return int(m.group(1)) if m else None
 
 
