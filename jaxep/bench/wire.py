@@ -12,7 +12,7 @@ Per GPU and op (JSON `wire`, the report's wire table, a plot row per op):
   the NIC, resends, a path the model does not take), and every congestion, loss or pause counter
   that moved, with what it means.
 No RDMA NIC, or emulated links (CPU, ranks sharing a GPU: no byte crosses a NIC), gives one note.
-On mlx5 the port counts RoCE traffic only (the vport's InfiniBand-transport octets, mlx5's mad.c):
+On mlx5 the port counts RoCE traffic only (the vport's InfiniBand-transport octets, per its PMA):
 another RDMA job on the NIC is in it, TCP on the same port is not. No real NIC has been read by
 this code: it is tested on fake sysfs trees only.
 """

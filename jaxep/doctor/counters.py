@@ -4,8 +4,9 @@ congestion and loss counters; `snapshot` reads them, `delta` subtracts two snaps
 takes the root of a /sys tree and `ethtool` a callable, so the tests feed fixtures whose counters
 change between two reads.
 
-Sources (checked against Linux's ib_core sysfs.c and mlx5 mad.c, counters.c and en_stats.c, and
-MLNX_OFED 25.10's copies of them; no real NIC has been read by this code):
+Sources (checked against the source of Linux's ib_core sysfs counters and the mlx5 driver's PMA,
+RDMA counter tables and ethtool statistics, and MLNX_OFED 25.10's copies of them; no real NIC has
+been read by this code):
 - bytes: /sys/class/infiniband/<dev>/ports/<p>/counters/port_xmit_data and port_rcv_data, in
   4-byte words (the InfiniBand PortXmitData / PortRcvData). ib_core gives the 64-bit
   PortCountersExtended form there when the driver's PMA ClassPortInfo advertises extended width

@@ -18,9 +18,8 @@ The rules modelled (NVIDIA's RoCE QoS guides for mlx5; none confirmed on a real 
 Sources, first found wins: `mlnx_qos -i <if>` (MLNX_OFED / DOCA), `dcb pfc show`, `dcb -N app
 show` and `dcb apptrust show` (iproute2), /sys/class/net/<if>/qos/trust (MLNX_OFED 4.0-4.1 only),
 /sys/class/infiniband/<dev>/tc/1/traffic_class (MLNX_OFED's per-device traffic class). The output
-formats are those of the tools' printing code (mlnx-tools v2607.0.6 python/mlnx_qos and
-python/Python/dcbnetlink.py; iproute2 v7.1.0-55 dcb/dcb_pfc.c, dcb_app.c, dcb_apptrust.c,
-dcb.c) and of MLNX_OFED 25.10's mlx5 sysfs code.
+formats are those of the tools' printing code (NVIDIA mlnx-tools v2607.0.6's mlnx_qos; iproute2
+v7.1.0's dcb pfc, app and apptrust printers) and of MLNX_OFED 25.10's mlx5 sysfs code.
 """
 from __future__ import annotations
 
