@@ -18,6 +18,8 @@ K = 8) the estimate is within 10 %.
 
 On CPU every rank of this process shares the host's memory (MemAvailable, or the cgroup's limit
 when lower); on a GPU each device holds its own ranks, against what jax says it can still allocate.
+The multi-rank runtime's NVSHMEM heap lies outside jax's pool, so it is not counted here:
+`jaxep.initialize` checks that the heap fits the GPU's memory outside the pool before allocating it.
 """
 from __future__ import annotations
 
