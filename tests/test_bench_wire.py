@@ -103,3 +103,21 @@ def test_checklist_orders_the_seed_nodes_findings():
     assert any("NVSHMEM_IB_TRAFFIC_CLASS=106" in line for line in got)
     lines = checklist.lines(dict(cluster_checks=got))
     assert lines[0] == "what to check on your cluster, in order:" and len(lines) == len(got) + 1
+
+
+def test_checklist_on_a_machine_without_gpus(monkeypatch):
+    """Off a GPU node the doctor skips its GPU and network checks; so does the checklist, in one
+    line, instead of listing this machine's missing verbs libraries as the cluster's problems."""
+    from jaxep import topology
+    from jaxep.topology import fabric
+    monkeypatch.setattr(topology, "summary", lambda nodes=None: dict(
+        topo_available=False, gpus=[], findings=[dict(level="error", what="not loadable here",
+                                                      hint="x")]))
+    monkeypatch.setattr(fabric, "_load_nvml", lambda: None)
+    assert checklist.doctor_findings(2) is None
+    result = dict(wire=dict(available=False, note=wire.EMULATED, rows=[]))
+    got = checklist.checks(result, None)
+    assert got == ["1. what the NICs carried: not read here (" + wire.EMULATED + "); on the "
+                   "cluster the bench's wire table compares each NIC's bytes per call with the "
+                   "model", "2. " + checklist.NOT_A_GPU_NODE]
+    assert "jaxep.doctor --nodes 2" in got[-1]

@@ -225,3 +225,22 @@ def test_doctor_cli_replay(capsys):
 def test_replay_rejects_a_directory_that_is_no_record(tmp_path):
     with pytest.raises(ValueError, match="not a jaxep doctor record"):
         record.load(str(tmp_path))
+
+
+def test_replay_of_a_record_without_gpus_says_so(tmp_path, capsys):
+    """A record taken off a GPU node (no `nvidia-smi topo -m`) gets the doctor's gate: one info
+    finding, exit status 0, not the GPU node's transport errors; an archive is named as given."""
+    import shutil
+    src = tmp_path / "record"
+    shutil.copytree(SEED, src)
+    os.remove(src / "topo.txt")
+    out = str(tmp_path / "cpu_node.tar.gz")
+    with tarfile.open(out, "w:gz") as tar:
+        tar.add(src, arcname="record")
+    d = record.replay(out, nodes=2)
+    assert d["record"] == out
+    assert [f["level"] for f in d["findings"]] == ["info"]
+    assert d["findings"][0]["what"].startswith("the record holds no GPU")
+    assert report.main(["--replay", out, "--nodes", "2"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"replay of {out} (") and "[info] the record holds no GPU" in text

@@ -2,7 +2,8 @@
 what the NICs counted (jaxep.bench.wire), then the doctor's findings that bear on it, in the order
 a person checks them: the transport, which NIC each GPU uses, the link, RoCE QoS, congestion and
 loss. `checks(result, findings)` -> [line]; `doctor_findings(nodes)` runs the doctor's network
-checks on this machine (a record's: `jaxep.doctor.record.replay(path)["findings"]`).
+checks on this machine (a record's: `jaxep.doctor.record.replay(path)["findings"]`), or returns
+None on a machine that is not a GPU node, where the doctor skips them too.
 """
 from __future__ import annotations
 
@@ -21,11 +22,22 @@ ORDER = (
 )
 
 
-def doctor_findings(nodes: int | None) -> list[dict]:
-    """The doctor's network findings on this machine ({level, what, hint})."""
+NOT_A_GPU_NODE = ("the doctor's GPU and network checks: not run here (no NVIDIA GPU: not a GPU "
+                  "node); on a cluster node run python -m jaxep.doctor --nodes 2, or --record DIR "
+                  "there and --replay DIR anywhere")
+
+
+def doctor_findings(nodes: int | None) -> list[dict] | None:
+    """The doctor's network findings on this machine ({level, what, hint}); None where it is not a
+    GPU node (no GPU in `nvidia-smi topo -m`, no libnvidia-ml), as `python -m jaxep.doctor` skips
+    them there: a CPU machine's missing verbs libraries or IBGDA settings say nothing of a cluster."""
     from jaxep import topology
     from jaxep.doctor import qos  # pylint: disable=g-import-not-at-top
-    return topology.summary(nodes=nodes)["findings"] + qos.summary(nodes=nodes)["findings"]
+    from jaxep.topology import fabric  # pylint: disable=g-import-not-at-top
+    topo = topology.summary(nodes=nodes)
+    if not (topo["topo_available"] or topo["gpus"] or fabric._load_nvml() is not None):  # pylint: disable=protected-access
+        return None
+    return topo["findings"] + qos.summary(nodes=nodes)["findings"]
 
 
 def _t(s: float) -> str:
@@ -63,9 +75,11 @@ def _wire(result: dict) -> str:
         for r in flagged[:4]) + ("; ..." if len(flagged) > 4 else "")
 
 
-def checks(result: dict, findings: list[dict]) -> list[str]:
-    """The numbered lines of "what to check on your cluster"."""
+def checks(result: dict, findings: list[dict] | None) -> list[str]:
+    """The numbered lines of "what to check on your cluster" (findings None: not a GPU node)."""
     steps = _verdict(result) + [_wire(result)]
+    if findings is None:
+        return [f"{i}. {line}" for i, line in enumerate(steps + [NOT_A_GPU_NODE], 1)]
     used = set()
     for name, starts in ORDER:
         mine = [f for f in findings if f["what"].startswith(starts) and f["what"] not in used]

@@ -61,14 +61,16 @@ CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Emulated host devices on C
                                    lower_bound=0, upper_bound=512)
 PRESET = flags.DEFINE_enum("preset", None, list(presets.NAMES), "A named setup: seed_2x8 = the "
                            "seed's 2 nodes x 8 GPUs (T=4096 H=7168 K=8 E=128 bf16, EP 16, "
-                           "ranks_per_node 8) and its link model (B300 NVLink, CX8 NIC). Flags given "
-                           "explicitly win over the preset.")
+                           "ranks_per_node 8) and its link model (B300 NVLink, CX8 NIC); "
+                           "nvl72_ep64 / nvl72x2_ep144 = EP 64 in one GB200 NVL72 NVLink domain / "
+                           "EP 144 over two (docs/multinode.md). Flags given explicitly win over "
+                           "the preset.")
 RANKS_PER_NODE = flags.DEFINE_integer("ranks_per_node", 0, "jaxep.Config.ranks_per_node: the node "
                                       "layout the kernels run and the bytes are counted in (e.g. 16 "
                                       "ranks on one GPU as 2 nodes x 8); 0 = the machine's.",
                                       lower_bound=0, upper_bound=1 << 16)
-GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", 0, "Older spelling of --ranks_per_node (one "
-                                     "rank per GPU); 0 = unset.", lower_bound=0, upper_bound=1024)
+GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", 0, "Alias of --ranks_per_node (one rank per "
+                                     "GPU); 0 = unset.", lower_bound=0, upper_bound=1024)
 RANKS_PER_GPU = flags.DEFINE_integer("ranks_per_gpu", 0, "Ranks sharing one physical GPU (then the "
                                      "links are emulated); 0 = auto: all processes under "
                                      "jaxep.launch --share-gpu (CUDA MPS), else 1.",
@@ -127,7 +129,7 @@ def bench_config():
         sweep_num_sms=tuple(_sms(v) for v in SWEEP_NUM_SMS.value), sweep_kernels=SWEEP_KERNELS.value)
     if PRESET.value:
         given = {k: kw[k] for k, holder in _FIELDS.items() if flags.FLAGS[holder.name].present}
-        if GPUS_PER_NODE.present and not RANKS_PER_NODE.present:  # its older spelling: given too
+        if GPUS_PER_NODE.present and not RANKS_PER_NODE.present:  # its alias: given too
             given["ranks_per_node"] = None
         return BenchConfig(**{**kw, **presets.fields(PRESET.value), **given, "preset": PRESET.value})
     return BenchConfig(**kw)

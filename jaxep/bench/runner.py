@@ -69,7 +69,7 @@ class BenchConfig:
     # The node layout the kernels run: jaxep.Config.ranks_per_node (None: the machine's, read at
     # jaxep.initialize; one node without the multi-process runtime). The bytes are counted in it.
     ranks_per_node: int | None = None
-    gpus_per_node: int | None = None        # the older spelling of ranks_per_node (1 rank per GPU)
+    gpus_per_node: int | None = None        # alias of ranks_per_node (1 rank per GPU)
     ranks_per_gpu: int | None = None        # physical: None = all processes when they share one GPU (MPS), else 1
     combine_wire_dtype: str = "float32"     # jaxep.Config.combine_wire_dtype; "payload" = dtype
     dispatch_wire_dtype: str = "payload"    # jaxep.Config.dispatch_wire_dtype ("payload" = None)

@@ -279,14 +279,22 @@ def counter_findings(c: dict) -> list[Finding]:
 
 def replay(path: str, nodes: int | None = None) -> dict:
     """The doctor's network diagnosis of the record at `path`: its topology summary, its RoCE QoS,
-    the counters that moved, and every finding as {level, what, hint}."""
+    the counters that moved, and every finding as {level, what, hint}. A record with no GPU (no
+    `nvidia-smi topo -m` GPU: taken off a GPU node) gets one finding that says so instead, as the
+    doctor skips its GPU and network checks on such a machine."""
     rec = load(path)
     topo = topology.summary(rec.environ, rec.root, rec.topo_text, nodes, rec.driver)
     q = qos.summary(rec.environ, rec.root, rec.topo_text, rec.run, nodes)
     moved = [f._asdict() for f in counter_findings(rec.counters)]
-    return dict(record=rec.path, manifest=rec.manifest, versions=rec.versions,
-                environ=rec.environ, topology=topo, qos=q, counters=moved,
-                findings=topo["findings"] + q["findings"] + moved)
+    findings = topo["findings"] + q["findings"] + moved
+    if not topo["gpus"]:
+        findings = [Finding("info", "the record holds no GPU (no nvidia-smi topo -m output with "
+                            "GPUs): it was taken off a GPU node, where the doctor's GPU and "
+                            "network checks do not apply",
+                            "record on a GPU node of the cluster: python -m jaxep.doctor --record "
+                            "doctor.tar.gz")._asdict()]
+    return dict(record=path, manifest=rec.manifest, versions=rec.versions,
+                environ=rec.environ, topology=topo, qos=q, counters=moved, findings=findings)
 
 
 def _bond_text(bond: dict | None, nics: list, name: str) -> str:
