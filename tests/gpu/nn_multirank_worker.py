@@ -227,21 +227,28 @@ def case_decode(args, decode_cfg, routing, pspec, T, H, F, E, K, L):
                                  backend=args.backend)
         return y, st["dropped_rows"]
 
-    step = jax.jit(jax.shard_map(per_rank, mesh=MESH, in_specs=(pspec, P("ep")),
-                                 out_specs=(P("ep"), P("ep"))))
     params, x, g = make_problem(args.seed + 7, T, H, F, E, K)
     sl = slice(ME * L, (ME + 1) * L)
     local = dict(router=params["router"][None], w_gate=params["w_gate"][sl],
                  w_up=params["w_up"][sl], w_down=params["w_down"][sl])
-    y, dropped = step({k: glob(v) for k, v in local.items()}, glob(x[ME * T:(ME + 1) * T]))
+    _decode_vs_reference("decode", per_rank, pspec, local, x[ME * T:(ME + 1) * T],
+                         lambda: reference_all_blocks(params, x, g, T, K),
+                         f", T={T} per rank, M={decode_cfg.expert_rows(R)}")
+
+
+def _decode_vs_reference(case, per_rank, pspec, local, x_mine, reference, more=""):
+    """Runs `per_rank` (p, x) -> (y, dropped_rows) over the ranks on this rank's `local`
+    parameters and tokens `x_mine`, and reports y against `reference()`'s (blocks, where)."""
+    step = jax.jit(jax.shard_map(per_rank, mesh=MESH, in_specs=(pspec, P("ep")),
+                                 out_specs=(P("ep"), P("ep"))))
+    y, dropped = step({k: glob(v) for k, v in local.items()}, glob(x_mine))
     jax.block_until_ready(y)
     jaxep.check()
-    ref, where = reference_all_blocks(params, x, g, T, K)
-    ok_y, detail = close("decode", "y", mine(y), ref[ME][0])
+    ref, where = reference()
+    ok_y, detail = close(case, "y", mine(y), ref[ME][0])
     n_drop = int(mine(dropped).sum())
-    report("decode", ok_y and n_drop == 0,
-           f"rel err vs dense reference ({where}): {detail}, dropped {n_drop}, T={T} per rank, "
-           f"M={decode_cfg.expert_rows(R)}")
+    report(case, ok_y and n_drop == 0,
+           f"rel err vs dense reference ({where}): {detail}, dropped {n_drop}{more}")
 
 
 # The options cases: (MoE argument, value) as moe_reference takes them.
@@ -375,16 +382,8 @@ def case_options_decode(args, decode_cfg, T, H, F, E, K, L):
                                  backend=args.backend, activation=OPTIONS["activation"])
         return y, st["dropped_rows"]
 
-    step = jax.jit(jax.shard_map(per_rank, mesh=MESH, in_specs=(pspec, P("ep")),
-                                 out_specs=(P("ep"), P("ep"))))
-    y, dropped = step({k: glob(v) for k, v in local.items()}, glob(x[ME * T:(ME + 1) * T]))
-    jax.block_until_ready(y)
-    jaxep.check()
-    ref, where = _options_reference(params, x, g, T, K)
-    ok_y, detail = close("options_decode", "y", mine(y), ref[ME][0])
-    n_drop = int(mine(dropped).sum())
-    report("options_decode", ok_y and n_drop == 0,
-           f"rel err vs dense reference ({where}): {detail}, dropped {n_drop}")
+    _decode_vs_reference("options_decode", per_rank, pspec, local, x[ME * T:(ME + 1) * T],
+                         lambda: _options_reference(params, x, g, T, K))
 
 
 def main() -> int:
