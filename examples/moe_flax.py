@@ -377,6 +377,7 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
 def _train(model, optimizer, batch, steps, bar, bias_rate):
     """The training loop; returns (losses, drop fractions, compile seconds, t0 after step 1)."""
     losses, drops, pending = [], [], []
+    lb_name = "seq-lb" if model.blocks[0].moe.sequence_loss else "lb"  # the balance loss trained
     t_compile = time.perf_counter()
     t0 = None
     for step in range(1, steps + 1):
@@ -392,7 +393,7 @@ def _train(model, optimizer, batch, steps, bar, bias_rate):
         if step == 1:
             t_compile, t0 = time.perf_counter() - t_compile, time.perf_counter()
         tok_s = (step - 1) * _BATCH.value * _SEQ.value / (time.perf_counter() - t0) if step > 1 else 0
-        bar.update(step, f"loss {losses[-1]:.3f}  lb {lb:.3f}  drop {100 * drops[-1]:.1f}%  "
+        bar.update(step, f"loss {losses[-1]:.3f}  {lb_name} {lb:.3f}  drop {100 * drops[-1]:.1f}%  "
                          f"{tok_s / 1e3:.1f}k tok/s")
     return losses, drops, t_compile, t0
 

@@ -209,6 +209,8 @@ def test_docs_scan_stack_runs_and_equals_the_dense_layers():
     (dict(ffn=-4), "ffn must be a positive int: expected > 0, got -4"),
     (dict(shared_ffn=0), "shared_ffn must be a positive int: expected > 0, got 0"),
     (dict(shared_gate=True), "shared_gate gates the shared experts' output: it needs shared_ffn"),
+    (dict(shared_gate=1, shared_ffn=4), "shared_gate must be a bool: expected True or False, got 1"),
+    (dict(sequence_loss="yes"), "sequence_loss must be a bool: expected True or False, got 'yes'"),
     (dict(num_groups=4, topk_groups=5), r"topk_groups must be in \[1, num_groups=4\], got 5"),
     (dict(num_groups=3), r"num_groups must be >= 1 and divide num_experts=8 .*got 3"),
     (dict(num_groups=4, topk_groups=1, topk=3),

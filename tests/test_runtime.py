@@ -218,3 +218,17 @@ def test_peer_table_maps_this_node_and_poisons_the_others(rank, size, node):
         assert v == ((q + 1) << 32 if first <= q < first + node else poison + q), q
     with pytest.raises(ValueError):
         _extension._module.peer_table_entries(0, _extension.constant("max_ranks") + 1, 1)
+
+
+def test_the_init_log_line_gives_build_instructions_only_where_cuda_could_run(monkeypatch):
+    """jaxep.initialize's INFO line: off a GPU, what is missing; on a GPU, how to build it too."""
+    from jaxep.runtime import state
+    monkeypatch.setattr(_extension, "is_available", lambda: False)
+    monkeypatch.setattr(_extension, "unavailable_reason",
+                        lambda: "installed without its CUDA extension; build it with JAXEP_CUDA=13")
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert state._extension_state() == "installed without its CUDA extension"  # pylint: disable=protected-access
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert state._extension_state().endswith("build it with JAXEP_CUDA=13")  # pylint: disable=protected-access
+    monkeypatch.setattr(_extension, "is_available", lambda: True)
+    assert state._extension_state() == "available"  # pylint: disable=protected-access

@@ -100,6 +100,14 @@ def _check_config(config: Any, num_experts: int, topk: int, hidden: int, dtype: 
     config.local_experts(ep_size)
 
 
+def _check_flags(**flags: Any) -> None:
+    """ValueError unless each on/off option is a bool (1 or "yes" would pass `bool()` silently)."""
+    for name, v in flags.items():
+        if not isinstance(v, (bool, np.bool_)):
+            raise ValueError(f"jaxep.nn.MoE: {name} must be a bool: expected True or False, "
+                             f"got {v!r}")
+
+
 def _check_sizes(**sizes: Any) -> None:
     """ValueError unless each size is a positive int (None: absent, allowed)."""
     for name, v in sizes.items():
@@ -224,6 +232,9 @@ class MoE(nnx.Module):
                  bias_init: Callable = nnx.initializers.zeros_init()):
         _check_sizes(hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk,
                      shared_ffn=shared_ffn, num_groups=num_groups, topk_groups=topk_groups)
+        _check_flags(renormalize=renormalize, router_bias=router_bias,
+                     selection_bias=selection_bias, expert_bias=expert_bias,
+                     shared_gate=shared_gate, sequence_loss=sequence_loss)
         topk_groups = num_groups if topk_groups is None else topk_groups
         if shared_gate and shared_ffn is None:
             raise ValueError("jaxep.nn.MoE: shared_gate gates the shared experts' output: it "

@@ -73,8 +73,7 @@ class Runtime:
         self.configs, self.axis_name = configs, axis_name
         log.info("jaxep initialized: axis=%r config=%s; CUDA extension: %s; jax backend: %s; "
                  "processes: %d; multi-rank CUDA runtime: %s", axis_name,
-                 configs[0] if len(configs) == 1 else list(configs),
-                 "available" if _extension.is_available() else _extension.unavailable_reason(),
+                 configs[0] if len(configs) == 1 else list(configs), _extension_state(),
                  jax.default_backend(), jax.process_count(), self.started is not None)
 
     def _start(self, configs) -> None:
@@ -120,6 +119,15 @@ class Runtime:
         if self.configs and axis_name != self.axis_name:
             raise ValueError(f"jaxep.{op}: axis_name must be the EP axis given to "
                              f"jaxep.initialize: expected {self.axis_name!r}, got {axis_name!r}")
+
+
+def _extension_state() -> str:
+    """The CUDA extension's state for the INFO line: "available", else why not; off a GPU only
+    what is missing (the build instructions matter where the CUDA backend could run)."""
+    if _extension.is_available():
+        return "available"
+    reason = _extension.unavailable_reason()
+    return reason if jax.default_backend() == "gpu" else reason.split(";")[0]
 
 
 def _configure_logging() -> None:
