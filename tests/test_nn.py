@@ -225,26 +225,38 @@ def test_example_on_a_terminal_rich_progress_and_no_tpu_probe_line():
     assert "Unable to initialize backend" not in text, text[:3000]
 
 
-def test_example_arch_deepseek_v3():
-    """`examples/moe_flax.py --arch deepseek_v3` (sigmoid scores, selection bias updated each step,
-    group-limited top-k, routed scaling, shared experts) at its smallest, one step (the learning-rate
-    schedule's warmup and decay both fit in it): trains, passes the dense check and the decode
-    path's check. The other --arch values run the same code with other
-    arguments (tests/test_nn_arch.py checks each model's math)."""
+# Each --arch's MoE line (the arguments the example passes) and its experts / topk.
+EXAMPLE_ARCHS = {
+    "deepseek_v3": ("MoE score_fn=sigmoid, selection_bias=True, num_groups=4, topk_groups=2, "
+                    "routed_scaling_factor=2.5, shared_ffn=128, sequence_loss=True", "experts=16 topk=4"),
+    "qwen3": ("MoE score_fn=softmax, renormalize=True", "experts=8 topk=2"),
+    "qwen2_moe": ("MoE score_fn=softmax, renormalize=False, shared_ffn=128, shared_gate=True",
+                  "experts=8 topk=2"),
+    "mixtral": ("MoE score_fn=softmax_after_topk", "experts=8 topk=2"),
+    "gpt_oss": ("MoE score_fn=softmax_after_topk, router_bias=True, expert_bias=True, "
+                "activation=gpt_oss", "experts=8 topk=4"),
+}
+
+
+@pytest.mark.parametrize("arch", list(EXAMPLE_ARCHS))
+def test_example_arch(arch):
+    """`examples/moe_flax.py --arch ARCH` at its smallest, one step (the learning-rate schedule's
+    warmup and decay both fit in it): builds that model's MoE block (tests/test_nn_arch.py checks
+    each model's math), trains, passes the dense check and the decode path's check."""
     import os
     import subprocess
     import sys
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.abspath(root))
     r = subprocess.run([sys.executable, os.path.join(root, "examples", "moe_flax.py"),
-                        "--arch", "deepseek_v3", "--short", "--steps", "1", "--layers", "1",
+                        "--arch", arch, "--short", "--steps", "1", "--layers", "1",
                         "--batch", "8", "--seq_len", "8", "--generate_tokens", "1"],
                        capture_output=True, text=True, timeout=300, env=env, cwd=root)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert ("MoE score_fn=sigmoid, selection_bias=True, num_groups=4, topk_groups=2, "
-            "routed_scaling_factor=2.5, shared_ffn=128" in out), out[-3000:]
-    assert "experts=16 topk=4" in out and ": PASS" in out and "moe_flax: OK" in out, out[-3000:]
-    # Which backend runs and why (jaxep.backends.select's choice; no GPU here).
+    moe_line, sizes = EXAMPLE_ARCHS[arch]
+    assert moe_line in out, out[-3000:]
+    assert sizes in out and ": PASS" in out and "moe_flax: OK" in out, out[-3000:]
+    # Which backend runs and why (jaxep.backends.choose's reason; no GPU here).
     assert "moe_flax: backend: reference (no GPU: jax default backend is cpu)" in out, out[:3000]
     assert "generate check" in out and "tol" in out and ": ok" in out, out[-3000:]
