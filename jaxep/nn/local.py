@@ -35,7 +35,7 @@ def _route(params: dict[str, Array], x: Array, routing: Routing) -> Routed:
 def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: Config,
               axis_name: str, backend: str | None = None, activation: str | Callable = "silu",
               tensor_axes: tuple[str, ...] = (),
-              token_stats: bool = False) -> tuple[Array, dict[str, Array]]:
+              stat_group: int = 0) -> tuple[Array, dict[str, Array]]:
     """One rank's share of the layer; call inside `jax.shard_map` over `axis_name`.
 
     Args:
@@ -49,8 +49,9 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
       "expert_counts" [1,E] int32, "prob_sum" [1,E] f32, "z_sum" [1] f32, "dropped_rows" [1]
       int32, "invalid_ids" [1] int32; and "kept" [T,K] bool (per token, not per rank): the
       (token, k) pairs that reached their expert (False: dropped for capacity or masked). With
-      `token_stats`, also per token "token_slots" [T,E] int32 (`token_slots`) and "token_probs"
-      [T,E] f32 (router probabilities): what `sequence_balancing_loss` sums per sequence.
+      `stat_group` g > 0 (dividing T), also "token_slots" [T/g,E] int32 (`token_slots`) and
+      "token_probs" [T/g,E] f32 (router probabilities), each summed over every run of g
+      consecutive tokens: what `sequence_balancing_loss` sums per sequence.
     """
     routed = _route(params, x, routing)
     res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
@@ -60,28 +61,29 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
                            dtype=routing.dtype, tensor_axes=tensor_axes)
     y = jaxep.combine(rows, res.handle, axis_name=axis_name, config=config)
     y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
-    return y, _layer_stats(routed, routing, res, token_stats)
+    return y, _layer_stats(routed, routing, res, stat_group)
 
 
-def _layer_stats(routed: Routed, routing: Routing, res, token_stats: bool) -> dict[str, Array]:
+def _layer_stats(routed: Routed, routing: Routing, res, stat_group: int) -> dict[str, Array]:
     """The per-rank aux of both paths: routing sums, the dispatch's stats and the kept slots
-    (and with `token_stats` the per-token slots and probabilities)."""
+    (and with `stat_group` g > 0 the slots and probabilities summed over runs of g tokens)."""
     st = routing_stats(routed, routing.num_experts)
     out = dict(expert_counts=st["expert_counts"][None], prob_sum=st["prob_sum"][None],
                z_sum=st["z_sum"].reshape(1),
                dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
                invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
                kept=res.handle.send_row >= 0)
-    if token_stats:
-        out.update(token_slots=token_slots(routed.idx, routing.num_experts),
-                   token_probs=routed.probs)
+    if stat_group:
+        e = routing.num_experts
+        runs = lambda a: jnp.sum(a.reshape(-1, stat_group, e), axis=1)  # noqa: E731
+        out.update(token_slots=runs(token_slots(routed.idx, e)), token_probs=runs(routed.probs))
     return out
 
 
 def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, config: Config,
                      axis_name: str, backend: str | None = None,
                      activation: str | Callable = "silu", tensor_axes: tuple[str, ...] = (),
-                     token_stats: bool = False) -> tuple[Array, dict[str, Array]]:
+                     stat_group: int = 0) -> tuple[Array, dict[str, Array]]:
     """`moe_local` through the low-latency mode (`config.mode == "low_latency"`): the decode path.
 
     Same arguments and results as `moe_local`. dispatch returns this rank's rows as [L, M, H]
@@ -99,4 +101,4 @@ def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, co
                           tensor_axes=tensor_axes)
     y = jaxep.combine(out, res.handle, axis_name=axis_name)
     y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
-    return y, _layer_stats(routed, routing, res, token_stats)
+    return y, _layer_stats(routed, routing, res, stat_group)

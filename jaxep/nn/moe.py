@@ -200,7 +200,8 @@ class MoE(nnx.Module):
       shared_gate: a learned [H,1] gate on the shared experts' output, sigmoid(x @ shared_gate)
         per token (Qwen2-MoE); needs shared_ffn. Initialized with router_init.
       sequence_loss: also return aux["sequence_balancing_loss"] (x with a sequence axis, [..., S,
-        H]); the layer then carries [tokens, E] routing statistics out of its shard_map.
+        H]); the layer then carries [tokens / g, E] routing statistics out of its shard_map, g =
+        gcd(S, tokens per shard) (one row per sequence where sequences do not span shards).
       capacity_factor, recv_capacity: receive capacity per rank, as in `jaxep.Config`. Default
         None: never drop (R * T * K rows per rank; docs/nn.md gives its memory at scale).
       max_tokens_per_rank: sizes jaxep's buffers; default: the tokens per rank of each call.
@@ -375,11 +376,14 @@ class MoE(nnx.Module):
         else:
             config, backend, fn = self.ep_config(n // shards), self.backend, moe_local
         params, pspec, unwrap = self._shard_map_params()
+        # The sequence-wise loss's statistics leave the shard_map summed over runs of g tokens: g
+        # divides both the sequence length and a shard's tokens, so no run crosses a sequence.
+        group = math.gcd(shape[-2], n // shards) if self.sequence_loss else 0
 
         def local(p, xs):
             return fn(unwrap(p), xs, routing=self.routing, config=config, axis_name=s.axis_name,
                       backend=backend, activation=self.activation, tensor_axes=s.tensor_axes,
-                      token_stats=self.sequence_loss)
+                      stat_group=group)
 
         st_spec = s.stat_spec()
         stat_spec = dict(expert_counts=st_spec, prob_sum=st_spec, z_sum=st_spec,
@@ -389,10 +393,12 @@ class MoE(nnx.Module):
         args = _to_spec((params, xf), self.mesh, (pspec, s.tokens))
         y, st = jax.shard_map(local, mesh=self.mesh, in_specs=(pspec, s.tokens),
                               out_specs=(s.tokens, stat_spec))(*args)
-        return _reshape(y, shape, self.mesh), self._aux(st, n, shape)
+        return _reshape(y, shape, self.mesh), self._aux(st, n, shape, group)
 
-    def _aux(self, st: dict[str, Array], n: int, shape: tuple[int, ...]) -> dict[str, Array]:
-        """The call's aux from the per-shard statistics (class docstring)."""
+    def _aux(self, st: dict[str, Array], n: int, shape: tuple[int, ...],
+             group: int) -> dict[str, Array]:
+        """The call's aux from the per-shard statistics (class docstring); `group`: the run of
+        tokens the sequence-wise statistics are summed over (0: none)."""
         counts = jnp.sum(st["expert_counts"], axis=0)
         lb = load_balancing_loss(counts, jnp.sum(st["prob_sum"], axis=0), n, self.topk)
         aux = dict(load_balancing_loss=lb, router_z_loss=router_z_loss(jnp.sum(st["z_sum"]), n),
@@ -400,11 +406,11 @@ class MoE(nnx.Module):
                    invalid_ids=st["invalid_ids"],
                    drop_fraction=jnp.sum(st["dropped_rows"]) / (n * self.topk),
                    kept=_reshape(st["kept"], shape[:-1] + (self.topk,), self.mesh))
-        if self.sequence_loss:
-            per_token = shape[:-1] + (self.num_experts,)
+        if group:  # [n / g, E] run sums -> [sequences, S / g, E]: the loss sums over axis -2
+            runs = (n // shape[-2], shape[-2] // group, self.num_experts)
             aux["sequence_balancing_loss"] = sequence_balancing_loss(
-                _reshape(st["token_slots"], per_token, self.mesh),
-                _reshape(st["token_probs"], per_token, self.mesh), self.topk)
+                _reshape(st["token_slots"], runs, self.mesh),
+                _reshape(st["token_probs"], runs, self.mesh), self.topk, shape[-2])
         return aux
 
     def reference(self, x: Array, slot_mask: Array | None = None) -> tuple[Array, dict[str, Array]]:

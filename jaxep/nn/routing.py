@@ -162,15 +162,18 @@ def token_slots(idx: Array, num_experts: int) -> Array:
     return jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.int32), axis=-2)
 
 
-def sequence_balancing_loss(slots: Array, probs: Array, topk: int) -> Array:
+def sequence_balancing_loss(slots: Array, probs: Array, topk: int,
+                            seq_len: int | None = None) -> Array:
     """DeepSeek-V3's sequence-wise balance loss: `load_balancing_loss` within each sequence, the
     mean over sequences. slots [..., S, E] (`token_slots`) and probs [..., S, E] (router
     probabilities; for sigmoid scores the normalized s / sum(s), DeepSeek-V3's s') of sequences
     of S tokens along axis -2:
 
         per sequence  E * sum_e f_e * P_e,  f_e = slots of e / (S * K),  P_e = mean_t probs[t, e]
-    """
-    s = slots.shape[-2]
+
+    Axis -2 may also hold sums over runs of tokens (the layer's statistics): then `seq_len` is the
+    sequence's length in tokens (default: axis -2's size, one token a row)."""
+    s = slots.shape[-2] if seq_len is None else seq_len
     per_seq = load_balancing_loss(jnp.sum(slots, axis=-2), jnp.sum(probs, axis=-2), s, topk)
     return jnp.mean(per_seq)
 
