@@ -107,12 +107,14 @@ def host_device():
         return jax.local_devices()[0], f"{jax.local_devices()[0].platform} (no CPU backend)"
 
 
-def reference_all_blocks(params, x, g, T, K):
-    """Per token block s: (y_s, dparams_s, dx_s) of the dense reference, on the host."""
+def reference_all_blocks(params, x, g, T, K, **options):
+    """Per token block s: (y_s, dparams_s, dx_s) of the dense reference (`moe_reference` with
+    `options`), on the host."""
     dev, where = host_device()
 
     def fwd_bwd(p, xb, gb):
-        y, vjp = jax.vjp(lambda p_, x_: moe_reference(p_, x_, topk=K, dtype=jnp.float32)[0], p, xb)
+        y, vjp = jax.vjp(lambda p_, x_: moe_reference(p_, x_, topk=K, dtype=jnp.float32,
+                                                      **options)[0], p, xb)
         dp, dx = vjp(gb)
         return y, dp, dx
 
@@ -310,25 +312,6 @@ def _local_options(params, L):
     return {k: (v[None] if k in REPLICATED else v[sl]) for k, v in params.items()}, sl
 
 
-def _options_reference(params, x, g, T, K):
-    """Per token block: (y, dparams, dx) of moe_reference with OPTIONS, on the host."""
-    dev, where = host_device()
-
-    def fwd_bwd(p, xb, gb):
-        y, vjp = jax.vjp(lambda p_, x_: moe_reference(p_, x_, topk=K, dtype=jnp.float32,
-                                                      **OPTIONS)[0], p, xb)
-        dp, dx = vjp(gb)
-        return y, dp, dx
-
-    f = jax.jit(fwd_bwd)
-    with jax.default_device(dev):
-        p = jax.device_put(params, dev)
-        out = [jax.tree.map(np.asarray, f(p, jax.device_put(x[s * T:(s + 1) * T], dev),
-                                          jax.device_put(g[s * T:(s + 1) * T], dev)))
-               for s in range(R)]
-    return out, where
-
-
 def case_options(args, cfg, T, H, F, E, K, L):
     """Every option at once, normal mode, forward and backward, against moe_reference."""
     routing = _options_routing(E, K)
@@ -354,7 +337,7 @@ def case_options(args, cfg, T, H, F, E, K, L):
                               glob(x[ME * T:(ME + 1) * T]), glob(g[ME * T:(ME + 1) * T]))
     jax.block_until_ready(y)
     jaxep.check()
-    ref, where = _options_reference(params, x, g, T, K)
+    ref, where = reference_all_blocks(params, x, g, T, K, **OPTIONS)
     y_ref, dp_ref, dx_ref = ref[ME]
     checks = [close("options", "y", mine(y), y_ref), close("options", "dx", mine(dx), dx_ref)]
     for k in local:
@@ -383,7 +366,7 @@ def case_options_decode(args, decode_cfg, T, H, F, E, K, L):
         return y, st["dropped_rows"]
 
     _decode_vs_reference("options_decode", per_rank, pspec, local, x[ME * T:(ME + 1) * T],
-                         lambda: _options_reference(params, x, g, T, K))
+                         lambda: reference_all_blocks(params, x, g, T, K, **OPTIONS))
 
 
 def main() -> int:
