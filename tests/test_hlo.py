@@ -63,7 +63,8 @@ def test_reference_ep1_has_no_collective_work():
 
 @pytest.fixture
 def cuda_lowering(monkeypatch):
-    """The CUDA backend, for lowering only: extension 'loaded', a roomy multi-rank runtime."""
+    """The CUDA backend, for lowering only: extension 'loaded', a roomy multi-rank runtime (its
+    low-latency area included)."""
     monkeypatch.setattr(_extension, "_registered", True)
     if _extension.constants() is None:
         monkeypatch.setattr(_extension, "_constants", _extension.parse_constants(CONSTANTS))
@@ -71,7 +72,8 @@ def cuda_lowering(monkeypatch):
     monkeypatch.setitem(NODE_SIZE, "value", None)
     monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep_size: dict(
         size=ep_size, max_tokens=1 << 20, topk=64, experts=1 << 13, capacity=1 << 30,
-        stage_bytes=1 << 40, node_size=NODE_SIZE["value"] or ep_size))
+        stage_bytes=1 << 40, node_size=NODE_SIZE["value"] or ep_size, ll_experts=1 << 10,
+        ll_cap=1 << 20, ll_row_bytes=1 << 20))
 
 
 def _value(text: str):
@@ -211,15 +213,11 @@ def test_cuda_backend_checks_the_extensions_max_experts_once(cuda_lowering, monk
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_low_latency_grad_lowers_on_the_cuda_backend_at_ep_2(cuda_lowering, monkeypatch, fp8):
+def test_low_latency_grad_lowers_on_the_cuda_backend_at_ep_2(cuda_lowering, fp8):
     """jax.grad through a low-latency dispatch -> combine on the CUDA backend at EP size 2: the
     send halves get no tangent (their receive halves' VJPs carry the gradient), so tracing does
     not fail with "jaxep_ll_combine_send cannot be differentiated"; the backward is the normal
     mode's transposes on the flat rows (jaxep_combine, jaxep_dispatch_rows, jaxep_gather_back)."""
-    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep_size: dict(
-        size=ep_size, max_tokens=1 << 20, topk=64, experts=1 << 13, capacity=1 << 30,
-        stage_bytes=1 << 40, node_size=ep_size, ll_experts=1 << 10, ll_cap=1 << 20,
-        ll_row_bytes=1 << 20))
     cfg = jaxep.Config(num_experts=8, topk=2, hidden=128, max_tokens_per_rank=4,
                        dtype="bfloat16", mode="low_latency", fp8_dispatch=fp8)
     R, T = 2, 4
@@ -257,8 +255,7 @@ def test_both_backends_implement_the_contract():
 
 
 @pytest.mark.parametrize("R, decode", [(1, False), (2, False), (2, True)])
-def test_the_flax_layer_with_every_option_lowers_on_the_cuda_backend(cuda_lowering, monkeypatch,
-                                                                       R, decode):
+def test_the_flax_layer_with_every_option_lowers_on_the_cuda_backend(cuda_lowering, R, decode):
     """jaxep.nn.MoE with every routing, expert and loss option (sigmoid scores, selection and
     router biases, group-limited top-k, routed scaling, expert biases and gpt-oss's activation
     (res.expert), gated shared experts, the sequence-wise loss), bf16, on the CUDA backend: the
@@ -266,10 +263,6 @@ def test_the_flax_layer_with_every_option_lowers_on_the_cuda_backend(cuda_loweri
     normal mode at EP 1 and 2 and the decode path (low latency) at EP 2."""
     nnx = pytest.importorskip("flax.nnx")
     from jaxep.nn import MoE  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(cuda_calls, "runtime_limits", lambda op, ep_size: dict(
-        size=ep_size, max_tokens=1 << 20, topk=64, experts=1 << 13, capacity=1 << 30,
-        stage_bytes=1 << 40, node_size=ep_size, ll_experts=1 << 10, ll_cap=1 << 20,
-        ll_row_bytes=1 << 20))
     moe = MoE(128, 32, 8, 2, mesh=harness.mesh(R), rngs=nnx.Rngs(0), score_fn="sigmoid",
               selection_bias=True, router_bias=True, num_groups=4, topk_groups=2,
               routed_scaling_factor=2.5, expert_bias=True, activation="gpt_oss", shared_ffn=32,
