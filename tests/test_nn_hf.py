@@ -354,3 +354,24 @@ def test_bad_checkpoint_raises_naming_the_tensor():
         load_hf_weights(biased, checkpoint("qwen3_moe"), layer=LAYER, model_type="qwen3_moe")
     with pytest.raises(ValueError, match="exactly one"):
         load_hf_weights(moe, t, layer=LAYER, prefix=pre)
+
+
+def test_docs_block_runs():
+    """docs/nn.md's "From a Hugging Face model" block runs: the layer it builds has the config's
+    sizes, its saved tensors have the checkpoint's names and shapes, and loading them back changes
+    nothing."""
+    import os
+    import re
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "nn.md")) as f:
+        text = f.read()
+    block = re.search(r"```python\n(.*?)```", text[text.index("## From a Hugging Face model"):],
+                      re.S).group(1)
+    ns = {}
+    exec(block, ns)  # noqa: S102  (the docs' own code)
+    moe, tensors = ns["moe"], ns["tensors"]
+    assert moe.w_gate[...].shape == (8, 64, 32) and moe.routing.renormalize
+    assert tensors["model.layers.5.mlp.gate.weight"].shape == (8, 64)
+    assert tensors["model.layers.5.mlp.experts.7.down_proj.weight"].shape == (64, 32)
+    assert len(tensors) == 1 + 3 * 8
+    again = save_hf_weights(moe, layer=5)
+    assert all(np.array_equal(again[k], v) for k, v in tensors.items())
