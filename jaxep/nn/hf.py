@@ -22,7 +22,6 @@ import functools
 import inspect
 from typing import Any, Callable, Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,7 +59,8 @@ _FAMILY_KEYS = {
         qk_rope_head_dim v_head_dim qk_nope_head_dim qk_head_dim rope_interleave pretraining_tp
         """.split()),
     "qwen3_moe": frozenset("intermediate_size decoder_sparse_step mlp_only_layers".split()),
-    "qwen2_moe": frozenset("intermediate_size decoder_sparse_step mlp_only_layers qkv_bias".split()),
+    "qwen2_moe": frozenset(
+        "intermediate_size decoder_sparse_step mlp_only_layers qkv_bias".split()),
     "mixtral": frozenset(),
     "gpt_oss": frozenset("hidden_act initial_context_length".split()),
 }

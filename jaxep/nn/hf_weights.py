@@ -63,7 +63,8 @@ LAYOUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
                 ("w_gate", "experts.gate_up_proj", "even"), ("w_up", "experts.gate_up_proj", "odd"),
                 ("b_gate", "experts.gate_up_proj_bias", "even"),
                 ("b_up", "experts.gate_up_proj_bias", "odd"),
-                ("w_down", "experts.down_proj", "same"), ("b_down", "experts.down_proj_bias", "same")),
+                ("w_down", "experts.down_proj", "same"),
+                ("b_down", "experts.down_proj_bias", "same")),
 }
 BLOCK_NAMES = {"mixtral": "block_sparse_moe"}  # the MoE block's module name; others: "mlp"
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -187,10 +188,11 @@ def load_hf_weights(moe: Any, tensors: Mapping[str, Any], *, layer: int | None =
         sources[param] = _source(tensors, pre + name, layout, shape, used)
     left = sorted(k for k in tensors if k.startswith(pre) and k not in used)
     if left:
+        more = " ..." if len(left) > 8 else ""
         raise ValueError(f"jaxep.nn.load_hf_weights: {family} tensors under {pre!r} that no "
-                         f"parameter of the layer takes: {left[:8]}{' ...' if len(left) > 8 else ''}"
-                         f" (expected only {sorted(used)[:4]}...: dequantize quantized "
-                         f"checkpoints first; build the layer from this model's config)")
+                         f"parameter of the layer takes: {left[:8]}{more} (expected only the "
+                         f"block's {len(used)} tensors: dequantize quantized checkpoints first; "
+                         f"build the layer from this model's config)")
     for param, source in sources.items():
         _assign(getattr(moe, param), source)
 
