@@ -297,6 +297,16 @@ class MoE(nnx.Module):
             if shared_gate:
                 param("shared_gate", router_init, (H, 1))
 
+    @classmethod
+    def from_config(cls, hf_config: Any, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
+                    **overrides: Any) -> "MoE":
+        """The MoE block of a Hugging Face config (DeepSeek-V3, Qwen3-MoE, Qwen2-MoE, Mixtral,
+        gpt-oss; a dict or a `PretrainedConfig`): `jaxep.nn.hf.from_config`; `overrides` are any
+        constructor arguments (and `ignore_keys`). Load its weights with
+        `jaxep.nn.load_hf_weights`."""
+        from jaxep.nn.hf import from_config  # noqa: PLC0415 (hf.py imports this module)
+        return from_config(cls, hf_config, rngs=rngs, mesh=mesh, **overrides)
+
     # Read-only views of the routing settings, under the constructor's argument names.
     score_fn = property(lambda self: self.routing.score_fn)
     renormalize = property(lambda self: self.routing.renormalize)
