@@ -36,7 +36,7 @@ import time
 
 from jaxep import topology
 from jaxep.topology import machine
-from jaxep.doctor import counters, qos
+from jaxep.doctor import bond, counters, qos
 from jaxep.topology.findings import Finding
 
 FORMAT = 1
@@ -277,16 +277,25 @@ def counter_findings(c: dict) -> list[Finding]:
     return out
 
 
+def nvshmem_version(v: dict) -> str | None:
+    """The NVSHMEM wheel's version in a record's versions.json (cu13's, else cu12's)."""
+    packages = v.get("packages") or {}
+    return packages.get("nvidia-nvshmem-cu13") or packages.get("nvidia-nvshmem-cu12")
+
+
 def replay(path: str, nodes: int | None = None) -> dict:
-    """The doctor's network diagnosis of the record at `path`: its topology summary, its RoCE QoS,
-    the counters that moved, and every finding as {level, what, hint}. A record with no GPU (no
+    """The doctor's network diagnosis of the record at `path`: its topology summary, its RoCE QoS
+    (every EP stack's priority), the counters that moved, each bond member's share of the bytes
+    (`members`: {nic: jaxep.doctor.bond.shares rows}), and every finding as {level, what, hint},
+    the bonds' last. A record with no GPU (no
     `nvidia-smi topo -m` GPU: taken off a GPU node) gets one finding that says so instead, as the
     doctor skips its GPU and network checks on such a machine."""
     rec = load(path)
     topo = topology.summary(rec.environ, rec.root, rec.topo_text, nodes, rec.driver)
     q = qos.summary(rec.environ, rec.root, rec.topo_text, rec.run, nodes)
     moved = [f._asdict() for f in counter_findings(rec.counters)]
-    findings = topo["findings"] + q["findings"] + moved
+    members, spread = bond.record_members(rec.root, rec.counters, nvshmem_version(rec.versions))
+    findings = topo["findings"] + q["findings"] + moved + [f._asdict() for f in spread]
     if not topo["gpus"]:
         findings = [Finding("info", "the record holds no GPU (no nvidia-smi topo -m output with "
                             "GPUs): it was taken off a GPU node, where the doctor's GPU and "
@@ -294,7 +303,8 @@ def replay(path: str, nodes: int | None = None) -> dict:
                             "record on a GPU node of the cluster: python -m jaxep.doctor --record "
                             "doctor.tar.gz")._asdict()]
     return dict(record=path, manifest=rec.manifest, versions=rec.versions,
-                environ=rec.environ, topology=topo, qos=q, counters=moved, findings=findings)
+                environ=rec.environ, topology=topo, qos=q, counters=moved, members=members,
+                findings=findings)
 
 
 def _bond_text(bond: dict | None, nics: list, name: str) -> str:
@@ -324,6 +334,21 @@ def format_replay(d: dict) -> str:
         lines.append(f"  {n['nic']} ({', '.join(n['interfaces'])}): trust {n['trust'] or '?'}, "
                      f"PFC on {n['pfc'] if n['pfc'] is not None else '?'}; NVSHMEM's traffic: "
                      f"{n['how']}" + _bond_text(n.get("bond"), d["topology"]["nics"], n["nic"]))
+    lines += member_lines(d)
     lines.append("problems:" if d["findings"] else "problems: none")
     lines += [f"  [{p['level']}] {p['what']} -> {p['hint']}" for p in d["findings"]]
     return "\n".join(lines)
+
+
+def member_lines(d: dict) -> list[str]:
+    """Per bonded NIC of a replay: its members' shares of the bytes, and the LAG's port selection;
+    one line saying why where the record has no member byte counters."""
+    lag = {n["nic"]: (n.get("bond") or {}).get("lag") or {} for n in d["qos"]["nics"]}
+    out = [f"  {nic} bytes per member in {d['manifest'].get('interval_s', '?')} s: "
+           f"{bond.shares_text(rows)}; LAG port selection {lag.get(nic, {}).get('mode') or 'unknown'}"
+           + (f" ({lag[nic]['source']})" if lag.get(nic, {}).get("source") else "")
+           for nic, rows in d["members"].items()]
+    if not out and any(n.get("bond") for n in d["qos"]["nics"]):
+        out.append("  bond members: the record holds no member byte counters (ethtool -S "
+                   "rx|tx_bytes_phy): their shares of the bytes are unknown")
+    return out
