@@ -193,3 +193,14 @@ def record_members(root: str, c: dict, version: str | None) -> tuple[dict, list[
         if f is not None:
             found.append(f)
     return out, found
+
+
+def installed_nvshmem() -> str | None:
+    """The installed NVSHMEM wheel's version (nvidia-nvshmem-cu13, else -cu12), None without."""
+    import importlib.metadata  # pylint: disable=g-import-not-at-top
+    for dist in ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None

@@ -492,7 +492,45 @@ def parser() -> argparse.ArgumentParser:
                    "instead of this machine")
     p.add_argument("--interval", type=float, default=2.0, metavar="S",
                    help="--record: seconds between the two counter reads (default 2)")
+    # --- another stack's printout (jaxep.doctor.explain, .story) ---
+    e = p.add_argument_group("--explain: another EP stack's printout (DeepEP's or HybridEP's "
+                             "internode test), with --replay DIR for the node's side")
+    e.add_argument("--explain", metavar="FILE", help="what the GB/s in FILE mean and what really "
+                   "crossed a NIC; with --replay, the whole account for that node")
+    for flag, help_ in (("--tokens", "tokens per rank"), ("--hidden", "hidden size"),
+                        ("--topk", "experts per token"), ("--experts", "experts in all"),
+                        ("--ranks-per-node", "ranks (GPUs) per node")):
+        e.add_argument(flag, type=int, default=None, metavar="N",
+                       help=f"{help_}, where the printout does not say")
+    e.add_argument("--nic-gbps", type=float, default=None, metavar="G", help="the NIC's line rate "
+                   "in GB/s (default: the record's NIC, else 100, the seed's ConnectX-8)")
+    e.add_argument("--bond-members", type=int, default=None, metavar="M", help="the bond's "
+                   "members (default: the record's, else 2)")
     return p
+
+
+def _explain(args) -> int:
+    """--explain FILE [--replay DIR]: jaxep.doctor.story's account; 2 for a bad argument."""
+    from jaxep.doctor import explain, record, story  # pylint: disable=g-import-not-at-top
+    try:
+        with open(args.explain) as f:
+            text = f.read()
+    except OSError as e:
+        parser().error(f"--explain: cannot read {args.explain}: {e}")
+    d = record.replay(args.replay, nodes=args.nodes) if args.replay else None
+    nic, members, src = story.nic_of(d, args.nic_gbps, args.bond_members)
+    given = dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
+                 nodes=args.nodes, ranks_per_node=args.ranks_per_node)
+    try:
+        e = explain.explain(text, given, nic, members)
+    except ValueError as err:
+        parser().error(str(err))
+    if args.json:
+        print(json.dumps(dict(explain=e, nic_source=src, replay=d), indent=1, default=str))
+    else:
+        print(f"(NIC {nic:g} GB/s in {members} member(s): {src})")
+        print(story.tell(e, d))
+    return 0
 
 
 def _record_or_replay(args) -> int | None:
@@ -512,6 +550,8 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.nodes is not None and args.nodes < 1:
         parser().error(f"--nodes must be at least 1, got {args.nodes}")
+    if args.explain:
+        return _explain(args)
     status = _record_or_replay(args)
     if status is not None:
         return status
