@@ -4,14 +4,15 @@ formats below or reported in `unknown` with its number; nothing is guessed from 
 does not know. Stdlib only.
 
 The formats are those of the tests' printing code, read there (no run of either was parsed):
-- DeepEP's internode test (deepseek-ai/DeepEP tests/test_internode.py, v1.2.1; the same printer is
-  tests/legacy/test_internode.py on main): "[config] num_tokens=T, hidden=H, num_topk_groups=G,
+- DeepEP's internode test (deepseek-ai/DeepEP:tests/test_internode.py, v1.2.1; the same printer
+  is DeepEP:tests/legacy/test_internode.py on main, b306af0): "[config] num_tokens=T, hidden=H, num_topk_groups=G,
   num_topk=K"; "[tuning] SMs S, NVL chunk C, RDMA chunk R: N + t us, X GB/s (RDMA), Y GB/s (NVL)"
   for each candidate; "[tuning] Best dispatch (BF16|FP8): ...: N + t us, X GB/s (RDMA), Y GB/s
   (NVL)" and "[tuning] Best combine: ..., N + t us, X GB/s (RDMA), Y GB/s (NVL)"; t excludes the
   notify kernel's N. Printed by each node's local rank 0; the test asserts 8 ranks per node and
   does not print the expert count, the ranks or the nodes.
-- HybridEP's test (deepseek-ai/DeepEP hybrid-ep branch, tests/test_hybrid_ep.py at 94a9f8f):
+- HybridEP's test (deepseek-ai/DeepEP's hybrid-ep branch, DeepEP:tests/test_hybrid_ep.py at
+  94a9f8f):
   "=== Torch API Benchmark (BF16, 16 ranks) ===" headers, then per API "<label>: X GB/s (NVL|RDMA),
   t: T us [min=a, max=b], <bytes name>: B MB" (rank 0, the time averaged over the ranks), and under
   "=== Kernel Benchmark ... ===" "<label>(NVL|RDMA): X GB/s, avg_t=T us [min=a, max=b]". Its
@@ -26,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-DEEPEP = "DeepEP tests/test_internode.py"
-HYBRIDEP = "HybridEP tests/test_hybrid_ep.py"
+DEEPEP = "DeepEP's internode test (DeepEP:tests/test_internode.py)"
+HYBRIDEP = "HybridEP's test (DeepEP:tests/test_hybrid_ep.py, hybrid-ep branch)"
 _NUM = r"([\d.]+)"
 
 
@@ -181,7 +182,7 @@ def parse(text: str) -> dict:
         if not (_deepep(s, n, line) or _hybrid(s, n, line)):
             s.unknown.append((n, line))
     if len(s.fmt) > 1:
-        raise ValueError(f"--explain: the file mixes {DEEPEP}'s and {HYBRIDEP}'s lines: give one "
+        raise ValueError(f"--explain: the file mixes lines of {DEEPEP} and of {HYBRIDEP}: give one "
                          "test's printout")
     return dict(format=next(iter(s.fmt), None), printed=s.printed, figures=s.figures,
                 known=s.known, unknown=s.unknown, other_ranks=s.other_ranks)
