@@ -141,3 +141,16 @@ def test_hybridep_earlier_printer_and_mixed_files():
     with pytest.raises(ValueError, match="mixes"):
         printout.parse(DEEPEP + old)
     assert printout.parse("hello\n")["format"] is None
+
+
+def test_story_with_a_bond_on_one_member(capsys):
+    """The seed's printout beside tests/fixtures/topology/bond_skew: the record shows the bond as
+    the gap, its shares once (section 2), its settings once (section 5)."""
+    skew = os.path.join(FIXTURES, "topology", "bond_skew")
+    assert report.main(["--explain", SEED_TXT, "--replay", skew, "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    one, two, _, _, five = re.split(r"^\d\. .*$", out, flags=re.M)[1:]
+    assert "the record: 1 bond(s) not spreading (section 2)" in one
+    assert two.count("ens1f0np0 95%") == 1 and "the bond is not spreading" in two
+    assert five.count("[for: the bond is not spreading]") == 1
+    assert "NVSHMEM_IBGDA_NUM_RC_PER_PE to 4 or more" in five

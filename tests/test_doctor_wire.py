@@ -6,7 +6,10 @@ its user reported it, written by hand, not recorded on a real machine: 8 B300, 8
 (two 400G members each, 802.3ad) PXB to their GPU, RoCE, mlnx_qos output with trust dscp and PFC
 on priority 3 only, NVSHMEM's traffic class unset (0) while NCCL_IB_TC=106, Ethernet MTU 1500,
 and two counter reads 2 s apart in which the CNP, ECN, out-of-sequence and discard counters move
-and the bytes go out on priority 0."""
+and the bytes go out on priority 0, split 51 / 49 % over each bond's members (ethtool
+rx|tx_bytes_phy), with mlx5's LAG debugfs showing hash port selection.
+tests/fixtures/topology/bond_skew is one GPU of that node with QoS set right
+(NVSHMEM_IB_TRAFFIC_CLASS=106, MTU 9000) whose bond's first member carries 95 % of the bytes."""
 import json
 import os
 import tarfile

@@ -3,8 +3,9 @@ captured on the node, and diagnosed again on any machine (attach the record to a
 
 A record holds what the doctor's network readers read, and only that:
   root/...          every sysfs / procfs file and directory listing jaxep.topology.machine's readers
-                    (and .qos's, .counters') read, at their paths under /, plus empty markers for
-                    the files whose existence is the fact (/dev/gdrdrv, the peer-memory modules)
+                    (and .qos's, .counters', .bond's: the members' PCI uevent and the mlx5 LAG's
+                    debugfs) read, at their paths under /, plus empty markers for the files whose
+                    existence is the fact (/dev/gdrdrv, the peer-memory modules)
   topo.txt          `nvidia-smi topo -m` (absent where it gave nothing)
   env.json          the NVSHMEM_* and NCCL_* variables and CUDA_VISIBLE_DEVICES, as set
   driver.json       jaxep.topology.machine.read_driver's facts (dma-buf as libcuda said, the verbs
@@ -12,7 +13,8 @@ A record holds what the doctor's network readers read, and only that:
   commands.json     {"argv joined by spaces": "commands/NNN.txt" or null where it gave nothing}:
                     the QoS tools (mlnx_qos, dcb), ethtool -S, ofed_info -s, nvidia-smi's GPU list
   counters.json     {interval_s, before, after}: jaxep.doctor.counters.snapshot of every RDMA
-                    port, twice, interval_s apart (which congestion and loss counters move)
+                    port, twice, interval_s apart (which congestion and loss counters move, and a
+                    bond's members' ethtool byte counters: each member's share, jaxep.doctor.bond)
   versions.json     python, kernel, jaxep's and NVSHMEM's package versions
   manifest.json     {format, created_utc, interval_s}
 DIR ending in .tar.gz or .tgz writes (and reads) the same as one archive.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from jaxep.doctor import explain, record, stacks
+from jaxep.doctor import bond, explain, record, stacks
 
 DEFAULT_NIC_GBPS = 100.0   # the seed's ConnectX-8: 800 Gb/s
 DEFAULT_MEMBERS = 2        # run as 2 x 400GbE (CX8 firmware release notes: no 1 x 800GbE RoCE)
@@ -100,7 +100,12 @@ def tell(explained: dict | None, replay: dict | None) -> str:
     spread = [f for f in replay["findings"] if f["what"].startswith("the bond is not spreading")]
     out.append(f"2. Bytes per bond member (record {replay['record']})")
     out += record.member_lines(replay) or ["  no bonded NIC in the record"]
-    out += [f"  {f['what']}" for f in spread]
+    shown = [bond.shares_text(rows) + "; " for rows in replay["members"].values()]
+    for f in spread:  # its shares are on the member line above: the rest of it, once
+        what = f["what"]
+        for text in shown:
+            what = what.replace(text, "")
+        out.append(f"  {what}")
     if replay["members"] and not spread:
         out.append("  every member carried at least a third of its bond's bytes: the bonds "
                    "spread their queue pairs")
