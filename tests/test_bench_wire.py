@@ -97,8 +97,8 @@ def test_checklist_orders_the_seed_nodes_findings():
     assert "22% of the NIC's line rate" in got[1]
     order = [next(i for i, line in enumerate(got) if key in line) for key in (
         "the transport: the doctor found nothing", "which NIC each GPU uses: the doctor found",
-        "the link: [warn] RoCE below its 4096-byte RDMA MTU", "RoCE QoS: where NVSHMEM's traffic "
-        "lands: [warn] RoCE traffic class", "congestion and loss while traffic ran: [warn]")]
+        "the link: [warn] RoCE below its 4096-byte RDMA MTU", "RoCE QoS: where each EP stack's "
+        "traffic lands: [warn] RoCE traffic class", "congestion and loss while traffic ran: [warn]")]
     assert order == sorted(order)
     assert any("NVSHMEM_IB_TRAFFIC_CLASS=106" in line for line in got)
     lines = checklist.lines(dict(cluster_checks=got))
@@ -158,5 +158,7 @@ def test_bond_members_share_of_an_op(tmp_path):
     out = report._text(*wire.renderables(dict(wire=dict(available=True, note=None,
                                                         rows=[row]))))
     assert "bytes per bond member: ens1f0np0 95%" in out and "not spreading" in out
+    got = checklist.checks(dict(model={}, wire=dict(available=True, rows=[row])), [])
+    assert "model does not count; the bond is not spreading" in got[0]
     quiet = wire.section([p.payload()], _ops([0] * 16, median=2e-3), None)["rows"][0]
     assert quiet["members"] and quiet["spread"] is None
