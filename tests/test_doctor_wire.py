@@ -352,3 +352,13 @@ def test_nccl_gin_class_rule():
     assert "trust DSCP" in lands["HybridEP"][4]
     assert {r["lossless"] for r in stacks.landings(qos.Qos("e", "dscp", None, None, None, ()),
                                                    {})} == {None}
+
+
+def test_doctor_report_lines_for_bonds_and_stacks():
+    """What `python -m jaxep.doctor` prints on a node for its RoCE NICs (here: the seed node's)."""
+    lines = report.qos_lines(record.replay(SEED, nodes=2)["qos"]["nics"])
+    assert lines[0] == ("  mlx5_bond_0: bond0 LAG port selection hash "
+                        "(/sys/kernel/debug/mlx5/0000:1a:00.0/lag/port_sel_mode)")
+    assert sum(x.strip().startswith("HybridEP: ") for x in lines) == 1
+    assert report.qos_lines([]) == []
+    assert bond.lag_text(None).startswith("unknown (no mlx5 LAG debugfs readable here")

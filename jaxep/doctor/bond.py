@@ -204,3 +204,11 @@ def installed_nvshmem() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def lag_text(lag: dict | None) -> str:
+    """"hash (/sys/kernel/debug/...)" or why the LAG's port selection is unknown."""
+    if not lag or not lag.get("mode"):
+        return ("unknown (no mlx5 LAG debugfs readable here: mounted, as root; no MLNX_OFED "
+                "compat/devlink file)")
+    return f"{lag['mode']} ({lag['source']})"

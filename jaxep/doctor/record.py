@@ -38,7 +38,7 @@ import time
 
 from jaxep import topology
 from jaxep.topology import machine
-from jaxep.doctor import bond, counters, qos
+from jaxep.doctor import bond, counters, qos, stacks
 from jaxep.topology.findings import Finding
 
 FORMAT = 1
@@ -336,6 +336,9 @@ def format_replay(d: dict) -> str:
         lines.append(f"  {n['nic']} ({', '.join(n['interfaces'])}): trust {n['trust'] or '?'}, "
                      f"PFC on {n['pfc'] if n['pfc'] is not None else '?'}; NVSHMEM's traffic: "
                      f"{n['how']}" + _bond_text(n.get("bond"), d["topology"]["nics"], n["nic"]))
+    if d["qos"]["nics"]:
+        lines += ["  RoCE priority of each EP stack's traffic:"] + [
+            f"  {x}" for x in stacks.grouped_lines(d["qos"]["nics"])]
     lines += member_lines(d)
     lines.append("problems:" if d["findings"] else "problems: none")
     lines += [f"  [{p['level']}] {p['what']} -> {p['hint']}" for p in d["findings"]]
@@ -347,8 +350,7 @@ def member_lines(d: dict) -> list[str]:
     one line saying why where the record has no member byte counters."""
     lag = {n["nic"]: (n.get("bond") or {}).get("lag") or {} for n in d["qos"]["nics"]}
     out = [f"  {nic} bytes per member in {d['manifest'].get('interval_s', '?')} s: "
-           f"{bond.shares_text(rows)}; LAG port selection {lag.get(nic, {}).get('mode') or 'unknown'}"
-           + (f" ({lag[nic]['source']})" if lag.get(nic, {}).get("source") else "")
+           f"{bond.shares_text(rows)}; LAG port selection {bond.lag_text(lag.get(nic))}"
            for nic, rows in d["members"].items()]
     if not out and any(n.get("bond") for n in d["qos"]["nics"]):
         out.append("  bond members: the record holds no member byte counters (ethtool -S "

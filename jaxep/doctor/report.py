@@ -465,11 +465,22 @@ def format_report(f: dict) -> str:
                  + f"; IMEX channels: {', '.join(fab['imex_channels']) or 'none'}")
     lines.append("GPU-NIC, as NVSHMEM would pick (jaxep.topology):")
     lines += [f"  {line}" for line in f["topology"]["report"]]
+    lines += qos_lines(f.get("qos", {}).get("nics", []))
     nv = {k: v for k, v in f["env"].items() if k.startswith("NVSHMEM_")}
     lines.append(f"NVSHMEM env: {nv or 'none'}")
     lines.append("problems:" if f["problems"] else "problems: none")
     lines += [f"  [{p['level']}] {p['what']} -> {p['hint']}" for p in f["problems"]]
     return "\n".join(lines)
+
+
+def qos_lines(nics: list) -> list[str]:
+    """The RoCE NICs NVSHMEM uses: each bond's LAG port selection, then each EP stack's priority
+    (jaxep.doctor.qos / .stacks / .bond)."""
+    from jaxep.doctor import bond, stacks  # pylint: disable=g-import-not-at-top
+    out = [f"  {n['nic']}: {n['bond']['name']} LAG port selection "
+           f"{bond.lag_text(n['bond'].get('lag'))}" for n in nics if n.get("bond")]
+    return out + (["RoCE priority of each EP stack's traffic:"] + stacks.grouped_lines(nics)
+                  if nics else [])
 
 
 def parser() -> argparse.ArgumentParser:

@@ -114,3 +114,17 @@ def findings(q: Qos | None, env: Mapping[str, str]) -> list[Finding]:
                 f"{', '.join(map(str, sorted(q.pfc)))} {'are' if len(q.pfc) > 1 else 'is'} "
                 "lossless", r["fix"]))
     return out
+
+
+def grouped_lines(nics: list[dict]) -> list[str]:
+    """Each stack's priority (landing_text) once for every group of NICs (qos.summary's "nics"
+    entries) whose landings are alike."""
+    groups = {}
+    for n in nics:
+        groups.setdefault(tuple(landing_text(n.get("stacks") or [])), []).append(n)
+    out = []
+    for lines, ns in groups.items():
+        out.append(f"  on {', '.join(n['nic'] for n in ns)} (trust {ns[0]['trust'] or '?'}, PFC on "
+                   f"{ns[0]['pfc'] if ns[0]['pfc'] is not None else '?'}):")
+        out += [f"    {x}" for x in lines]
+    return out

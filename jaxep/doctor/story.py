@@ -32,20 +32,6 @@ def nic_of(replay: dict | None, nic_gbps: float | None, members: int | None) -> 
             DEFAULT_MEMBERS if members is None else members, "; ".join(src) or "the flags")
 
 
-def _landing_lines(replay: dict) -> list[str]:
-    """Each stack's priority, once for every group of NICs whose landings are alike."""
-    groups = {}
-    for n in replay["qos"]["nics"]:
-        key = tuple(stacks.landing_text(n.get("stacks") or []))
-        groups.setdefault(key, []).append(n["nic"])
-    out = []
-    for lines, nics in groups.items():
-        out.append(f"  on {', '.join(nics)} (trust "
-                   f"{next(n for n in replay['qos']['nics'] if n['nic'] == nics[0])['trust']}):")
-        out += [f"    {x}" for x in lines]
-    return out or ["  no RoCE NIC in the record: no priority to follow"]
-
-
 def _reason(what: str) -> str:
     head = re.split(r" on \S+ \(| \(|; |: (?=[a-z])", what, maxsplit=1)[0]
     return head if len(head) <= 90 else head[:87] + "..."
@@ -110,7 +96,8 @@ def tell(explained: dict | None, replay: dict | None) -> str:
         out.append("  every member carried at least a third of its bond's bytes: the bonds "
                    "spread their queue pairs")
     out.append("3. The priority each stack's traffic lands on")
-    out += _landing_lines(replay)
+    out += stacks.grouped_lines(replay["qos"]["nics"]) or [
+        "  no RoCE NIC in the record: no priority to follow"]
     out.append("4. The counters that moved")
     out += [f"  {f['what']}" for f in replay["counters"]] or ["  none in the record's interval"]
     out.append("5. The settings to change")
