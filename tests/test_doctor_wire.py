@@ -356,9 +356,13 @@ def test_nccl_gin_class_rule():
 
 def test_doctor_report_lines_for_bonds_and_stacks():
     """What `python -m jaxep.doctor` prints on a node for its RoCE NICs (here: the seed node's)."""
-    lines = report.qos_lines(record.replay(SEED, nodes=2)["qos"]["nics"])
+    lines = report.qos_lines(record.replay(SEED, nodes=2)["qos"]["nics"], "3.4.5")
     assert lines[0] == ("  mlx5_bond_0: bond0 LAG port selection hash "
                         "(/sys/kernel/debug/mlx5/0000:1a:00.0/lag/port_sel_mode)")
+    placed = next(x for x in lines if "queue pairs on bond members" in x)
+    assert "UDP source port 49152" in placed and "hashes to the same member" in placed
+    assert any("not read here" in x for x in report.qos_lines(
+        record.replay(SEED, nodes=2)["qos"]["nics"], "3.2.5"))
     assert sum(x.strip().startswith("HybridEP: ") for x in lines) == 1
     assert report.qos_lines([]) == []
     assert bond.lag_text(None).startswith("unknown (no mlx5 LAG debugfs readable here")

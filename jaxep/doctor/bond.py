@@ -212,3 +212,20 @@ def lag_text(lag: dict | None) -> str:
         return ("unknown (no mlx5 LAG debugfs readable here: mounted, as root; no MLNX_OFED "
                 "compat/devlink file)")
     return f"{lag['mode']} ({lag['source']})"
+
+
+def placement_text(mode: str | None, version: str | None) -> str:
+    """How a bond's queue pairs reach its members under this LAG mode and NVSHMEM version, and how
+    to check it (one line for the doctor's report)."""
+    fixed = (version or "").split("+")[0] in IBGDA_FIXED_SPORT
+    if mode == "hash" and fixed:
+        how = ("under hash port selection every IBGDA queue pair between two NICs hashes to the "
+               "same member: one member carries a GPU's traffic to each peer")
+    elif mode == "hash":
+        how = "under hash port selection a queue pair's member follows its UDP source port"
+    elif mode == "queue_affinity":
+        how = "the driver places each queue pair on a member"
+    else:
+        how = "the LAG's port selection is unknown"
+    return (f"queue pairs on bond members: {nvshmem_sport(version)}; {how}; check the members' "
+            "shares: python -m jaxep.doctor --record DIR while the job runs, then --replay DIR")

@@ -339,6 +339,10 @@ def format_replay(d: dict) -> str:
     if d["qos"]["nics"]:
         lines += ["  RoCE priority of each EP stack's traffic:"] + [
             f"  {x}" for x in stacks.grouped_lines(d["qos"]["nics"])]
+    bonded = [n for n in d["qos"]["nics"] if n.get("bond")]
+    if bonded:
+        lines.append("  " + bond.placement_text((bonded[0]["bond"].get("lag") or {}).get("mode"),
+                                                nvshmem_version(d["versions"])))
     lines += member_lines(d)
     lines.append("problems:" if d["findings"] else "problems: none")
     lines += [f"  [{p['level']}] {p['what']} -> {p['hint']}" for p in d["findings"]]

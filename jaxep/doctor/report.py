@@ -465,7 +465,7 @@ def format_report(f: dict) -> str:
                  + f"; IMEX channels: {', '.join(fab['imex_channels']) or 'none'}")
     lines.append("GPU-NIC, as NVSHMEM would pick (jaxep.topology):")
     lines += [f"  {line}" for line in f["topology"]["report"]]
-    lines += qos_lines(f.get("qos", {}).get("nics", []))
+    lines += qos_lines(f.get("qos", {}).get("nics", []), shm.get("version"))
     nv = {k: v for k, v in f["env"].items() if k.startswith("NVSHMEM_")}
     lines.append(f"NVSHMEM env: {nv or 'none'}")
     lines.append("problems:" if f["problems"] else "problems: none")
@@ -473,12 +473,17 @@ def format_report(f: dict) -> str:
     return "\n".join(lines)
 
 
-def qos_lines(nics: list) -> list[str]:
-    """The RoCE NICs NVSHMEM uses: each bond's LAG port selection, then each EP stack's priority
-    (jaxep.doctor.qos / .stacks / .bond)."""
+def qos_lines(nics: list, nvshmem_version: str | None = None) -> list[str]:
+    """The RoCE NICs NVSHMEM uses: each bond's LAG port selection and how queue pairs reach its
+    members under the installed NVSHMEM, then each EP stack's priority (jaxep.doctor.qos /
+    .stacks / .bond)."""
     from jaxep.doctor import bond, stacks  # pylint: disable=g-import-not-at-top
+    bonded = [n for n in nics if n.get("bond")]
     out = [f"  {n['nic']}: {n['bond']['name']} LAG port selection "
-           f"{bond.lag_text(n['bond'].get('lag'))}" for n in nics if n.get("bond")]
+           f"{bond.lag_text(n['bond'].get('lag'))}" for n in bonded]
+    if bonded:
+        out.append("  " + bond.placement_text((bonded[0]["bond"].get("lag") or {}).get("mode"),
+                                               nvshmem_version))
     return out + (["RoCE priority of each EP stack's traffic:"] + stacks.grouped_lines(nics)
                   if nics else [])
 
