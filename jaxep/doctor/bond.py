@@ -33,6 +33,12 @@ import re
 from jaxep.topology import machine
 from jaxep.topology.findings import Finding
 
+
+
+def _read(path) -> str | None:
+    """machine._read, looked up at each call: jaxep.doctor.record.traced swaps it to record."""
+    return machine._read(path)  # pylint: disable=protected-access
+
 LOW_SHARE = 1 / 3       # a member below this share of the bond's bytes is flagged
 CROSSED_BYTES = 100e6   # a record interval with fewer bond bytes carried no job's traffic
 PRIO = re.compile(r"(rx|tx)_prio\d_bytes")
@@ -59,8 +65,7 @@ def member_speeds(root: str, members) -> dict[str, float | None]:
     or absent)."""
     out = {}
     for m in members:
-        v = machine.int_or_none(machine._read(os.path.join(  # pylint: disable=protected-access
-            root, "sys", "class", "net", m, "speed")))
+        v = machine.int_or_none(_read(os.path.join(root, "sys", "class", "net", m, "speed")))
         out[m] = v / 1000 if v and v > 0 else None
     return out
 
@@ -99,8 +104,7 @@ def shares_text(rows: list[dict]) -> str:
 
 def pci_function(root: str, member: str) -> str | None:
     """PCI_SLOT_NAME of /sys/class/net/<member>/device/uevent, e.g. "0000:1a:00.0"."""
-    text = machine._read(os.path.join(root, "sys", "class", "net", member, "device",  # pylint: disable=protected-access
-                                      "uevent"))
+    text = _read(os.path.join(root, "sys", "class", "net", member, "device", "uevent"))
     m = re.search(r"^PCI_SLOT_NAME=(\S+)", text or "", re.M)
     return m.group(1) if m else None
 
@@ -112,14 +116,14 @@ def lag_mode(root: str, members) -> dict:
         pci = pci_function(root, m)
         if pci:
             lag = os.path.join(root, "sys", "kernel", "debug", "mlx5", pci, "lag")
-            mode = (machine._read(os.path.join(lag, "port_sel_mode")) or "").strip()  # pylint: disable=protected-access
+            mode = (_read(os.path.join(lag, "port_sel_mode")) or "").strip()
             if mode in PORT_SEL_MODES:
-                state = machine._read(os.path.join(lag, "state"))  # pylint: disable=protected-access
+                state = _read(os.path.join(lag, "state"))
                 return dict(mode=mode, state=state,
                             source=f"/sys/kernel/debug/mlx5/{pci}/lag/port_sel_mode")
         pref = os.path.join(root, "sys", "class", "net", m, "compat", "devlink",
                             "lag_port_select_mode")
-        mode = (machine._read(pref) or "").strip()  # pylint: disable=protected-access
+        mode = (_read(pref) or "").strip()
         if mode in PORT_SEL_MODES:
             return dict(mode=mode, state=None, source=f"/sys/class/net/{m}/compat/devlink/"
                         "lag_port_select_mode (MLNX_OFED: the administrator's choice)")

@@ -5,8 +5,8 @@ does not know. Stdlib only.
 
 The formats are those of the tests' printing code, read there (no run of either was parsed):
 - DeepEP's internode test (deepseek-ai/DeepEP:tests/test_internode.py, v1.2.1; the same printer
-  is DeepEP:tests/legacy/test_internode.py on main, b306af0): "[config] num_tokens=T, hidden=H, num_topk_groups=G,
-  num_topk=K"; "[tuning] SMs S, NVL chunk C, RDMA chunk R: N + t us, X GB/s (RDMA), Y GB/s (NVL)"
+  is DeepEP:tests/legacy/test_internode.py on main, b306af0): "[config] num_tokens=T, hidden=H,
+  num_topk_groups=G, num_topk=K"; "[tuning] SMs S, NVL chunk C, RDMA chunk R: N + t us, X GB/s (RDMA), Y GB/s (NVL)"
   for each candidate; "[tuning] Best dispatch (BF16|FP8): ...: N + t us, X GB/s (RDMA), Y GB/s
   (NVL)" and "[tuning] Best combine: ..., N + t us, X GB/s (RDMA), Y GB/s (NVL)"; t excludes the
   notify kernel's N. Printed by each node's local rank 0; the test asserts 8 ranks per node and
