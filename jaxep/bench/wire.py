@@ -217,10 +217,10 @@ def renderables(r: dict) -> list:
                    row["flag"] or "")
         out += [f"  {row['op']} GPU {row['gpu']} {row['nic']}: {m['counter']} +{m['by']:,}: "
                 f"{m['means']}" for m in row["moved"]]
-        if row["members"]:
+        if row.get("members"):
             out.append(f"  {row['op']} GPU {row['gpu']} {row['nic']}: bytes per bond member: "
                        + bond.shares_text(row["members"]))
-        if row["spread"]:
+        if row.get("spread"):
             out.append(f"  {row['op']} GPU {row['gpu']}: {row['spread']}")
         if row["priorities"]:
             out.append(f"  {row['op']} GPU {row['gpu']} {row['nic']}: bytes sent per call by "
