@@ -97,8 +97,8 @@ def test_checklist_orders_the_seed_nodes_findings():
     assert "22% of the NIC's line rate" in got[1]
     order = [next(i for i, line in enumerate(got) if key in line) for key in (
         "the transport: the doctor found nothing", "which NIC each GPU uses: the doctor found",
-        "the link: [warn] RoCE below its 4096-byte RDMA MTU", "RoCE QoS: where NVSHMEM's traffic "
-        "lands: [warn] RoCE traffic class", "congestion and loss while traffic ran: [warn]")]
+        "the link: [warn] RoCE below its 4096-byte RDMA MTU", "RoCE QoS: where each EP stack's "
+        "traffic lands: [warn] RoCE traffic class", "congestion and loss while traffic ran: [warn]")]
     assert order == sorted(order)
     assert any("NVSHMEM_IB_TRAFFIC_CLASS=106" in line for line in got)
     lines = checklist.lines(dict(cluster_checks=got))
@@ -121,3 +121,44 @@ def test_checklist_on_a_machine_without_gpus(monkeypatch):
                    "cluster the bench's wire table compares each NIC's bytes per call with the "
                    "model", "2. " + checklist.NOT_A_GPU_NODE]
     assert "jaxep.doctor --nodes 2" in got[-1]
+
+
+def _ethtool(member_bytes):
+    """ethtool -S text of each member: {member: (tx_bytes_phy, rx_bytes_phy)}."""
+    return {m: f"NIC statistics:\n     rx_bytes_phy: {rx}\n     tx_bytes_phy: {tx}\n"
+            for m, (tx, rx) in member_bytes.items()}
+
+
+def test_bond_members_share_of_an_op(tmp_path):
+    """GPU 0's bond (hash port selection in the seed node's debugfs): one member carries 95% of
+    the op's bytes; the row gives each member's share and GB/s against its own 50 GB/s, and the
+    spread flag; an op the model sends nothing over the NIC for is not flagged."""
+    root = copy_root(tmp_path)
+    rec = record.load(SEED)
+    text = _ethtool({"ens1f0np0": (10, 10), "ens1f1np1": (10, 10)})
+    p, why = wire.probe({0: [0]}, emulated=False, root=root, topo_text=rec.topo_text,
+                        environ=rec.environ, ethtool=text.get)
+    assert why is None and p.targets[0]["lag"] == "hash"
+    assert p.targets[0]["members"] == {"ens1f0np0": 400.0, "ens1f1np1": 400.0}
+    before = p.read()
+    text.update(_ethtool({"ens1f0np0": (10 + 95 * MB * 100, 10 + 95 * MB * 100),
+                          "ens1f1np1": (10 + 5 * MB * 100, 10 + 5 * MB * 100)}))
+    bump(root, "mlx5_bond_0", "counters/port_xmit_data", 100 * MB * 100 // 4)
+    bump(root, "mlx5_bond_0", "counters/port_rcv_data", 100 * MB * 100 // 4)
+    p.keep("dispatch", dict(before=before, after=p.read(), ops=100))
+    p.nvshmem = "3.4.5"
+    row = wire.section([p.payload()], _ops([58.6 * MB] * 16, median=2e-3), None)["rows"][0]
+    a, b = row["members"]
+    assert (a["member"], round(a["share"], 2), b["member"], round(b["share"], 2)) == (
+        "ens1f0np0", 0.95, "ens1f1np1", 0.05)
+    assert abs(a["gbps"] - 47.5) < 1e-9 and a["line_gbps"] == 50.0
+    assert row["spread"].startswith("the bond is not spreading: mlx5_bond_0 (bond0) during "
+                                    "dispatch: ens1f0np0 95% (47.5 GB/s = 95% of its 50 GB/s)")
+    assert "UDP source port 49152" in row["spread"]
+    out = report._text(*wire.renderables(dict(wire=dict(available=True, note=None,
+                                                        rows=[row]))))
+    assert "bytes per bond member: ens1f0np0 95%" in out and "not spreading" in out
+    got = checklist.checks(dict(model={}, wire=dict(available=True, rows=[row])), [])
+    assert "model does not count; the bond is not spreading" in got[0]
+    quiet = wire.section([p.payload()], _ops([0] * 16, median=2e-3), None)["rows"][0]
+    assert quiet["members"] and quiet["spread"] is None

@@ -6,7 +6,10 @@ its user reported it, written by hand, not recorded on a real machine: 8 B300, 8
 (two 400G members each, 802.3ad) PXB to their GPU, RoCE, mlnx_qos output with trust dscp and PFC
 on priority 3 only, NVSHMEM's traffic class unset (0) while NCCL_IB_TC=106, Ethernet MTU 1500,
 and two counter reads 2 s apart in which the CNP, ECN, out-of-sequence and discard counters move
-and the bytes go out on priority 0."""
+and the bytes go out on priority 0, split 51 / 49 % over each bond's members (ethtool
+rx|tx_bytes_phy), with mlx5's LAG debugfs showing hash port selection.
+tests/fixtures/topology/bond_skew is one GPU of that node with QoS set right
+(NVSHMEM_IB_TRAFFIC_CLASS=106, MTU 9000) whose bond's first member carries 95 % of the bytes."""
 import json
 import os
 import tarfile
@@ -14,7 +17,7 @@ import tarfile
 import pytest
 
 from jaxep.topology import machine
-from jaxep.doctor import counters, qos, record, report
+from jaxep.doctor import bond, counters, qos, record, report, stacks
 from seed_fixture import bump, copy_root
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "topology")
@@ -38,7 +41,8 @@ def test_replay_of_the_seed_node_finds_each_problem():
     for name in ("np_cnp_sent", "rp_cnp_handled", "np_ecn_marked_roce_packets",
                  "out_of_sequence", "packet_seq_err", "rx_discards_phy"):
         assert any(w.startswith(f"{name} moved in 2 s on 8 NIC(s)") for w in whats), name
-    assert any("priority 0 78.4 GB" in w for w in whats)
+    # the bonds' bytes (5.0 GB sent each in 2 s) with RoCE's headers, on both members of 8 bonds
+    assert any("priority 0 42.4 GB" in w for w in whats)
     # the bonds are healthy (802.3ad, both members up, RDMA sees their sum): no bond finding
     assert not any(w.startswith(("bonded NIC", "RoCE bond")) for w in whats)
     text = record.format_replay(d)
@@ -49,7 +53,8 @@ def test_replay_with_the_fix_applied_is_quiet_on_qos():
     rec = record.load(SEED)
     env = {**rec.environ, "NVSHMEM_IB_TRAFFIC_CLASS": "106"}
     q = qos.summary(env, rec.root, rec.topo_text, rec.run, nodes=2)
-    assert q["findings"] == []
+    # NVSHMEM's finding is gone; HybridEP's class is fixed in its source: no variable moves it
+    assert [f["what"].split("'s traffic")[0] for f in q["findings"]] == ["RoCE QoS: HybridEP"]
     assert {n["nvshmem_priority"] for n in q["nics"]} == {3}
 
 
@@ -205,6 +210,8 @@ def test_record_captures_what_the_doctor_reads_and_replays(tmp_path, monkeypatch
         names = tar.getnames()
     assert "record/root/sys/class/infiniband/mlx5_bond_0/ports/1/counters/port_xmit_data" in names
     assert "record/root/proc/net/bonding/bond0" in names
+    assert "record/root/sys/kernel/debug/mlx5/0000:1a:00.0/lag/port_sel_mode" in names
+    assert "record/root/sys/class/net/ens1f0np0/device/uevent" in names
     assert not any("nvidia/params" in n for n in names)  # not read: the driver facts were given
     back = record.load(out)
     assert "HOME" not in back.environ and back.environ["NCCL_IB_TC"] == "106"
@@ -244,3 +251,118 @@ def test_replay_of_a_record_without_gpus_says_so(tmp_path, capsys):
     assert report.main(["--replay", out, "--nodes", "2"]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"replay of {out} (") and "[info] the record holds no GPU" in text
+
+
+# --- bond members (jaxep.doctor.bond) ------------------------------------------------------------
+
+SKEW = os.path.join(FIXTURES, "bond_skew")
+
+
+def test_replay_of_a_bond_on_one_member_ends_in_the_spread_finding():
+    """tests/fixtures/topology/bond_skew: one GPU's bond, its first member carrying 95% of the
+    bytes under hash port selection, NVSHMEM 3.4.5, QoS set right."""
+    d = record.replay(SKEW, nodes=2)
+    last = d["findings"][-1]
+    assert last["what"].startswith("the bond is not spreading: mlx5_bond_0 (bond0)")
+    assert "ens1f0np0 95% (47 GB/s = 94% of its 50 GB/s), ens1f1np1 5%" in last["what"]
+    assert "LAG port selection hash" in last["what"] and "UDP source port 49152" in last["what"]
+    assert "NVSHMEM_IBGDA_NUM_RC_PER_PE" in last["hint"] and "queue_affinity" in last["hint"]
+    assert "do not spread them" in last["hint"]  # hash + a fixed source port: more QPs don't help
+    assert [r["member"] for r in d["members"]["mlx5_bond_0"]] == ["ens1f0np0", "ens1f1np1"]
+    text = record.format_replay(d)
+    assert "mlx5_bond_0 bytes per member in 2.0 s: ens1f0np0 95%" in text
+    assert "(/sys/kernel/debug/mlx5/0000:1a:00.0/lag/port_sel_mode)" in text
+
+
+def test_seed_node_bonds_spread_and_show_their_lag_mode():
+    d = record.replay(SEED, nodes=2)
+    assert len(d["members"]) == 8
+    assert {round(r["share"], 2) for rows in d["members"].values() for r in rows} == {0.51, 0.49}
+    assert not any(f["what"].startswith("the bond is not spreading") for f in d["findings"])
+    assert {n["bond"]["lag"]["mode"] for n in d["qos"]["nics"]} == {"hash"}
+
+
+def test_member_bytes_shares_and_lag_sources(tmp_path):
+    # per-priority bytes where a driver has no rx|tx_bytes_phy; None where neither exists
+    assert bond.member_bytes({"tx_prio0_bytes": 5, "tx_prio3_bytes": 7, "rx_prio3_bytes": 2}) \
+        == (12, 2)
+    assert bond.member_bytes({"tx_bytes_phy": 9, "tx_prio0_bytes": 5, "rx_bytes_phy": 1}) == (9, 1)
+    assert bond.member_bytes({}) == (None, None)
+    rows = bond.shares({"a": {"tx_bytes_phy": 60, "rx_bytes_phy": 10},
+                        "b": {"tx_bytes_phy": 20, "rx_bytes_phy": 10}},
+                       {"a": 400.0, "b": 400.0}, seconds=1e-9)
+    assert [round(r["share"], 2) for r in rows] == [0.7, 0.3]
+    assert rows[0]["gbps"] == 60 and rows[0]["line_gbps"] == 50 and rows[0]["line_fraction"] == 1.2
+    f = bond.spread_finding("mlx5_bond_0", "bond0", rows, "during dispatch", None, None)
+    assert "b carried less than a third" in f.what and "unknown" in f.what
+    assert bond.shares({"a": {"tx_bytes_phy": 1, "rx_bytes_phy": 1}, "b": {}},
+                       {"a": 400.0, "b": 400.0}, 1.0) == []
+    # MLNX_OFED's compat/devlink file where debugfs is not mounted; nothing: unknown
+    assert bond.lag_mode(str(tmp_path), ["eth0"])["mode"] is None
+    pref = tmp_path / "sys/class/net/eth0/compat/devlink"
+    pref.mkdir(parents=True)
+    (pref / "lag_port_select_mode").write_text("queue_affinity\n")
+    got = bond.lag_mode(str(tmp_path), ["eth0"])
+    assert got["mode"] == "queue_affinity" and "compat/devlink" in got["source"]
+    assert "NVSHMEM_IBGDA_NUM_RC_PER_PE=4" in bond.spread_hint("queue_affinity", "3.4.5")
+
+
+def test_nvshmem_source_port_by_version():
+    assert "UDP source port 49152" in bond.nvshmem_sport("3.4.5")
+    assert "UDP source port 49152" in bond.nvshmem_sport("3.5.1")
+    unread = bond.nvshmem_sport("3.2.5")
+    assert "not read here" in unread and "3.4.5, 3.5.1" in unread
+    assert "(version unknown)" in bond.nvshmem_sport(None)
+
+
+# --- every EP stack's priority (jaxep.doctor.stacks) ---------------------------------------------
+
+def _lands(q, env):
+    return {r["stack"]: (r["tc"], r["sl"], r["priority"], r["lossless"], r["fix"])
+            for r in stacks.landings(q, env)}
+
+
+def test_every_stack_lands_on_a_priority_on_the_seed_node():
+    """NVSHMEM (class unset: 0) and HybridEP (0 in its source) land on priority 0 without PFC;
+    NCCL and NCCL's GIN path follow NCCL_IB_TC=106 to priority 3, the lossless one."""
+    d = record.replay(SEED, nodes=2)
+    got = {r["stack"]: (r["priority"], r["lossless"]) for r in d["qos"]["nics"][0]["stacks"]}
+    assert got == {"NVSHMEM": (0, False), "NCCL": (3, True), "NCCL GIN (DeepEP V2)": (3, True),
+                   "HybridEP": (0, False)}
+    hybrid = [f for f in d["findings"] if f["what"].startswith("RoCE QoS: HybridEP's traffic")]
+    assert len(hybrid) == 1 and all(f"mlx5_bond_{i}" in hybrid[0]["what"] for i in range(8))
+    assert "NCCL_IB_TC=106" in hybrid[0]["hint"] and "DEF_IB_TC" in hybrid[0]["hint"]
+
+
+def test_nccl_gin_class_rule():
+    """GIN's class: NCCL_GIN_IB_TC, else NCCL_IB_TC, else the caller's (DeepEP V2's sl_idx, 3);
+    its service level is NCCL_IB_SL, else that same class. A class of 3 is DSCP 0."""
+    dscp = qos.Qos("eth0", "dscp", None, frozenset({3}), None, ())
+    gin = "NCCL GIN (DeepEP V2)"
+    assert _lands(dscp, {})[gin] == (3, 3, 0, False, "NCCL_GIN_IB_TC=104")
+    assert _lands(dscp, {"EP_OVERRIDE_RDMA_SL": "5"})[gin][:2] == (5, 5)
+    assert _lands(dscp, {"NCCL_IB_TC": "0", "NCCL_GIN_IB_TC": "106"})[gin][:4] == (106, 106, 3,
+                                                                                   True)
+    assert _lands(dscp, {"NCCL_IB_TC": "106", "NCCL_IB_SL": "1"})[gin][:2] == (106, 1)
+    # under pcp trust the service level is the priority (a tagged interface): sl_idx 3 is lossless
+    pcp = qos.Qos("eth0", "pcp", None, frozenset({3}), None, ())
+    lands = _lands(pcp, {})
+    assert lands[gin][2:4] == (3, True)
+    assert lands["NCCL"][2:] == (0, False, "NCCL_IB_SL=3 on a VLAN-tagged interface")
+    assert "trust DSCP" in lands["HybridEP"][4]
+    assert {r["lossless"] for r in stacks.landings(qos.Qos("e", "dscp", None, None, None, ()),
+                                                   {})} == {None}
+
+
+def test_doctor_report_lines_for_bonds_and_stacks():
+    """What `python -m jaxep.doctor` prints on a node for its RoCE NICs (here: the seed node's)."""
+    lines = report.qos_lines(record.replay(SEED, nodes=2)["qos"]["nics"], "3.4.5")
+    assert lines[0] == ("  mlx5_bond_0: bond0 LAG port selection hash "
+                        "(/sys/kernel/debug/mlx5/0000:1a:00.0/lag/port_sel_mode)")
+    placed = next(x for x in lines if "queue pairs on bond members" in x)
+    assert "UDP source port 49152" in placed and "hashes to the same member" in placed
+    assert any("not read here" in x for x in report.qos_lines(
+        record.replay(SEED, nodes=2)["qos"]["nics"], "3.2.5"))
+    assert sum(x.strip().startswith("HybridEP: ") for x in lines) == 1
+    assert report.qos_lines([]) == []
+    assert bond.lag_text(None).startswith("unknown (no mlx5 LAG debugfs readable here")

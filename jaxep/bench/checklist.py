@@ -13,8 +13,8 @@ ORDER = (
                        "NVSHMEM_REMOTE_TRANSPORT", "IBGDA", "no GDRCopy")),
     ("which NIC each GPU uses", ("GPUs share a NIC", "NIC far from its GPU", "GPUs with two NICs",
                                  "NVSHMEM names NICs", "NVSHMEM_HCA_LIST")),
-    ("the link", ("bonded NIC", "RoCE bond", "RoCE below its")),
-    ("RoCE QoS: where NVSHMEM's traffic lands", ("RoCE QoS", "RoCE traffic class",
+    ("the link", ("bonded NIC", "RoCE bond", "the bond is not spreading", "RoCE below its")),
+    ("RoCE QoS: where each EP stack's traffic lands", ("RoCE QoS", "RoCE traffic class",
                                                  "RoCE GID index", "NVSHMEM_IB_GID_INDEX")),
     ("congestion and loss while traffic ran", ("np_", "rp_", "out_of_sequence", "packet_seq_err",
                                                "local_ack_timeout_err", "rnr_nak", "implied_nak",
@@ -66,13 +66,15 @@ def _wire(result: dict) -> str:
         return ("what the NICs carried: not read here (" + (w.get("note") or "no wire section")
                 + "); on the cluster the bench's wire table compares each NIC's bytes per call "
                 "with the model")
-    flagged = [r for r in w["rows"] if r["flag"] or r["moved"]]
+    flagged = [r for r in w["rows"] if r["flag"] or r["moved"] or r.get("spread")]
     if not flagged:
         return "what the NICs carried: as the model says, and no congestion or loss counter moved"
-    return "what the NICs carried: " + "; ".join(
-        f"{r['op']} GPU {r['gpu']} {r['nic']}: " + (r["flag"] or "")
-        + (" moved: " + ", ".join(m["counter"] for m in r["moved"]) if r["moved"] else "")
-        for r in flagged[:4]) + ("; ..." if len(flagged) > 4 else "")
+    def one(r):
+        parts = [r["flag"], "the bond is not spreading" if r.get("spread") else None,
+                 "moved: " + ", ".join(m["counter"] for m in r["moved"]) if r["moved"] else None]
+        return f"{r['op']} GPU {r['gpu']} {r['nic']}: " + "; ".join(p for p in parts if p)
+    return "what the NICs carried: " + "; ".join(one(r) for r in flagged[:4]) + (
+        "; ..." if len(flagged) > 4 else "")
 
 
 def checks(result: dict, findings: list[dict] | None) -> list[str]:

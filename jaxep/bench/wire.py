@@ -10,7 +10,10 @@ Per GPU and op (JSON `wire`, the report's wire table, a plot row per op):
   plus dispatch's metadata) and the DeepEP/HybridEP logical RDMA figure of the busiest rank;
 - a flag when the wire count is far (FAR) from the model with RoCE's headers added (another job on
   the NIC, resends, a path the model does not take), and every congestion, loss or pause counter
-  that moved, with what it means.
+  that moved, with what it means;
+- for a bonded NIC, each member's share of the bytes and its GB/s against its own line rate
+  (ethtool rx|tx_bytes_phy: jaxep.doctor.bond), and "the bond is not spreading" where a member
+  carried less than a third of them during an op whose model sends bytes over the NIC.
 No RDMA NIC, or emulated links (CPU, ranks sharing a GPU: no byte crosses a NIC), gives one note.
 On mlx5 the port counts RoCE traffic only (the vport's InfiniBand-transport octets, per its PMA):
 another RDMA job on the NIC is in it, TCP on the same port is not. No real NIC has been read by
@@ -22,7 +25,7 @@ import os
 import socket
 
 from jaxep.topology import machine, rules
-from jaxep.doctor import counters
+from jaxep.doctor import bond, counters
 
 FAR = 0.25            # |wire / expected - 1| above this is flagged
 HEADER_BYTES = 62     # RoCE v2 per packet: Ethernet 14 + FCS 4 + IPv4 20 + UDP 8 + BTH 12 + ICRC 4
@@ -43,11 +46,14 @@ def rdma_mtu(netdev_mtu: int | None) -> int:
 
 class Probe:
     """The NICs of this process's GPUs. targets: [{gpu, ranks, nic, port, rate_gbps, mtu,
-    interfaces}]; read() snapshots their counters (jaxep.doctor.counters.snapshot)."""
+    interfaces, members: {bond member: Gb/s} (empty unbonded), bond, lag}]; read() snapshots their
+    counters (jaxep.doctor.counters.snapshot); nvshmem: the installed NVSHMEM's version."""
 
-    def __init__(self, targets: list, root: str = "/", ethtool=counters.ethtool_text):
+    def __init__(self, targets: list, root: str = "/", ethtool=counters.ethtool_text,
+                 nvshmem: str | None = None):
         self.targets, self.root, self.ethtool = targets, root, ethtool
         self.host = socket.gethostname()
+        self.nvshmem = nvshmem
         self.windows = {}
 
     def read(self) -> dict:
@@ -64,7 +70,8 @@ class Probe:
 
     def payload(self) -> dict:
         """JSON-able: this process's targets and windows, for process 0 to gather."""
-        return dict(host=self.host, targets=self.targets, windows=self.windows)
+        return dict(host=self.host, targets=self.targets, windows=self.windows,
+                    nvshmem=self.nvshmem)
 
 
 def probe(ranks_by_gpu: dict, emulated: bool, root: str = "/", topo_text: str | None = None,
@@ -89,11 +96,13 @@ def probe(ranks_by_gpu: dict, emulated: bool, root: str = "/", topo_text: str | 
         targets.append(dict(gpu=gpu, ranks=list(ranks), nic=nic.name, port=port.number,
                             rate_gbps=port.rate_gbps, mtu=nic.netdev_mtu,
                             link_layer=port.link_layer,
-                            interfaces=list(machine.qos_interfaces(root, nic))))
+                            interfaces=list(machine.qos_interfaces(root, nic)),
+                            members=bond.member_speeds(root, nic.slaves), bond=nic.bond,
+                            lag=bond.lag_mode(root, nic.slaves)["mode"]))
     if not targets:
         return None, ("RDMA NICs present, but none NVSHMEM would give this process's GPUs "
                       "(no `nvidia-smi topo -m`?): the bench read no wire counters")
-    return Probe(targets, root, ethtool), None
+    return Probe(targets, root, ethtool, bond.installed_nvshmem()), None
 
 
 def _model_bytes(op_json: dict, ranks) -> int:
@@ -116,7 +125,17 @@ def _flag(wire: float, expected: float, overhead: float) -> str | None:
     return None
 
 
-def _row(host, t, op, d, op_json) -> dict:
+def _members(t, nd, ops, median, model, op, nvshmem) -> tuple[list, str | None]:
+    """(each bond member's share of the op's bytes, "the bond is not spreading" or None)."""
+    if not t.get("members") or not nd or not ops:
+        return [], None
+    rows = bond.shares(nd["ethtool"], t["members"], median, calls=ops)
+    f = bond.spread_finding(t["nic"], t.get("bond"), rows, f"during {op}", t.get("lag"),
+                            nvshmem) if model > 0 else None
+    return rows, (f"{f.what} -> {f.hint}" if f else None)
+
+
+def _row(host, t, op, d, op_json, nvshmem=None) -> dict:
     ops = d["_ops"]
     nd = d.get(t["nic"], {})
     x, r = nd.get("xmit_bytes"), nd.get("rcv_bytes")
@@ -127,6 +146,7 @@ def _row(host, t, op, d, op_json) -> dict:
     line = t["rate_gbps"] / 8 if t["rate_gbps"] else None
     gbps = wire / median / 1e9 if wire is not None else None
     logical = (op_json.get("logical") or {}).get("rdma", {}).get("bytes_per_rank_max")
+    members, spread = _members(t, nd, ops, median, model, op, nvshmem)
     return dict(host=host, gpu=t["gpu"], ranks=t["ranks"], nic=t["nic"], port=t["port"], op=op,
                 calls=ops, xmit_bytes_per_call=x / ops if x is not None else None,
                 rcv_bytes_per_call=r / ops if r is not None else None,
@@ -140,14 +160,14 @@ def _row(host, t, op, d, op_json) -> dict:
                       else nd.get("unknown") or "no counter window"),
                 moved=counters.moved(nd) if nd else [],
                 priorities={str(p): b / ops for p, b in counters.busy_priorities(nd).items()}
-                if nd else {})
+                if nd else {}, members=members, spread=spread)
 
 
 def section(payloads: list | None, ops_json: dict, reason: str | None) -> dict:
     """The JSON `wire` block from every process's Probe.payload() (None: no probe, `reason`)."""
     if not payloads:
         return dict(available=False, note=reason or NO_NIC, rows=[])
-    rows = [_row(p["host"], t, op, p["windows"][op], ops_json[op])
+    rows = [_row(p["host"], t, op, p["windows"][op], ops_json[op], p.get("nvshmem"))
             for p in payloads for op in ops_json if op in p["windows"] for t in p["targets"]]
     shared = {}
     for p in payloads:
@@ -197,6 +217,11 @@ def renderables(r: dict) -> list:
                    row["flag"] or "")
         out += [f"  {row['op']} GPU {row['gpu']} {row['nic']}: {m['counter']} +{m['by']:,}: "
                 f"{m['means']}" for m in row["moved"]]
+        if row.get("members"):
+            out.append(f"  {row['op']} GPU {row['gpu']} {row['nic']}: bytes per bond member: "
+                       + bond.shares_text(row["members"]))
+        if row.get("spread"):
+            out.append(f"  {row['op']} GPU {row['gpu']}: {row['spread']}")
         if row["priorities"]:
             out.append(f"  {row['op']} GPU {row['gpu']} {row['nic']}: bytes sent per call by "
                        "Ethernet priority: " + ", ".join(

@@ -19,8 +19,9 @@ been read by this code):
 - Ethernet pause and per-priority counters: `ethtool -S <interface>` (mlx5 names:
   rx_prio<N>_bytes|packets|discards and tx_prio<N>_bytes|packets for all 8 priorities;
   rx|tx_prio<N>_pause and _pause_duration only for the priorities with PFC on, rx|tx_global_pause
-  where link-level pause is on; rx|tx_pause_ctrl_phy, rx|tx_discards_phy, rx_out_of_buffer);
-  ETHTOOL below.
+  where link-level pause is on; rx|tx_pause_ctrl_phy, rx|tx_discards_phy, rx_out_of_buffer;
+  rx|tx_bytes_phy, every byte the physical port received or sent, which splits a bond's bytes by
+  member: jaxep.doctor.bond); ETHTOOL below.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ HW_COUNTERS = {
 # ethtool -S names kept (pause frames and discards per priority and per port; bytes per priority).
 ETHTOOL = re.compile(r"(rx|tx)_(prio\d|global)_(pause|pause_duration)|rx_prio\d_discards"
                      r"|(rx|tx)_prio\d_bytes|(rx|tx)_pause_ctrl_phy|(rx|tx)_discards_phy"
-                     r"|rx_out_of_buffer")
+                     r"|rx_out_of_buffer|(rx|tx)_bytes_phy")
 PRIO_BYTES = re.compile(r"tx_prio(\d)_bytes")
 
 

@@ -1,6 +1,8 @@
 """RoCE QoS for NVSHMEM's traffic: which Ethernet priority it lands on, against the priorities
-the NIC makes lossless (PFC) and marks for congestion (ECN); RoCE bonds against their members;
-GPUs with two near NICs of which NVSHMEM uses one. `summary(...)` -> {"nics", "findings"}.
+the NIC makes lossless (PFC) and marks for congestion (ECN), and the same for every other EP stack
+on the node (NCCL, NCCL's GIN, HybridEP: jaxep.doctor.stacks); RoCE bonds against their members
+and their LAG's port selection (jaxep.doctor.bond); GPUs with two near NICs of which NVSHMEM uses
+one. `summary(...)` -> {"nics", "findings"}.
 Pure Python, stdlib only: every reader takes a sysfs root and a `run(argv) -> text | None`
 callable, so recorded outputs (jaxep.doctor.record) replay on any machine. Nothing is changed.
 
@@ -329,9 +331,15 @@ def two_nic_finding(topo, nics, choices) -> list[Finding]:
 
 # --- summary -------------------------------------------------------------------------------------
 
-def _nic_entry(root, nic, qs, s, sl) -> dict:
+def _known(qs):
+    """The first interface whose QoS is known (a bond's members are set alike), else the first."""
+    return next((q for q in qs if q.trust or q.pfc is not None), qs[0] if qs else None)
+
+
+def _nic_entry(root, nic, qs, s, sl, env) -> dict:
+    from jaxep.doctor import bond, stacks  # pylint: disable=g-import-not-at-top  # they import qos
     tc = int_or_none(s.traffic_class) or 0
-    q = next((q for q in qs if q.trust or q.pfc is not None), qs[0] if qs else None)
+    q = _known(qs)
     prio, how = landing(q, tc, sl) if q else (None, "no interface")
     return dict(nic=nic.name, interfaces=[q.interface for q in qs],
                 trust=q.trust if q else None, dscp2prio_set=bool(q and q.dscp2prio),
@@ -339,7 +347,14 @@ def _nic_entry(root, nic, qs, s, sl) -> dict:
                 ecn=sorted(q.ecn) if q and q.ecn is not None else None,
                 nvshmem_priority=prio, how=how, sources=list(q.sources) if q else [],
                 device_traffic_class=device_traffic_class(root, nic.name),
-                bond=dict(name=nic.bond, bonding=read_bonding(root, nic.bond)) if nic.bond else None)
+                stacks=stacks.landings(q, env),
+                bond=dict(name=nic.bond, bonding=read_bonding(root, nic.bond),
+                          lag=bond.lag_mode(root, nic.slaves)) if nic.bond else None)
+
+
+def _stack_findings(q, env) -> list:
+    from jaxep.doctor import stacks  # pylint: disable=g-import-not-at-top  # stacks imports qos
+    return stacks.findings(q, env)
 
 
 def summary(environ: Mapping[str, str] | None = None, root: str = "/",
@@ -362,8 +377,9 @@ def summary(environ: Mapping[str, str] | None = None, root: str = "/",
         roce = nic.port is not None and nic.port.link_layer == "Ethernet"
         qs = [read_qos(root, i, run) for i in machine.qos_interfaces(root, nic)] if roce else []
         if roce:
-            entries.append(_nic_entry(root, nic, qs, s, sl))
-            for f in priority_findings(qs, s, sl, device_traffic_class(root, nic.name)):
+            entries.append(_nic_entry(root, nic, qs, s, sl, env))
+            for f in priority_findings(qs, s, sl, device_traffic_class(root, nic.name)) + \
+                    _stack_findings(_known(qs), env):
                 grouped.setdefault(f, []).append(f"{nic.name} ({', '.join(q.interface for q in qs)})")
             if not any(q.trust or q.pfc is not None for q in qs):
                 unknown.append(nic.name)

@@ -3,8 +3,9 @@ captured on the node, and diagnosed again on any machine (attach the record to a
 
 A record holds what the doctor's network readers read, and only that:
   root/...          every sysfs / procfs file and directory listing jaxep.topology.machine's readers
-                    (and .qos's, .counters') read, at their paths under /, plus empty markers for
-                    the files whose existence is the fact (/dev/gdrdrv, the peer-memory modules)
+                    (and .qos's, .counters', .bond's: the members' PCI uevent and the mlx5 LAG's
+                    debugfs) read, at their paths under /, plus empty markers for the files whose
+                    existence is the fact (/dev/gdrdrv, the peer-memory modules)
   topo.txt          `nvidia-smi topo -m` (absent where it gave nothing)
   env.json          the NVSHMEM_* and NCCL_* variables and CUDA_VISIBLE_DEVICES, as set
   driver.json       jaxep.topology.machine.read_driver's facts (dma-buf as libcuda said, the verbs
@@ -12,7 +13,8 @@ A record holds what the doctor's network readers read, and only that:
   commands.json     {"argv joined by spaces": "commands/NNN.txt" or null where it gave nothing}:
                     the QoS tools (mlnx_qos, dcb), ethtool -S, ofed_info -s, nvidia-smi's GPU list
   counters.json     {interval_s, before, after}: jaxep.doctor.counters.snapshot of every RDMA
-                    port, twice, interval_s apart (which congestion and loss counters move)
+                    port, twice, interval_s apart (which congestion and loss counters move, and a
+                    bond's members' ethtool byte counters: each member's share, jaxep.doctor.bond)
   versions.json     python, kernel, jaxep's and NVSHMEM's package versions
   manifest.json     {format, created_utc, interval_s}
 DIR ending in .tar.gz or .tgz writes (and reads) the same as one archive.
@@ -36,7 +38,7 @@ import time
 
 from jaxep import topology
 from jaxep.topology import machine
-from jaxep.doctor import counters, qos
+from jaxep.doctor import bond, counters, qos, stacks
 from jaxep.topology.findings import Finding
 
 FORMAT = 1
@@ -277,16 +279,25 @@ def counter_findings(c: dict) -> list[Finding]:
     return out
 
 
+def nvshmem_version(v: dict) -> str | None:
+    """The NVSHMEM wheel's version in a record's versions.json (cu13's, else cu12's)."""
+    packages = v.get("packages") or {}
+    return packages.get("nvidia-nvshmem-cu13") or packages.get("nvidia-nvshmem-cu12")
+
+
 def replay(path: str, nodes: int | None = None) -> dict:
-    """The doctor's network diagnosis of the record at `path`: its topology summary, its RoCE QoS,
-    the counters that moved, and every finding as {level, what, hint}. A record with no GPU (no
+    """The doctor's network diagnosis of the record at `path`: its topology summary, its RoCE QoS
+    (every EP stack's priority), the counters that moved, each bond member's share of the bytes
+    (`members`: {nic: jaxep.doctor.bond.shares rows}), and every finding as {level, what, hint},
+    the bonds' last. A record with no GPU (no
     `nvidia-smi topo -m` GPU: taken off a GPU node) gets one finding that says so instead, as the
     doctor skips its GPU and network checks on such a machine."""
     rec = load(path)
     topo = topology.summary(rec.environ, rec.root, rec.topo_text, nodes, rec.driver)
     q = qos.summary(rec.environ, rec.root, rec.topo_text, rec.run, nodes)
     moved = [f._asdict() for f in counter_findings(rec.counters)]
-    findings = topo["findings"] + q["findings"] + moved
+    members, spread = bond.record_members(rec.root, rec.counters, nvshmem_version(rec.versions))
+    findings = topo["findings"] + q["findings"] + moved + [f._asdict() for f in spread]
     if not topo["gpus"]:
         findings = [Finding("info", "the record holds no GPU (no nvidia-smi topo -m output with "
                             "GPUs): it was taken off a GPU node, where the doctor's GPU and "
@@ -294,7 +305,8 @@ def replay(path: str, nodes: int | None = None) -> dict:
                             "record on a GPU node of the cluster: python -m jaxep.doctor --record "
                             "doctor.tar.gz")._asdict()]
     return dict(record=path, manifest=rec.manifest, versions=rec.versions,
-                environ=rec.environ, topology=topo, qos=q, counters=moved, findings=findings)
+                environ=rec.environ, topology=topo, qos=q, counters=moved, members=members,
+                findings=findings)
 
 
 def _bond_text(bond: dict | None, nics: list, name: str) -> str:
@@ -324,6 +336,27 @@ def format_replay(d: dict) -> str:
         lines.append(f"  {n['nic']} ({', '.join(n['interfaces'])}): trust {n['trust'] or '?'}, "
                      f"PFC on {n['pfc'] if n['pfc'] is not None else '?'}; NVSHMEM's traffic: "
                      f"{n['how']}" + _bond_text(n.get("bond"), d["topology"]["nics"], n["nic"]))
+    if d["qos"]["nics"]:
+        lines += ["  RoCE priority of each EP stack's traffic:"] + [
+            f"  {x}" for x in stacks.grouped_lines(d["qos"]["nics"])]
+    bonded = [n for n in d["qos"]["nics"] if n.get("bond")]
+    if bonded:
+        lines.append("  " + bond.placement_text((bonded[0]["bond"].get("lag") or {}).get("mode"),
+                                                nvshmem_version(d["versions"])))
+    lines += member_lines(d)
     lines.append("problems:" if d["findings"] else "problems: none")
     lines += [f"  [{p['level']}] {p['what']} -> {p['hint']}" for p in d["findings"]]
     return "\n".join(lines)
+
+
+def member_lines(d: dict) -> list[str]:
+    """Per bonded NIC of a replay: its members' shares of the bytes, and the LAG's port selection;
+    one line saying why where the record has no member byte counters."""
+    lag = {n["nic"]: (n.get("bond") or {}).get("lag") or {} for n in d["qos"]["nics"]}
+    out = [f"  {nic} bytes per member in {d['manifest'].get('interval_s', '?')} s: "
+           f"{bond.shares_text(rows)}; LAG port selection {bond.lag_text(lag.get(nic))}"
+           for nic, rows in d["members"].items()]
+    if not out and any(n.get("bond") for n in d["qos"]["nics"]):
+        out.append("  bond members: the record holds no member byte counters (ethtool -S "
+                   "rx|tx_bytes_phy): their shares of the bytes are unknown")
+    return out

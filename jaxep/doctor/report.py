@@ -465,11 +465,27 @@ def format_report(f: dict) -> str:
                  + f"; IMEX channels: {', '.join(fab['imex_channels']) or 'none'}")
     lines.append("GPU-NIC, as NVSHMEM would pick (jaxep.topology):")
     lines += [f"  {line}" for line in f["topology"]["report"]]
+    lines += qos_lines(f.get("qos", {}).get("nics", []), shm.get("version"))
     nv = {k: v for k, v in f["env"].items() if k.startswith("NVSHMEM_")}
     lines.append(f"NVSHMEM env: {nv or 'none'}")
     lines.append("problems:" if f["problems"] else "problems: none")
     lines += [f"  [{p['level']}] {p['what']} -> {p['hint']}" for p in f["problems"]]
     return "\n".join(lines)
+
+
+def qos_lines(nics: list, nvshmem_version: str | None = None) -> list[str]:
+    """The RoCE NICs NVSHMEM uses: each bond's LAG port selection and how queue pairs reach its
+    members under the installed NVSHMEM, then each EP stack's priority (jaxep.doctor.qos /
+    .stacks / .bond)."""
+    from jaxep.doctor import bond, stacks  # pylint: disable=g-import-not-at-top
+    bonded = [n for n in nics if n.get("bond")]
+    out = [f"  {n['nic']}: {n['bond']['name']} LAG port selection "
+           f"{bond.lag_text(n['bond'].get('lag'))}" for n in bonded]
+    if bonded:
+        out.append("  " + bond.placement_text((bonded[0]["bond"].get("lag") or {}).get("mode"),
+                                               nvshmem_version))
+    return out + (["RoCE priority of each EP stack's traffic:"] + stacks.grouped_lines(nics)
+                  if nics else [])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -492,7 +508,45 @@ def parser() -> argparse.ArgumentParser:
                    "instead of this machine")
     p.add_argument("--interval", type=float, default=2.0, metavar="S",
                    help="--record: seconds between the two counter reads (default 2)")
+    # --- another stack's printout (jaxep.doctor.explain, .story) ---
+    e = p.add_argument_group("--explain: another EP stack's printout (DeepEP's or HybridEP's "
+                             "internode test), with --replay DIR for the node's side")
+    e.add_argument("--explain", metavar="FILE", help="what the GB/s in FILE mean and what really "
+                   "crossed a NIC; with --replay, the whole account for that node")
+    for flag, help_ in (("--tokens", "tokens per rank"), ("--hidden", "hidden size"),
+                        ("--topk", "experts per token"), ("--experts", "experts in all"),
+                        ("--ranks-per-node", "ranks (GPUs) per node")):
+        e.add_argument(flag, type=int, default=None, metavar="N",
+                       help=f"{help_}, where the printout does not say")
+    e.add_argument("--nic-gbps", type=float, default=None, metavar="G", help="the NIC's line rate "
+                   "in GB/s (default: the record's NIC, else 100, the seed's ConnectX-8)")
+    e.add_argument("--bond-members", type=int, default=None, metavar="M", help="the bond's "
+                   "members (default: the record's, else 2)")
     return p
+
+
+def _explain(args) -> int:
+    """--explain FILE [--replay DIR]: jaxep.doctor.story's account; 2 for a bad argument."""
+    from jaxep.doctor import explain, record, story  # pylint: disable=g-import-not-at-top
+    try:
+        with open(args.explain) as f:
+            text = f.read()
+    except OSError as e:
+        parser().error(f"--explain: cannot read {args.explain}: {e}")
+    d = record.replay(args.replay, nodes=args.nodes) if args.replay else None
+    nic, members, src = story.nic_of(d, args.nic_gbps, args.bond_members)
+    given = dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
+                 nodes=args.nodes, ranks_per_node=args.ranks_per_node)
+    try:
+        e = explain.explain(text, given, nic, members)
+    except ValueError as err:
+        parser().error(str(err))
+    if args.json:
+        print(json.dumps(dict(explain=e, nic_source=src, replay=d), indent=1, default=str))
+    else:
+        print(f"(NIC {nic:g} GB/s in {members} member(s): {src})")
+        print(story.tell(e, d))
+    return 0
 
 
 def _record_or_replay(args) -> int | None:
@@ -512,6 +566,8 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.nodes is not None and args.nodes < 1:
         parser().error(f"--nodes must be at least 1, got {args.nodes}")
+    if args.explain:
+        return _explain(args)
     status = _record_or_replay(args)
     if status is not None:
         return status
