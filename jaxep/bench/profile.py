@@ -25,7 +25,8 @@ import re
 
 from jaxep.nn.local import PHASES  # the scopes moe_local / moe_local_plain name their steps
 
-_PHASE_RE = re.compile(r"jaxep/(" + "|".join(PHASES) + r")(?:/|$)")
+# "jaxep/router/dot", or inside a transform's parentheses: "transpose(jvp(jaxep/router))/mul"
+_PHASE_RE = re.compile(r"jaxep/(" + "|".join(PHASES) + r")(?=[/)]|$)")
 _OP_NAME_RE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"')
 
 
