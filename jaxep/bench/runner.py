@@ -461,7 +461,8 @@ def _time_ops(s: _Setup, ops, ref_ops, stage, notes, probe=None):
         notes.append("backend is the reference: the reference baseline is the op itself (ratio 1)")
     if s.backend == "reference" or ref_times:
         notes.append("reference backend: in `both` XLA may fuse the row gather into combine (no rows "
-                     "written), so its `both` can beat its dispatch alone")
+                     "written), so its `both` can beat its dispatch alone; the reference backend's "
+                     "`both` floor counts only the tokens read and the output written")
     else:
         notes.append("reference baseline skipped: XLA collectives cannot run with ranks sharing a GPU")
     return times, ref_times
@@ -539,10 +540,14 @@ def _op_reports(s: _Setup, ops, times, ref_times, base: _Baselines, moved: _Byte
         t = times[op]["median"]
         ref_t = (ref_times[op]["median"] if ref_times else
                  (t if s.backend == "reference" else None))
+        # The reference backend's `both` may never write dispatch's rows (XLA fuses its gather
+        # into combine): its floor counts only what every schedule moves.
+        fused = (accounting.hbm_bytes_fused(s.bc.tokens, s.bc.hidden, s.dtype.itemsize, s.R)
+                 if op == "both" and s.backend == "reference" else None)
         out[op] = figures.op_report(op, times[op], moved.parts[op],
                                     moved.meta if op != "combine" else None, base.hbm,
                                     base.peaks, base.copy["median"], ref_t, moved.logical[op],
-                                    s.backend)
+                                    s.backend, hbm_op=fused)
         n = 2 if op == "both" else 1
         pc = base.payload_copy["median"] * n
         out[op]["payload"] = dict(
