@@ -81,13 +81,13 @@ def test_layer_refuses_low_latency_mode_and_bad_experts():
 
 
 def test_phase_of_names_forward_and_backward():
-    assert profile.phase_of("jit(s)/jvp()/while/body/closed_call/jaxep/router/dot_general") == "router"
-    assert profile.phase_of("jit(s)/transpose(jvp())/while/body/jaxep/experts/mul") == "experts_bwd"
+    assert profile.phase_of("jit(s)/jvp()/while/body/closed_call/jaxep_moe/router/dot_general") == "router"
+    assert profile.phase_of("jit(s)/transpose(jvp())/while/body/jaxep_moe/experts/mul") == "experts_bwd"
     # the outermost scope wins: jaxep.dispatch's own ops nest inside the layer's phase
-    assert profile.phase_of("jit(s)/jaxep/combine/jaxep/dispatch/gather") == "combine"
-    assert profile.phase_of("jit(f)/transpose(jvp(jaxep/experts))/mul") == "experts_bwd"
-    assert profile.phase_of("jit(f)/jvp(jaxep/router)/tanh") == "router"
-    assert profile.phase_of("jit(s)/jaxep/routerx/dot") is None
+    assert profile.phase_of("jit(s)/jaxep_moe/combine/jaxep_moe/dispatch/gather") == "combine"
+    assert profile.phase_of("jit(f)/transpose(jvp(jaxep_moe/experts))/mul") == "experts_bwd"
+    assert profile.phase_of("jit(f)/jvp(jaxep_moe/router)/tanh") == "router"
+    assert profile.phase_of("jit(s)/jaxep_moe/routerx/dot") is None
     assert profile.phase_of("jit(s)/add") is None
 
 
@@ -99,8 +99,8 @@ def _trace(tmp_path, events):
 
 
 HLO = """HloModule jit_step, entry_computation_layout={()->()}
-  %fusion.1 = f32[4]{0} fusion(), kind=kLoop, metadata={op_name="jit(step)/jaxep/router/dot"}
-  %fusion.2 = f32[4]{0} fusion(), kind=kLoop, metadata={op_name="jit(step)/transpose(jvp())/jaxep/experts/dot"}
+  %fusion.1 = f32[4]{0} fusion(), kind=kLoop, metadata={op_name="jit(step)/jaxep_moe/router/dot"}
+  %fusion.2 = f32[4]{0} fusion(), kind=kLoop, metadata={op_name="jit(step)/transpose(jvp())/jaxep_moe/experts/dot"}
   %copy.3 = f32[4]{0} copy(f32[4]{0} %x)
   ROOT %while.4 = (f32[4]{0}) while((f32[4]{0}) %t), condition=%c, body=%b, metadata={op_name="jit(step)/while"}
 """
@@ -113,7 +113,7 @@ def test_parser_attributes_splits_overlaps_and_drops_containers(tmp_path):
               ev("fusion.1", 0, 10), ev("fusion.2", 10, 20),
               ev("copy.3", 20, 10, tid=2),            # overlaps fusion.2 on another thread
               ev("fusion.9", 40, 5, hlo_module="jit_other"),   # another module: not counted
-              ev("fusion.7", 50, 4, tf_op="jit(step)/jaxep/combine/x"),  # scope in an argument
+              ev("fusion.7", 50, 4, tf_op="jit(step)/jaxep_moe/combine/x"),  # scope in an argument
               dict(ph="X", name="host", pid=1, tid=3, ts=0, dur=500, args={})]  # no hlo_op
     us, busy, window = profile.parse(_trace(tmp_path, events), HLO, "jit_step")
     assert us == {"router": 10, "experts_bwd": 15, "other": 5, "combine": 4}

@@ -3,8 +3,8 @@
 `trace_phases(run, steps, hlo_text, logdir)` runs `run()` `steps` times under
 `jax.profiler.trace(logdir, create_perfetto_trace=True)` and reads the Chrome trace JSON it writes
 (`<host>.trace.json.gz`). The ops of `jaxep.nn.moe_local` / `moe_local_plain` carry their phase in
-their name scope (`jaxep.nn.local.phase`: "jaxep/router", ...; the backward ops "transpose(...)
-/jaxep/router/..."). An op event names its phase either in one of its string arguments (GPU kernel
+their name scope (`jaxep.nn.local.phase`: "jaxep_moe/router", ...; the backward ops "transpose(...)
+/jaxep_moe/router/..."). An op event names its phase either in one of its string arguments (GPU kernel
 events may carry the op's scoped name, e.g. "tf_op" or "long_name") or through its HLO instruction
 ("hlo_op") looked up in the compiled module's text, whose `metadata={op_name="..."}` holds the scope
 (CPU events carry only "hlo_op" and "hlo_module"). Ops with no phase count as "other".
@@ -25,14 +25,14 @@ import re
 
 from jaxep.nn.local import PHASES  # the scopes moe_local / moe_local_plain name their steps
 
-# "jaxep/router/dot", or inside a transform's parentheses: "transpose(jvp(jaxep/router))/mul"
-_PHASE_RE = re.compile(r"jaxep/(" + "|".join(PHASES) + r")(?=[/)]|$)")
+# "jaxep_moe/router/dot", or inside a transform's parentheses: "transpose(jvp(jaxep_moe/router))/mul"
+_PHASE_RE = re.compile(r"jaxep_moe/(" + "|".join(PHASES) + r")(?=[/)]|$)")
 _OP_NAME_RE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"')
 
 
 def phase_of(op_name: str) -> str | None:
     """The phase of a scoped op name ("<phase>" forward, "<phase>_bwd" under a transpose), or
-    None. The outermost "jaxep/<phase>" scope wins (jaxep's own ops nest inside the layer's)."""
+    None. The outermost "jaxep_moe/<phase>" scope wins (jaxep's own ops nest inside the layer's)."""
     m = _PHASE_RE.search(op_name or "")
     if not m:
         return None
@@ -119,7 +119,7 @@ def event_phase(args: dict, table: dict) -> str:
     """An event's phase: from a string argument that carries the scope, else through its hlo_op
     in `table` (op_names); "other" when neither names one."""
     for v in args.values():
-        if isinstance(v, str) and "jaxep/" in v:
+        if isinstance(v, str) and "jaxep_moe/" in v:
             p = phase_of(v)
             if p:
                 return p

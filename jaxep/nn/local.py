@@ -19,17 +19,17 @@ from jaxep.nn.experts import activation_fn, batched_experts, grouped_experts, sh
 from jaxep.nn.routing import Routed, Routing, route_full, routing_stats, token_slots
 
 Array = jax.Array
-# The layer's steps, in order; `phase(name)` names each one's XLA ops "jaxep/<name>/..." (their
-# backward ops "transpose(...)/jaxep/<name>/..."), so a profile attributes time to them
+# The layer's steps, in order; `phase(name)` names each one's XLA ops "jaxep_moe/<name>/..." (their
+# backward ops "transpose(...)/jaxep_moe/<name>/..."), so a profile attributes time to them
 # (jaxep/bench/layer.py does).
 PHASES = ("router", "dispatch", "experts", "combine", "shared")
 
 
 def phase(name: str):
-    """`jax.named_scope("jaxep/<name>")` of one of `PHASES`."""
+    """`jax.named_scope("jaxep_moe/<name>")` of one of `PHASES`."""
     if name not in PHASES:
         raise ValueError(f"jaxep.nn.local.phase: name must be one of {PHASES}, got {name!r}")
-    return jax.named_scope(f"jaxep/{name}")
+    return jax.named_scope(f"jaxep_moe/{name}")
 
 
 def _with_shared(y: Array, x: Array, params: dict[str, Array], act: Callable, dtype: Any,
