@@ -75,6 +75,7 @@ except ModuleNotFoundError as e:
 
 import jaxep  # noqa: E402
 import jaxep.nn  # noqa: E402
+from jaxep.nn import archs  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 500, "training steps", lower_bound=1)
 _SHORT = flags.DEFINE_bool("short", False,
@@ -85,8 +86,7 @@ _VOCAB = flags.DEFINE_integer("vocab", 64, "vocabulary size", lower_bound=16, up
 _D = flags.DEFINE_integer("d_model", 64, "model width H", lower_bound=8)
 _HEADS = flags.DEFINE_integer("heads", 4, "attention heads", lower_bound=1)
 _LAYERS = flags.DEFINE_integer("layers", 2, "transformer blocks", lower_bound=1, upper_bound=64)
-_ARCH = flags.DEFINE_enum("arch", "default", ["default", "deepseek_v3", "qwen3", "qwen2_moe",
-                                                "mixtral", "gpt_oss"],
+_ARCH = flags.DEFINE_enum("arch", "default", list(archs.ARCHS),
                           "the MoE block's design: jaxep.nn.MoE's defaults, or that model's "
                           "routing, activation, biases and shared experts (docs/nn.md's table)")
 _E = flags.DEFINE_integer("experts", None, "experts per MoE layer (divisible by --ep; default 8, "
@@ -142,29 +142,11 @@ def make_batch(rng: np.random.Generator, batch: int, length: int, vocab: int,
 # ----------------------------------------------------------------------------------------------
 # Model.
 
-# Each model's MoE block as jaxep.nn.MoE arguments (docs/nn.md), with its experts / topk at tiny
-# sizes; "selection_bias_rate" is DeepSeek-V3's balancing update per step (0: none).
-ARCHS = {
-    "default": dict(experts=8, topk=2, moe=dict(), selection_bias_rate=0.0),
-    "deepseek_v3": dict(experts=16, topk=4, selection_bias_rate=1e-3, moe=dict(
-        score_fn="sigmoid", selection_bias=True, num_groups=4, topk_groups=2,
-        routed_scaling_factor=2.5, shared_ffn="ffn", sequence_loss=True)),
-    "qwen3": dict(experts=8, topk=2, selection_bias_rate=0.0, moe=dict(score_fn="softmax",
-                                                                       renormalize=True)),
-    "qwen2_moe": dict(experts=8, topk=2, selection_bias_rate=0.0, moe=dict(
-        score_fn="softmax", renormalize=False, shared_ffn="ffn", shared_gate=True)),
-    "mixtral": dict(experts=8, topk=2, selection_bias_rate=0.0,
-                    moe=dict(score_fn="softmax_after_topk")),
-    "gpt_oss": dict(experts=8, topk=4, selection_bias_rate=0.0, moe=dict(
-        score_fn="softmax_after_topk", router_bias=True, expert_bias=True, activation="gpt_oss")),
-}
-
-
 def arch_settings() -> tuple[int, int, dict, float]:
-    """(experts, topk, MoE kwargs, selection-bias rate) of --arch, --experts / --topk winning."""
-    a = ARCHS[_ARCH.value]
-    kw = {k: (_F.value if v == "ffn" else v) for k, v in a["moe"].items()}
-    return _E.value or a["experts"], _K.value or a["topk"], kw, a["selection_bias_rate"]
+    """(experts, topk, MoE kwargs, selection-bias rate) of --arch (`jaxep.nn.archs.ARCHS`, the
+    same table `jaxep-bench --layer --arch` uses), --experts / --topk winning."""
+    return archs.arch_settings(_ARCH.value, _F.value, _E.value, _K.value)
+
 
 class Block(nnx.Module):
     """Pre-norm block: causal self-attention, then the jaxep MoE FFN."""

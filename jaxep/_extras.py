@@ -13,6 +13,7 @@ EXTRAS = {
     "bench": ("jaxep-bench", ("absl", "rich")),   # matplotlib too, asked for only by --plot
     "doctor": ("python -m jaxep.doctor", ("psutil",)),
     "launch": ("python -m jaxep.launch", ("psutil",)),
+    "nn": ("jaxep.nn and jaxep-bench --layer", ("flax",)),
 }
 
 

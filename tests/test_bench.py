@@ -527,3 +527,18 @@ def test_nvl72_presets_model_one_domain_and_two_racks():
     assert two["dispatch"]["bound_by"] == "rdma" and 1.1e-3 < two["dispatch"]["floor_s"] < 1.2e-3
     # combine's f32 partials over the NIC: twice dispatch's bf16 rows.
     assert two["combine"]["floors_s"]["rdma"] == pytest.approx(2 * two["dispatch"]["floors_s"]["rdma"])
+
+
+def test_reference_both_floor_is_a_lower_bound():
+    """EP 1, reference backend (the bench with no flags on CPU): XLA may fuse dispatch's row
+    gather into combine, so `both`'s floor counts only the tokens read and the output written,
+    and its efficiency stays at most 100 %."""
+    from jaxep.bench import BenchConfig, run
+    r = run(BenchConfig(ep_size=1, check=False, **SMALL), emit=lambda *_: None)
+    T, H = SMALL["tokens"], SMALL["hidden"]
+    b = 2 if SMALL.get("dtype", "bfloat16") == "bfloat16" else 4
+    both = r["ops"]["both"]
+    assert both["links"]["hbm"]["bytes_per_rank_max"] == 2 * T * H * b
+    assert both["efficiency"] <= 1.0 and both["efficiency_note"] is None
+    # dispatch and combine keep their own least bytes (the rows are their output / input)
+    assert r["ops"]["dispatch"]["links"]["hbm"]["bytes_per_rank_max"] > T * H * b

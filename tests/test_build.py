@@ -1,4 +1,4 @@
-"""CPU tier: the CUDA extension compiles, so a kernel that does not build fails CI (SPEC.md 7).
+"""CPU tier: the CUDA extension compiles, so a kernel that does not build fails CI.
 
 `pip install -e ".[test]"` no longer builds the extension (a CPU install stays pure Python,
 docs/build.md), so this test does what the GPU install does, with CMake, wherever `nvcc` is on the

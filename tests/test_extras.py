@@ -124,7 +124,8 @@ def test_every_extra_names_modules_its_pyproject_extra_installs():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         pp = tomllib.load(f)
     extras = pp["project"]["optional-dependencies"]
-    dist = {"absl": "absl-py", "rich": "rich", "psutil": "psutil", "matplotlib": "matplotlib"}
+    dist = {"absl": "absl-py", "rich": "rich", "psutil": "psutil", "matplotlib": "matplotlib",
+            "flax": "flax"}
     names = lambda reqs: {r.split(">")[0].split("=")[0].split("[")[0] for r in reqs}
     for extra, (_, modules) in _extras.EXTRAS.items():
         assert {dist[m] for m in modules} <= names(extras[extra]), extra

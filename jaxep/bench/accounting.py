@@ -254,6 +254,13 @@ def hbm_bytes(lay: Layout, tokens: int, hidden: int, itemsize: int) -> np.ndarra
     return (tokens + lay.rows) * hidden * itemsize
 
 
+def hbm_bytes_fused(tokens: int, hidden: int, itemsize: int, ranks: int) -> np.ndarray:
+    """The least device-memory traffic per rank of dispatch then combine when the rows between
+    them are never written (XLA fuses the reference backend's row gather into its combine): read
+    T tokens, write T outputs. [R] bytes; a lower bound of either schedule."""
+    return np.full(ranks, 2 * tokens * hidden * itemsize, dtype=np.int64)
+
+
 def uniform_expectations(nodes: int, ranks_per_node: int, experts: int, topk: int) -> dict:
     """Closed forms for uniform routing (K distinct experts of E per token, L = E/R per rank), in
     rows per source token, each rank its own GPU:

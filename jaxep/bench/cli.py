@@ -101,6 +101,25 @@ SWEEP_NUM_SMS = flags.DEFINE_list("sweep_num_sms", ["0", "16", "24", "32", "48",
                                   "num_sms values to sweep (0 = no cap).")
 SWEEP_KERNELS = flags.DEFINE_bool("sweep_kernels", False, "--sweep also tries every "
                                   "dispatch_kernel x combine_kernel.")
+LAYER = flags.DEFINE_bool("layer", False, "Time a model step instead of the ops: a jitted stack "
+                          "of --num_layers jaxep.nn.MoE layers (--arch), train and/or decode "
+                          "(--layer_step), against the same stack on the plain XLA path "
+                          "(argsort + ragged_dot), with per-phase times from a profile "
+                          "(jaxep/bench/layer.py, docs/benchmark.md).")
+ARCH = flags.DEFINE_enum("arch", "default", ["default", "deepseek_v3", "qwen3", "qwen2_moe",
+                                             "mixtral", "gpt_oss"],
+                         "--layer: the MoE block's options (jaxep.nn.archs.ARCHS, as "
+                         "examples/moe_flax.py --arch); its sizes are the flags'.")
+NUM_LAYERS = flags.DEFINE_integer("num_layers", 8, "--layer: MoE layers in the stack.",
+                                  lower_bound=1, upper_bound=1024)
+LAYER_STEP = flags.DEFINE_enum("layer_step", "both", ["train", "decode", "both"],
+                               "--layer: the training step (forward + backward), the decode step "
+                               "(low-latency mode, forward), or both.")
+FFN = flags.DEFINE_integer("ffn", 1024, "--layer: each expert's hidden width (F).", lower_bound=1,
+                           upper_bound=1 << 18)
+DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 0, "--layer: tokens per rank of the decode "
+                                     "step; 0 = min(--tokens, 128).", lower_bound=0,
+                                     upper_bound=1 << 20)
 JSON = flags.DEFINE_string("json", None, "Write the result as JSON here (docs/benchmark.md).")
 PLOT = flags.DEFINE_string("plot", None, "Write a PNG plot here.")
 
@@ -126,7 +145,9 @@ def bench_config():
         nvlink_gbps=nz(NVLINK_GBPS.value), rdma_gbps=nz(RDMA_GBPS.value), hbm_gbps=nz(HBM_GBPS.value),
         check=CHECK.value, memory_check=MEMORY_CHECK.value, timeout_s=TIMEOUT_S.value, sweep=SWEEP.value,
         rows_per_expert=nz(ROWS_PER_EXPERT.value), fp8_dispatch=FP8_DISPATCH.value,
-        sweep_num_sms=tuple(_sms(v) for v in SWEEP_NUM_SMS.value), sweep_kernels=SWEEP_KERNELS.value)
+        sweep_num_sms=tuple(_sms(v) for v in SWEEP_NUM_SMS.value), sweep_kernels=SWEEP_KERNELS.value,
+        layer=LAYER.value, arch=ARCH.value, num_layers=NUM_LAYERS.value,
+        layer_step=LAYER_STEP.value, ffn=FFN.value, decode_tokens=DECODE_TOKENS.value)
     if PRESET.value:
         given = {k: kw[k] for k, holder in _FIELDS.items() if flags.FLAGS[holder.name].present}
         if GPUS_PER_NODE.present and not RANKS_PER_NODE.present:  # its alias: given too
@@ -148,7 +169,7 @@ def _sms(text: str) -> int:
 # INFO loggers that print on every run under absl (which routes Python logging at INFO): jax's
 # backend probe ("Unable to initialize backend 'tpu'" on every machine without a TPU) and
 # matplotlib's first-run font cache note ("generated new fontManager").
-NOISY_INFO_LOGGERS = ("jax._src.xla_bridge", "matplotlib.font_manager")
+NOISY_INFO_LOGGERS = ("jax._src.xla_bridge", "matplotlib.font_manager", "jax._src.profiler")
 
 
 def quiet_backend_probe() -> None:
@@ -181,8 +202,10 @@ def progress_bar(console, enabled: bool = True):
 
 def main(argv):
     del argv
-    if PLOT.value and MODE.value != "low_latency":  # the plot's matplotlib, before any work
+    if PLOT.value and MODE.value != "low_latency" and not LAYER.value:  # matplotlib, before any work
         _extras.require("bench", ("matplotlib",))
+    if LAYER.value:  # jaxep.nn's layer functions
+        _extras.require("nn", ("flax",))
     quiet_backend_probe()
     if CPU_DEVICES.value:  # asked for on the command line; must precede the first jax import
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -203,15 +226,18 @@ def main(argv):
     if not lead:
         return
     low_latency = result.get("mode") == "low_latency"
-    if low_latency:
+    if result.get("mode") == "layer":
+        from jaxep.bench import layer  # pylint: disable=g-import-not-at-top
+        console.print(layer.report(result), soft_wrap=True)
+    elif low_latency:
         from jaxep.bench import low_latency as ll  # pylint: disable=g-import-not-at-top
         console.print(ll.report(result), soft_wrap=True)
     else:
         report.print_report(result, console)
     if JSON.value:
         report.write_json(result, JSON.value)
-    if PLOT.value and low_latency:
-        console.print("plot: not drawn for --mode=low_latency (the table is the report)",
+    if PLOT.value and (low_latency or LAYER.value):
+        console.print("plot: not drawn for --mode=low_latency or --layer (the table is the report)",
                       soft_wrap=True)
     elif PLOT.value:
         from jaxep.bench import plot  # pylint: disable=g-import-not-at-top (matplotlib: only here)

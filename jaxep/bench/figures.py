@@ -57,12 +57,15 @@ def efficiency_note(op, floor, bound, median, peaks_, backend) -> str | None:
             "machine reaches")
 
 
-def op_report(op, t, parts, meta, hbm, peaks_, copy_t, ref_t, logical, backend=None):
+def op_report(op, t, parts, meta, hbm, peaks_, copy_t, ref_t, logical, backend=None,
+              hbm_op=None):
     """Per-op byte/bandwidth/floor figures.
 
     parts: accounting.link_bytes of each direction the op runs (both: dispatch and combine).
     meta: dispatch's RDMA metadata (accounting.metadata) or None. logical: per-rank
     {nvl, rdma} bytes of the DeepEP/HybridEP count, already summed over the op's parts.
+    hbm: one direction's least device-memory bytes per rank; hbm_op: the op's own, where it is
+    not hbm times its directions (`both` on the reference backend: accounting.hbm_bytes_fused).
     """
     n = len(parts)
     links = {}
@@ -83,12 +86,16 @@ def op_report(op, t, parts, meta, hbm, peaks_, copy_t, ref_t, logical, backend=N
     if meta is not None:
         links["rdma"].update(metadata_bytes_per_rank_max=meta["max"],
                              metadata_bytes_per_rank=[int(v) for v in meta["per_rank"]])
-    hbm_b = int(hbm.max()) * n
+    per = hbm * n if hbm_op is None else hbm_op
+    hbm_b = int(per.max())
     peak, src = peaks_["hbm"]
-    links["hbm"] = dict(bytes_per_rank_max=hbm_b, busiest_rank=int(hbm.argmax()),
-                        bytes_per_rank=[int(v) * n for v in hbm], gbps=hbm_b / t["median"] / 1e9,
+    links["hbm"] = dict(bytes_per_rank_max=hbm_b, busiest_rank=int(per.argmax()),
+                        bytes_per_rank=[int(v) for v in per], gbps=hbm_b / t["median"] / 1e9,
                         peak_gbps=peak, peak_source=src, floor_s=hbm_b / (peak * 1e9) if peak else None,
-                        note="least device-memory traffic: read inputs once, write outputs once")
+                        note="least device-memory traffic: read inputs once, write outputs once"
+                        + ("" if hbm_op is None else "; the rows between the two ops may never be "
+                           "written (XLA fuses the reference backend's gather into combine), so "
+                           "only the tokens read and the output written count"))
     floors = {c: links[c]["floor_s"] for c in ("hbm",) + accounting.LINKS if links[c]["floor_s"]}
     bound = max(floors, key=floors.get) if floors else None
     floor = floors[bound] if bound else None

@@ -87,6 +87,14 @@ class BenchConfig:
     rows_per_expert: int | None = None
     fp8_dispatch: bool = False
     memory_check: bool = True   # refuse a run whose estimate exceeds this machine's memory
+    # --layer (jaxep/bench/layer.py): a stack of num_layers MoE layers of --arch with expert width
+    # ffn, its train and/or decode step against the plain XLA layer; decode_tokens 0 = min(T, 128).
+    layer: bool = False
+    arch: str = "default"
+    num_layers: int = 8
+    layer_step: str = "both"
+    ffn: int = 1024
+    decode_tokens: int = 0
 
     def jaxep_config(self, **override) -> jaxep.Config:
         kw = dict(num_experts=self.experts, topk=self.topk, hidden=self.hidden,
@@ -225,7 +233,10 @@ def _runtime(bc: BenchConfig):
     if bc.ep_size not in (None, jax.device_count()):
         raise ValueError(f"jaxep-bench: with {jax.process_count()} processes the EP size is every "
                          f"device ({jax.device_count()}), got ep_size={bc.ep_size}")
-    if bc.mode == "low_latency":
+    if bc.layer:
+        from jaxep.bench import layer  # pylint: disable=g-import-not-at-top
+        jaxep.initialize(layer.configs(bc, jax.device_count()))
+    elif bc.mode == "low_latency":
         from jaxep.bench import low_latency  # pylint: disable=g-import-not-at-top
         jaxep.initialize(low_latency.config(bc, jax.device_count()))
     else:
@@ -273,6 +284,8 @@ def run(bc: BenchConfig, emit=print, progress=None) -> dict:
 def _run(bc: BenchConfig, emit, stage=None) -> dict:
     stage = stage or _Stages(None)
     mesh, R = _mesh(bc)
+    if bc.layer:  # the model step against the plain XLA layer: its own report
+        return _layer(bc, mesh, R, emit, stage)
     if bc.mode == "low_latency":  # the decode ops at one small T: their own report
         from jaxep.bench import low_latency  # pylint: disable=g-import-not-at-top
         stage.total = int(bc.check) + 6
@@ -305,6 +318,28 @@ def _run(bc: BenchConfig, emit, stage=None) -> dict:
     if bc.preset:
         out["cluster_checks"] = checklist.checks(out, checklist.doctor_findings(s.topo.num_nodes))
     return out
+
+
+def _layer(bc: BenchConfig, mesh, R: int, emit, stage) -> dict:
+    """--layer (jaxep/bench/layer.py): the JSON document with its `layer` section."""
+    from jaxep.bench import layer  # pylint: disable=g-import-not-at-top
+    if bc.mode != "normal":
+        raise ValueError("jaxep-bench: --layer runs the normal mode (train) and the low-latency "
+                         f"mode (decode) itself (--layer_step): expected --mode=normal, got "
+                         f"--mode={bc.mode}")
+    backend = backends.select("bench", bc.backend, R)
+    dev = mesh.devices.flat[0]
+    rpg = _ranks_per_gpu(bc, R, dev.platform)
+    sec = layer.run(bc, mesh, R, backend, emit, stage)
+    return dict(
+        schema_version=SCHEMA_VERSION, tool="jaxep-bench", mode="layer",
+        jaxep_version=jaxep.__version__, jax_version=jax.__version__,
+        time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        config={**dataclasses.asdict(bc), "backend_used": backend,
+                "sweep_num_sms": list(bc.sweep_num_sms)},
+        topology=dict(ep_size=R, num_processes=jax.process_count(), platform=dev.platform,
+                      device_kind=dev.device_kind, ranks_per_gpu=rpg),
+        layer=sec, memory=sec["memory"], notes=sec["notes"])
 
 
 def _wire_probe(s: "_Setup"):
@@ -426,7 +461,8 @@ def _time_ops(s: _Setup, ops, ref_ops, stage, notes, probe=None):
         notes.append("backend is the reference: the reference baseline is the op itself (ratio 1)")
     if s.backend == "reference" or ref_times:
         notes.append("reference backend: in `both` XLA may fuse the row gather into combine (no rows "
-                     "written), so its `both` can beat its dispatch alone")
+                     "written), so its `both` can beat its dispatch alone; the reference backend's "
+                     "`both` floor counts only the tokens read and the output written")
     else:
         notes.append("reference baseline skipped: XLA collectives cannot run with ranks sharing a GPU")
     return times, ref_times
@@ -504,10 +540,14 @@ def _op_reports(s: _Setup, ops, times, ref_times, base: _Baselines, moved: _Byte
         t = times[op]["median"]
         ref_t = (ref_times[op]["median"] if ref_times else
                  (t if s.backend == "reference" else None))
+        # The reference backend's `both` may never write dispatch's rows (XLA fuses its gather
+        # into combine): its floor counts only what every schedule moves.
+        fused = (accounting.hbm_bytes_fused(s.bc.tokens, s.bc.hidden, s.dtype.itemsize, s.R)
+                 if op == "both" and s.backend == "reference" else None)
         out[op] = figures.op_report(op, times[op], moved.parts[op],
                                     moved.meta if op != "combine" else None, base.hbm,
                                     base.peaks, base.copy["median"], ref_t, moved.logical[op],
-                                    s.backend)
+                                    s.backend, hbm_op=fused)
         n = 2 if op == "both" else 1
         pc = base.payload_copy["median"] * n
         out[op]["payload"] = dict(

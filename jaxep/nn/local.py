@@ -2,7 +2,9 @@
 `moe_local` (normal mode: grouped matmuls over jaxep's expert-major rows) and `moe_local_decode`
 (low-latency mode: batched matmuls over [L, M, H] rows). Use them in your own `shard_map` for
 anything the layer does not do; their only cross-rank ops are jaxep's dispatch and combine and,
-with `tensor_axes`, the sum of the down projection's partials over those axes.
+with `tensor_axes`, the sum of the down projection's partials over those axes. `moe_local_plain`
+(jaxep/nn/plain.py) is the same layer with a rank-local grouping and no jaxep call: the baseline
+of `jaxep-bench --layer`.
 """
 from __future__ import annotations
 
@@ -17,6 +19,17 @@ from jaxep.nn.experts import activation_fn, batched_experts, grouped_experts, sh
 from jaxep.nn.routing import Routed, Routing, route_full, routing_stats, token_slots
 
 Array = jax.Array
+# The layer's steps, in order; `phase(name)` names each one's XLA ops "jaxep_moe/<name>/..." (their
+# backward ops "transpose(...)/jaxep_moe/<name>/..."), so a profile attributes time to them
+# (jaxep/bench/layer.py does).
+PHASES = ("router", "dispatch", "experts", "combine", "shared")
+
+
+def phase(name: str):
+    """`jax.named_scope("jaxep_moe/<name>")` of one of `PHASES`."""
+    if name not in PHASES:
+        raise ValueError(f"jaxep.nn.local.phase: name must be one of {PHASES}, got {name!r}")
+    return jax.named_scope(f"jaxep_moe/{name}")
 
 
 def _with_shared(y: Array, x: Array, params: dict[str, Array], act: Callable, dtype: Any,
@@ -53,14 +66,19 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
       "token_probs" [T/g,E] f32 (router probabilities), each summed over every run of g
       consecutive tokens: what `sequence_balancing_loss` sums per sequence.
     """
-    routed = _route(params, x, routing)
-    res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
-                         backend=backend)
+    with phase("router"):
+        routed = _route(params, x, routing)
+    with phase("dispatch"):
+        res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
+                             backend=backend)
     act = activation_fn(activation)
-    rows = grouped_experts(res.x, params, res.group_sizes, res.expert, act=act,
-                           dtype=routing.dtype, tensor_axes=tensor_axes)
-    y = jaxep.combine(rows, res.handle, axis_name=axis_name, config=config)
-    y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
+    with phase("experts"):
+        rows = grouped_experts(res.x, params, res.group_sizes, res.expert, act=act,
+                               dtype=routing.dtype, tensor_axes=tensor_axes)
+    with phase("combine"):
+        y = jaxep.combine(rows, res.handle, axis_name=axis_name, config=config)
+    with phase("shared"):
+        y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
     return y, _layer_stats(routed, routing, res, stat_group)
 
 
@@ -92,13 +110,19 @@ def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, co
     combine reads only those); `jaxep.combine` sums the rows back in jaxep's fixed order.
     "dropped_rows" counts the rows of an expert past M.
     """
-    routed = _route(params, x, routing)
-    res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
-                         backend=backend)
-    rows = res.x if res.scales is None else jaxep.dequantize_fp8(res.x, res.scales, routing.dtype)
+    with phase("router"):
+        routed = _route(params, x, routing)
+    with phase("dispatch"):
+        res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
+                             backend=backend)
+        rows = (res.x if res.scales is None else
+                jaxep.dequantize_fp8(res.x, res.scales, routing.dtype))
     act = activation_fn(activation)
-    out = batched_experts(rows, params, res.counts, act=act, dtype=routing.dtype,
-                          tensor_axes=tensor_axes)
-    y = jaxep.combine(out, res.handle, axis_name=axis_name)
-    y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
+    with phase("experts"):
+        out = batched_experts(rows, params, res.counts, act=act, dtype=routing.dtype,
+                              tensor_axes=tensor_axes)
+    with phase("combine"):
+        y = jaxep.combine(out, res.handle, axis_name=axis_name)
+    with phase("shared"):
+        y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
     return y, _layer_stats(routed, routing, res, stat_group)
