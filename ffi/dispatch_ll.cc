@@ -31,7 +31,7 @@ ffi::Error LLDispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x, S32Mat topk
   if (fp8) row_bytes = cuda::Fp8RowBytes(hidden);
   const mr::Team* team = nullptr;
   if (ffi::Error e = LLTeam(kLLDispatchSendTarget, ep_size, ranks_per_node, num_experts,
-                            tokens * topk, AreaRows(rows_per_expert, tokens * topk), row_bytes,
+                            tokens * topk, AreaRows(rows_per_expert, tokens), row_bytes,
                             &team);
       e.failure()) {
     return e;
@@ -77,7 +77,7 @@ ffi::Error LLDispatchRecvImpl(cudaStream_t stream, S32Mat topk_idx, S32Mat pos, 
   const int64_t tail_bytes = rows ? static_cast<int64_t>(tail->size_bytes()) / rows : 0;
   const mr::Team* team = nullptr;
   if (ffi::Error e = LLTeam(kLLDispatchRecvTarget, ep_size, ranks_per_node, num_experts,
-                            tokens * topk, AreaRows(rows_per_expert, tokens * topk),
+                            tokens * topk, AreaRows(rows_per_expert, tokens),
                             head + tail_bytes, &team);
       e.failure()) {
     return e;

@@ -51,9 +51,10 @@ inline ffi::Error LLTeam(std::string_view target, int64_t ep_size, int64_t ranks
   return ffi::Error::Success();
 }
 
-// Rows per (local expert, source) a call may need: min(M, T*K).
-inline int64_t AreaRows(int64_t rows_per_expert, int64_t slots) {
-  return rows_per_expert < slots ? rows_per_expert : slots;
+// Rows per (local expert, source) a call may need: min(M, T) (a token reaches an expert once:
+// dispatch_ll.cu kernel A drops the repeats).
+inline int64_t AreaRows(int64_t rows_per_expert, int64_t tokens) {
+  return rows_per_expert < tokens ? rows_per_expert : tokens;
 }
 
 

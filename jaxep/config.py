@@ -144,8 +144,9 @@ class Config:
         with low_latency raises (it would do nothing).
       rows_per_expert: low_latency only (raises with "normal"): M, the rows per local expert of
         dispatch's x [L, M, H]. None = ep_size * max_tokens_per_rank, the no-drop worst case when
-        no token names an expert twice (`expert_rows(ep_size)`). Rows of an expert past M are
-        dropped (the last in layout order first) and counted. Bounded so that L * M rows fit int32.
+        no token names an expert twice (`expert_rows(ep_size)`; a token that does reaches that
+        expert once, the repeat dropped and counted). Rows of an expert past M are dropped (the
+        last in layout order first) and counted. Bounded so that L * M rows fit int32.
       fp8_dispatch: low_latency only (raises with "normal"): dispatch quantizes each token to
         float8_e4m3fn with one f32 scale per 128 channels (`jaxep.fp8.quantize`) and returns x_fp8 and
         scales [L, M, H/128]; needs hidden % 128 == 0. Its outputs are not differentiable.

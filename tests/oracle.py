@@ -186,8 +186,10 @@ def fp8_wire(xs, dtype):
 def ll_dispatch(xs, idxs, ws, *, num_experts, rows, fp8=False):
     """Per-rank lists: x [L,M,H] (uint8 e4m3 codes when fp8), scales [L,M,H/128] (fp8), counts
     [L], weights [L,M], send_row [T,K] (flat row l*M+m on the destination, -1 if not kept),
-    recv_slot [L*M], dropped, invalid. Rows of expert e = d*L + l on rank d in (source rank,
-    token, k) order; the first M kept, the rest dropped; rows past counts[l] zero."""
+    recv_slot [L*M], dropped, invalid. A slot whose token names its expert at an earlier k is
+    dropped (each token reaches an expert once) and counted on the expert's rank. Rows of expert
+    e = d*L + l on rank d in (source rank, token, k) order; the first M kept, the rest dropped;
+    rows past counts[l] zero."""
     R, M = len(xs), rows
     T, K = idxs[0].shape
     L = num_experts // R
@@ -210,7 +212,7 @@ def ll_dispatch(xs, idxs, ws, *, num_experts, rows, fp8=False):
                     for k in range(K):
                         if int(idxs[s][t, k]) != d * L + l:
                             continue
-                        if m >= M:
+                        if m >= M or d * L + l in [int(e) for e in idxs[s][t, :k]]:
                             dropped += 1
                             continue
                         x[l, m] = q[s][0][t] if fp8 else xs[s][t]

@@ -82,6 +82,53 @@ def test_worker_flags():
     assert c.layers == 8 and c.variants == "moe,local"
 
 
+# A thunk sequence as XLA dumps it (`<indent><index>: <kind> ...`; a while's "condition:" and
+# "body:" headers are not thunks): two command buffers, one custom call inside one, two outside.
+THUNKS = """0: kKernel fusion.1
+1: kCommandBuffer
+  0: kKernel fusion.2
+  1: kCustomCall jaxep_ll_dispatch_send
+2: kCustomCall jaxep_dispatch
+3: kWhile
+  condition:
+    0: kKernel fusion.3
+  body:
+    0: kCommandBuffer
+      0: kKernel fusion.4
+    1: kCustomCall jaxep_combine
+"""
+HLO = """%command_buffer (p: f32[4]) -> f32[4] {
+}
+%command_buffer.2 (p.1: f32[4]) -> f32[4] {
+}
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %call = f32[4] call(%a), to_apply=%command_buffer
+  %call.1 = f32[4] call(%call), to_apply=%command_buffer.2
+}
+"""
+
+
+def test_cmdbuf_worker_counts_hlo_and_thunk_command_buffers(tmp_path):
+    w = _worker("cmdbuf_worker")
+    (tmp_path / "module_0001.jit_step.thunk_sequence_after_thunk_passes.txt").write_text(THUNKS)
+    c = w.count_command_buffers(HLO, str(tmp_path))
+    assert c == dict(hlo=2, thunks=2, cc_in=1, cc_out=2) and w.total_buffers(c) == 4
+    none = dict(hlo=0, thunks=0, cc_in=0, cc_out=3)
+    assert w.count_command_buffers("", str(tmp_path / "nothing")) == dict(
+        hlo=0, thunks=None, cc_in=0, cc_out=0)  # no dump at all
+    # On a GPU: "on" holding none fails, as does "off" holding one; one candidate holding is enough.
+    assert w.count_failures("moe", {"off": none, "min1": none})[0].startswith(
+        "moe: no candidate executable holds a command buffer (min1: ")
+    assert w.count_failures("moe", {"off": c, "min1": c}) == [
+        f"moe: 'off' holds command buffers {c}"]
+    assert w.count_failures("moe", {"off": none, "min1": none, "while_min1": c}) == []
+    assert "none compiled" in w.count_failures("local", {"off": none})[0]
+    a = w.parse_args(["--candidates", "min1,while_min1"])
+    assert a.candidates.split(",") == ["min1", "while_min1"]
+    with pytest.raises(SystemExit):
+        w.parse_args(["--candidates", "nosuch"])
+
+
 def test_reliability_worker_on_cpu_devices():
     """Every rank's shard in one process (4 CPU devices, reference backend): every call's checksum
     against the oracle's, sampled calls bitwise, in 2 x 2 and with a never-drop capacity."""

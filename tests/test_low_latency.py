@@ -153,6 +153,30 @@ def test_worked_example_from_docstring():
     assert want["dropped"] == [2, 1]
 
 
+@pytest.mark.parametrize("M", [None, 1])
+def test_expert_named_twice_by_a_token_is_dropped_and_counted_on_its_rank(M):
+    """A token reaches an expert once: a slot naming the expert of an earlier k of its token is
+    dropped (send_row -1, no row, weight not in the combine) and counted in dropped_rows on the
+    expert's rank, before the M cap; so each (expert, source) has at most T rows."""
+    cfg = jaxep.Config(num_experts=4, topk=3, hidden=2, max_tokens_per_rank=2, dtype="float32",
+                       mode="low_latency", rows_per_expert=M)
+    xs = [np.array([[1, 2], [3, 4]], np.float32), np.array([[5, 6], [7, 8]], np.float32)]
+    idxs = [np.array([[1, 1, 2], [3, -1, 3]], np.int32), np.array([[0, 0, 0], [2, 1, 2]], np.int32)]
+    ws = [np.array([[0.5, 0.25, 2.0], [1.5, 3.0, 0.75]], np.float32),
+          np.array([[1.25, 2.5, 4.0], [0.5, 1.0, 8.0]], np.float32)]
+    got, want = check(cfg, xs, idxs, ws)
+    for r, repeats in ((0, [(0, 1), (1, 2)]), (1, [(0, 1), (0, 2), (1, 2)])):
+        for t, k in repeats:
+            assert got["send_row"][r][t, k] == -1, (r, t, k)
+    if M is None:  # no drop but the repeats
+        assert [int(d[0]) for d in got["dropped"]] == [3, 2]
+        assert got["counts"][0].tolist() == [1, 2] and got["counts"][1].tolist() == [2, 1]
+        # x[1] on rank 0 (expert 1): r0 t0 once, then r1 t1
+        assert got["x"][0][1, :2].tolist() == [[1, 2], [7, 8]]
+    else:  # M = 1 drops the second row of expert 1 (r1 t1) and of expert 2 (r1 t1) too
+        assert [int(d[0]) for d in got["dropped"]] == [4, 3]
+
+
 @pytest.mark.parametrize("R", [1, 8])
 def test_zero_tokens_per_rank(R):
     rng = np.random.default_rng(5)

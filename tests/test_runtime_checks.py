@@ -350,20 +350,61 @@ def test_a_rank_with_another_number_of_configs_is_refused(fake, monkeypatch):
 
 
 def test_the_low_latency_area_is_sized_from_the_low_latency_configs(fake, monkeypatch):
-    """initialize passes the area (L local experts, min(M, T*K) rows per (expert, source)) to the
+    """initialize passes the area (L local experts, min(M, T) rows per (expert, source)) to the
     runtime, from the low-latency configs only; none without one."""
     _client(monkeypatch)
     decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                           mode="low_latency", rows_per_expert=64)
     _start([CFG, decode])
     init = _init(fake)
-    assert (init["ll_experts"], init["ll_cap"]) == (4, 8), init  # L = 8 / 2, min(M=64, T*K=4*2)
+    assert (init["ll_experts"], init["ll_cap"]) == (4, 4), init  # L = 8 / 2, min(M=64, T=4)
     assert sizes.ll_area_sizes([CFG], 2) == dict(ll_experts=0, ll_cap=0)
     small = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                          mode="low_latency", rows_per_expert=3)
     big_t = jaxep.Config(num_experts=16, topk=2, hidden=64, max_tokens_per_rank=32,
                          mode="low_latency", rows_per_expert=24)
     assert sizes.ll_area_sizes([small, big_t], 2) == dict(ll_experts=8, ll_cap=24)
+    assert sizes.ll_area_sizes([small], 2) == dict(ll_experts=4, ll_cap=3)  # min(M=3, T=4)
+
+
+# The low-latency area's rows and flags at the `ll128` bench shapes (8 ranks, E=256, T=128,
+# H=7168 bf16, K=8, M = 8 * 128): 2 halves x L=32 x R=8 x rows x (14336 B + an 8 B flag), with
+# min(M, T) = 128 rows per (expert, source); min(M, T*K) = 1024 rows would take K = 8 times it.
+LL128_AREA = 2 * 32 * 8 * 128 * (7168 * 2 + 8)
+LL128_AREA_T_TIMES_K = 2 * 32 * 8 * 1024 * (7168 * 2 + 8)
+
+
+def test_the_low_latency_area_bytes_at_the_ll128_shapes():
+    ll128 = jaxep.Config(num_experts=256, topk=8, hidden=7168, max_tokens_per_rank=128,
+                         dtype="bfloat16", mode="low_latency")
+    assert sizes.ll_area_sizes([ll128], 8) == dict(ll_experts=32, ll_cap=128)
+    got = sizes.ll_area_bytes([ll128], 8)
+    assert got == LL128_AREA == 940_048_384 and LL128_AREA_T_TIMES_K == 7_520_387_072
+    assert got * ll128.topk == LL128_AREA_T_TIMES_K
+    assert sizes.ll_area_bytes([CFG], 8) == 0  # no low-latency config: no area
+    # M below T bounds the rows; f32 rows are twice as wide (a 16-byte aligned stride).
+    m64 = dataclasses.replace(ll128, rows_per_expert=64)
+    assert sizes.ll_area_bytes([m64], 8) == 2 * 32 * 8 * 64 * (7168 * 2 + 8)
+    odd = jaxep.Config(num_experts=16, topk=2, hidden=5, max_tokens_per_rank=4, dtype="float32",
+                       mode="low_latency")
+    assert sizes.ll_area_bytes([odd], 2) == 2 * 8 * 2 * 4 * (32 + 8)  # 20 B rows -> 32 B
+
+
+@pytest.mark.skipif(not _extension.multi_rank_built(), reason="extension without NVSHMEM")
+def test_the_low_latency_area_bytes_match_the_extension_layout():
+    """The symmetric heap of the runtime of the ll128 decode config minus the same runtime without
+    the area: the area's rows and flags (ll_area_bytes) plus its counts messages and combine rows."""
+    m = _extension._module
+    ll128 = jaxep.Config(num_experts=256, topk=8, hidden=7168, max_tokens_per_rank=128,
+                         dtype="bfloat16", mode="low_latency")
+    p = sizes.Params.of([ll128], device=0, rank=0, size=8, node_size=8)
+
+    def heap(params):
+        return m.symmetric_bytes(m.RuntimeParams(**dataclasses.asdict(params)))
+
+    extra = heap(p) - heap(dataclasses.replace(p, ll_experts=0, ll_cap=0))
+    area = sizes.ll_area_bytes([ll128], 8)
+    assert area <= extra < area + (64 << 20), (area, extra)  # messages, combine rows: < 64 MiB
 
 
 def test_the_low_latency_heap_refusal_names_the_area_and_rows_per_expert(fake, monkeypatch):
@@ -371,7 +412,7 @@ def test_the_low_latency_heap_refusal_names_the_area_and_rows_per_expert(fake, m
     fake.ext.sym = 3 << 30
     decode = jaxep.Config(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=4,
                           mode="low_latency")
-    with pytest.raises(RuntimeError, match=r"low-latency area for L=4 experts x 2 sources x 8 rows"
+    with pytest.raises(RuntimeError, match=r"low-latency area for L=4 experts x 2 sources x 4 rows"
                                            r" x 2 halves.*NVSHMEM_SYMMETRIC_SIZE=.*rows_per_expert"):
         _start(decode)
 
@@ -388,7 +429,7 @@ def _ll_runtime(monkeypatch, **over):
 
 @pytest.mark.parametrize("over,match", [
     (dict(ll_experts=2), r"local experts must be <= 2 .*got 4"),
-    (dict(ll_cap=4), r"rows per \(expert, source\) min\(M, T\*K\) must be <= 4 .*got 8"),
+    (dict(ll_cap=4), r"rows per \(expert, source\) min\(M, T\) must be <= 4 .*got 8"),
     (dict(ll_row_bytes=64), r"row bytes must be <= 64 .*got 128"),
     (dict(node_size=1), r"ranks_per_node must be the node layout jaxep.initialize set up \(1 "),
 ])

@@ -15,12 +15,15 @@
 #                copied into jaxep/; no pip install (an editable install would shadow the `ab`
 #                step's other tree). ~40 s, cap 240
 #   tier         the GPU tier, every case (EP 1, 2/4/8 ranks, internode layouts, low latency and
-#                its graph replays, killed peers, the layer, the bench), as its three parts, each
-#                its own pytest process: tier-ep1 (EP 1, bitwise, bench; 68 s), tier-mr
-#                (test_multirank.py; 364 s), tier-nn (the layer; 126 s), measured on the H200.
-#                ~560 s in all, more than one call: run `build tier-mr`, then `build tier-ep1
-#                tier-nn`. (All of tests/gpu in one process failed a 4-rank case there that passes
-#                in tier-mr, probably the EP-1 tests' JAX holding the memory the ranks need.)
+#                its graph replays, killed peers, the layer, the bench), as its parts, each its own
+#                pytest process: tier-ep1 (EP 1, bitwise, bench; 68 s), tier-mr1 and tier-mr2
+#                (test_multirank.py: the normal-mode bitwise cases, then the low-latency and
+#                killed-peer cases; 364 s for both on the H200, the last run with per-case times
+#                in each part's pytest.log, --durations=0), tier-nn (the layer; 126 s). `tier-mr`
+#                = tier-mr1 tier-mr2. ~560 s in all, more than one call: run `build tier-mr`,
+#                then `build tier-ep1 tier-nn`. (All of tests/gpu in one process failed a 4-rank
+#                case there that passes in tier-mr, probably the EP-1 tests' JAX holding the
+#                memory the ranks need.)
 #   bench        the benchmark cases (CASES, default all): n8 = 8 ranks x ~16 SMs, n4 = 4 ranks x
 #                ~33 SMs (E=64, T=4096, H=7168, K=8, bf16), ll1 / ll128 = low latency T=1 / 128
 #                (8 ranks, E=256), seed = --preset=seed_2x8 (16 ranks as 2x8). Each through
@@ -43,9 +46,11 @@
 #   ranks        32 and 48 ranks on the one GPU under MPS (4x8, 1x32, 6x8), bitwise against the
 #                oracle every call; says REFUSED where jaxep.initialize refuses the rank count.
 #                ~150-300 s, cap 540
-#   cmdbuf       8 scanned MoE layers, forward + backward, XLA command buffers on and off in one
-#                process (tests/gpu/cmdbuf_worker.py), 8 ranks then EP 1; step time ratio. ~150 s,
-#                cap 360
+#   cmdbuf       8 scanned MoE layers, forward + backward, XLA command buffers off and on (each of
+#                the worker's candidate flag sets, CMDBUF_CANDIDATES=a,b to pick) in one process
+#                (tests/gpu/cmdbuf_worker.py: counts each executable's command buffers, fails when
+#                no "on" holds one), 8 ranks then EP 1; step time ratios. Not yet timed with the
+#                candidates (5 compiles a variant), cap 480
 #   hosts        two "hosts" on the one GPU (jaxep.launch --nnodes 2, node 1 under another kernel
 #                boot id; needs root and unshare): 2 x 2 ranks of tests/gpu/multirank_worker.py,
 #                every case bitwise; then a bootstrap interface that does not exist must fail fast,
@@ -228,7 +233,7 @@ step_build() {
 
 tier_run() {  # tier_run CAP PYTEST-ARGS...
   local c=$1; shift
-  box "$c" "$D/pytest.log" python3 -m pytest -v -rs -p no:cacheprovider "$@"
+  box "$c" "$D/pytest.log" python3 -m pytest -v -rs --durations=0 -p no:cacheprovider "$@"
   local rc=$?
   LINE="rc=$rc: $(grep -E '^=+ .*(passed|failed|error|skipped).* in ' "$D/pytest.log" | tail -1 | tr -d '=' | sed 's/^ *//')"
   grep -E "^(FAILED|ERROR) " "$D/pytest.log" | head -8 | sed 's/^/    /' >> "$D/failures.txt"
@@ -236,7 +241,10 @@ tier_run() {  # tier_run CAP PYTEST-ARGS...
   [ $rc = 0 ]
 }
 step_tier_ep1() { tier_run 200 tests/gpu/test_cuda_ep1.py tests/gpu/test_backends_bitwise.py tests/gpu/test_bench_multirank.py; }
-step_tier_mr() { tier_run 420 tests/gpu/test_multirank.py; }
+# test_multirank.py's 32 cases took 362 s in one process (2026-12-05, H200), past the box left to
+# them after a build; its two halves by kind, each its own process and box (~1.5x its share).
+step_tier_mr1() { tier_run 300 tests/gpu/test_multirank.py -k multirank_bitwise; }
+step_tier_mr2() { tier_run 300 tests/gpu/test_multirank.py -k "not multirank_bitwise"; }
 step_tier_nn() { tier_run 240 tests/gpu/test_nn_multirank.py; }
 
 step_bench() {
@@ -286,14 +294,22 @@ step_ab() {
       DIGEST_NPROC=8
       case $sh in
         n8) wflags="$wflags --tokens 4096 --experts 64";;
-        ll128) wflags="$wflags --tokens 128 --experts 256 --mode low_latency";;
+        ll128) wflags="$wflags --tokens 128 --experts 256 --mode low_latency --rows_per_expert bench";;
       esac
       [ "${GPU_DRY_RUN:-0}" = 1 ] && { DIGEST_NPROC=2; wflags="${wflags/--hidden 7168/--hidden 128} --tokens 8 --experts 16"; }
       for tree in "$btree" "$ROOT"; do
-        local who=cur; [ "$tree" = "$btree" ] && who=base
+        local who=cur heap; [ "$tree" = "$btree" ] && who=base
         [ "$(cap 200)" -lt 60 ] && { echo "digest $sh $who: skipped (time)" >> "$D/runs.txt"; continue; }
+        # The heap that tree's jaxep.initialize recommends for the digest's config (the worker's
+        # --heap_for_ranks: Params.of, symmetric_bytes, recommended_env); the ll128 digest runs
+        # at jaxep-bench's M (--rows_per_expert bench), the shapes the bench times.
         # shellcheck disable=SC2086
-        ( cd "$tree" && PYTHONPATH="$tree" NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-2147483648} \
+        heap=$(cd "$tree" && PYTHONPATH="$tree" timeout 120 python3 "$ROOT/tests/gpu/reliability_worker.py" \
+                 $wflags --heap_for_ranks "$DIGEST_NPROC" 2>> "$D/digest_heap.log" | tee -a "$D/digest_heap.log" \
+               | sed -n 's/^HEAP \([0-9]*\) .*/\1/p')
+        echo "digest $sh $who: NVSHMEM_SYMMETRIC_SIZE=${heap:-${NVSHMEM_SYMMETRIC_SIZE:-2147483648} (no recommendation)}" >> "$D/runs.txt"
+        # shellcheck disable=SC2086
+        ( cd "$tree" && PYTHONPATH="$tree" NVSHMEM_SYMMETRIC_SIZE=${heap:-${NVSHMEM_SYMMETRIC_SIZE:-2147483648}} \
             box 200 "$D/digest_${sh}_$who.log" python3 -m jaxep.launch --nproc "$DIGEST_NPROC" $SHARE \
             --timeout "$(cap 180)" "$ROOT/tests/gpu/reliability_worker.py" $wflags "${WB[@]}" )
         grep -ohE "DIGEST [0-9]+ [0-9]+ [0-9a-f]+" "$D/digest_${sh}_$who.log" | sort > "$D/digest_${sh}_$who.txt"
@@ -431,11 +447,12 @@ step_ranks() {
 }
 
 step_cmdbuf() {
-  NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-2147483648} box 240 "$D/r8.log" "${LAUNCH[@]}" 8 --timeout "$(cap 230)" tests/gpu/cmdbuf_worker.py "${WB[@]}" ${DRY_SHAPE_CMDBUF:-}
+  local cand=(); [ -n "${CMDBUF_CANDIDATES:-}" ] && cand=(--candidates "$CMDBUF_CANDIDATES")
+  NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-2147483648} box 300 "$D/r8.log" "${LAUNCH[@]}" 8 --timeout "$(cap 290)" tests/gpu/cmdbuf_worker.py "${WB[@]}" "${cand[@]}" ${DRY_SHAPE_CMDBUF:-}
   local rc8=$?
-  box 120 "$D/ep1.log" python3 tests/gpu/cmdbuf_worker.py "${WB[@]}" ${DRY_SHAPE_CMDBUF:-}
+  box 170 "$D/ep1.log" python3 tests/gpu/cmdbuf_worker.py "${WB[@]}" "${cand[@]}" ${DRY_SHAPE_CMDBUF:-}
   local rc1=$?
-  grep -hE "CMDBUF|HLO|CONFIG|NOTE" "$D/r8.log" "$D/ep1.log" | sed 's/^\[rank [0-9]*\] //' > "$D/results.txt"
+  grep -hE "CMDBUF|HLO|CONFIG|NOTE|FAIL|SKIP" "$D/r8.log" "$D/ep1.log" | sed 's/^\[rank [0-9]*\] //' > "$D/results.txt"
   local m8 m1
   m8=$(grep -m1 "CMDBUF summary" "$D/r8.log" | sed 's/.*CMDBUF summary: //')
   m1=$(grep -m1 "CMDBUF summary" "$D/ep1.log" | sed 's/.*CMDBUF summary: //')
@@ -489,8 +506,9 @@ print(next(a.address for v in psutil.net_if_addrs().values() for a in v
 STEPS=(); AB_BASE=""
 while [ $# -gt 0 ]; do
   case $1 in
-    tier) STEPS+=(tier-ep1 tier-mr tier-nn);;  # its parts, each its own pytest process
-    build|tier-ep1|tier-mr|tier-nn|bench|reliability|sanitize|ranks|cmdbuf|hosts) STEPS+=("$1");;
+    tier) STEPS+=(tier-ep1 tier-mr1 tier-mr2 tier-nn);;  # its parts, each its own pytest process
+    tier-mr) STEPS+=(tier-mr1 tier-mr2);;
+    build|tier-ep1|tier-mr1|tier-mr2|tier-nn|bench|reliability|sanitize|ranks|cmdbuf|hosts) STEPS+=("$1");;
     ab) AB_BASE=${2:-}; [ -z "$AB_BASE" ] && { echo "ab needs a BASE commit: tools/gpu.sh ab 205b90b" >&2; exit 2; }
         STEPS+=(ab); shift;;
     *) echo "unknown step '$1' (tools/gpu.sh help)" >&2; exit 2;;
@@ -498,10 +516,10 @@ while [ $# -gt 0 ]; do
   shift
 done
 # Each step's minimum time to start (s) and cap.
-declare -A MIN=([build]=60 [tier-ep1]=60 [tier-mr]=120 [tier-nn]=90 [bench]=60 [ab]=150
+declare -A MIN=([build]=60 [tier-ep1]=60 [tier-mr1]=120 [tier-mr2]=120 [tier-nn]=90 [bench]=60 [ab]=150
                 [reliability]=90 [sanitize]=60 [ranks]=90 [cmdbuf]=90 [hosts]=120)
-declare -A CAP=([build]=240 [tier-ep1]=200 [tier-mr]=420 [tier-nn]=240 [bench]=540 [ab]=560
-                [reliability]=300 [sanitize]=560 [ranks]=540 [cmdbuf]=360 [hosts]=330)
+declare -A CAP=([build]=240 [tier-ep1]=200 [tier-mr1]=300 [tier-mr2]=300 [tier-nn]=240 [bench]=540 [ab]=560
+                [reliability]=300 [sanitize]=560 [ranks]=540 [cmdbuf]=480 [hosts]=330)
 
 { nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>&1 | head -2
   python3 -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())" 2>&1 | tail -1

@@ -13,16 +13,24 @@ namespace {
 using namespace ll;  // NOLINT: the shared helpers
 
 constexpr int kLayoutThreads = 1024;
-constexpr int kRankTile = 2048;  // topk ids kernel A stages in shared memory per pass
+constexpr int kRankTile = 2048;  // topk ids kernel A stages in shared memory per pass (at most)
+constexpr int kTileItems = kRankTile / kLayoutThreads;  // a thread's ids per tile
+static_assert(kRankTile % kLayoutThreads == 0, "a tile is whole items per thread");
 // Rows of x per receive block: a warp per row, so the kept rows of an expert (at the front of its
 // M) are copied by several blocks at once rather than four rows after another by each warp of one.
 constexpr int kRecvRowsPerBlock = kWarps;
 
 // Kernel A, one block: the call's seq, the slots' ordinals, and the counts message to every rank.
+// A token reaches an expert once: a slot whose expert an earlier k of its token names (a repeat)
+// is masked here (pos -1, so kernel B sends no row and the receiver gives it send_row -1) and
+// counted for the expert's rank, which adds it to its stats.dropped_rows (the word after counts[E]
+// in its message). So no (expert, source) gets more than T rows, and the area holds min(M, Tmax)
+// rows per (expert, source) (jaxep/runtime/sizes.py ll_area_sizes).
 __global__ void __launch_bounds__(kLayoutThreads) LLDispatchLayoutKernel(Team team,
                                                                          LLDispatchSend a) {
   __shared__ int32_t run[kMaxExperts];  // slots per expert, then their exclusive prefix
-  __shared__ int32_t s_ids[kRankTile];  // a tile of topk_idx
+  __shared__ int32_t s_ids[kRankTile];  // a tile of topk_idx (repeats set to -1)
+  __shared__ int32_t s_repeat[kMaxRanks];  // repeats per destination rank
   __shared__ uint64_t s_seq;
   __shared__ int s_abort;
   const SymLayout& lay = team.lay;
@@ -34,6 +42,7 @@ __global__ void __launch_bounds__(kLayoutThreads) LLDispatchLayoutKernel(Team te
     s_abort = Aborted(team) ? 1 : 0;
   }
   for (int e = tid; e < E; e += blockDim.x) run[e] = 0;
+  for (int d = tid; d < R; d += blockDim.x) s_repeat[d] = 0;
   __syncthreads();
   if (s_abort) return;
   const uint64_t seq = s_seq;
@@ -42,10 +51,27 @@ __global__ void __launch_bounds__(kLayoutThreads) LLDispatchLayoutKernel(Team te
   // consecutive ordinals after the ones of the earlier chunks (the reference's stable order).
   // The ids come from shared memory, staged a tile at a time by the whole block, so the warp's
   // serial walk waits on no global load.
+  // A tile is whole tokens (a multiple of K slots), so a token's earlier ids are in it.
   int invalid = 0;
-  for (int tile = 0; tile < N; tile += kRankTile) {
-    const int n = min(kRankTile, N - tile);
+  const int tile_slots = kRankTile / a.topk * a.topk;
+  for (int tile = 0; tile < N; tile += tile_slots) {
+    const int n = min(tile_slots, N - tile);
     for (int i = tid; i < n; i += blockDim.x) s_ids[i] = a.topk_idx[tile + i];
+    __syncthreads();
+    bool repeat[kTileItems];  // every thread's repeats found before any id is overwritten
+#pragma unroll
+    for (int u = 0; u < kTileItems; ++u) {
+      const int i = tid + u * kLayoutThreads;
+      const int e = i < n ? Sanitize(s_ids[i], E) : -1;
+      repeat[u] = false;
+      for (int i2 = i - i % a.topk; e >= 0 && i2 < i; ++i2) repeat[u] |= s_ids[i2] == e;
+      if (repeat[u]) atomicAdd(&s_repeat[e / L], 1);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kTileItems; ++u) {
+      if (repeat[u]) s_ids[tid + u * kLayoutThreads] = -1;  // a valid id: `invalid` is unchanged
+    }
     __syncthreads();
     if (tid < kWarpSize) {
       for (int base = 0; base < n; base += kWarpSize) {
@@ -82,11 +108,14 @@ __global__ void __launch_bounds__(kLayoutThreads) LLDispatchLayoutKernel(Team te
     const int d = q / E, e = q % E;
     reinterpret_cast<uint32_t*>(msg_of(d))[e] = static_cast<uint32_t>(run[e]);
   }
+  for (int d = tid; d < R; d += blockDim.x) {  // then d's repeats (ll_msg_meta leaves the word)
+    reinterpret_cast<uint32_t*>(msg_of(d))[E] = static_cast<uint32_t>(s_repeat[d]);
+  }
   const int total = BlockScanArray(run, run, E);  // run[e] = slots of experts < e
   // {slot, weight} of each row, at its place in its destination's (expert, t, k) list.
   for (int j = tid; j < N; j += blockDim.x) {
     const int e = Sanitize(a.topk_idx[j], E);
-    if (e < 0) continue;
+    if (e < 0 || a.pos[j] < 0) continue;  // masked, invalid or a repeat
     const int d = e / L;
     const int at = run[e] - run[d * L] + a.pos[j];
     int32_t* meta = reinterpret_cast<int32_t*>(msg_of(d) + lay.ll_msg_meta) + 2 * at;
@@ -153,6 +182,7 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRowsKernel(Team team, LLDi
     const int e = Sanitize(a.topk_idx[j], E);
     if (e < 0) continue;
     const int32_t i = a.pos[j];
+    if (i < 0) continue;            // a repeat of an earlier k's expert (kernel A)
     if (i >= lay.ll_cap) continue;  // i >= M: dropped by the receiver whatever the prefix
     const int d = e / L;
     const size_t ri = RowIndex(lay, p, e % L, me, i);
@@ -212,6 +242,9 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDi
       for (int s = 0; s < R; ++s) total += static_cast<int>(counts_of(s)[me * L + l]);
       if (total > M) atomicAdd(&s_drop, total - M);
     }
+    for (int s = tid; s < R; s += blockDim.x) {  // the repeats of my experts the sources dropped
+      atomicAdd(&s_drop, static_cast<int>(counts_of(s)[E]));
+    }
     __syncthreads();
     if (tid == 0) {
       a.stats[0] = s_drop;
@@ -221,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) LLDispatchRecvKernel(Team team, LLDi
       const int e = Sanitize(a.topk_idx[j], E);
       a.topk_out[j] = e;
       int row = -1;
-      if (e >= 0) {
+      if (e >= 0 && a.pos[j] >= 0) {  // pos -1: a repeat, not sent
         int pre = 0;  // rows of expert e from the sources before me
         for (int s = 0; s < me; ++s) pre += static_cast<int>(counts_of(s)[e]);
         const int r = pre + a.pos[j];

@@ -8,8 +8,10 @@
 // lives in device memory (SymLayout ll_*, sync.h):
 //
 //   dispatch_send   kernel A (one block): seq = ++ll_ctr[0]; p = seq & 1; the ordinal pos[t,k] of
-//                   each valid slot among this rank's slots of its expert (in (t, k) order), then
-//                   on every rank d: counts[E] and, for d's experts, {slot, weight} of every row
+//                   each valid slot among this rank's slots of its expert (in (t, k) order; a
+//                   repeat of an expert its token named at an earlier k gets -1 and is counted),
+//                   so pos < T; then on every rank d: counts[E], d's repeats, and, for d's
+//                   experts, {slot, weight} of every row
 //                   in (expert, t, k) order into d's ll_msg[p][me]; then ll_msg_flag[p][me] = seq.
 //                   kernel B (a block per token): row (t, k) -> d's ll_rows[p][l][me][pos] (fp8:
 //                   quantized once per token into shared memory, codes + scales as one row), then

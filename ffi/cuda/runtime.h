@@ -30,7 +30,7 @@ struct InitParams {
   int64_t row_bytes;         // hidden * payload itemsize (largest row a call may stage)
   int64_t return_row_bytes;  // largest per-token result a node returns (hidden * 4)
   int64_t ll_experts;        // low-latency area (sync.h ll_*): local experts L, 0: none
-  int64_t ll_cap;            // rows per (local expert, source): min(M, max_tokens * topk)
+  int64_t ll_cap;            // rows per (local expert, source): min(M, max_tokens)
   double timeout_s;          // bound on every device-side wait (> 0)
 };
 

@@ -126,7 +126,8 @@ SymLayout MakeSymLayout(int64_t max_tokens, int64_t topk, int64_t num_experts, i
     s.ll_cap = ll_cap;
     s.ll_ranks = ranks;
     s.ll_row_stride = (static_cast<size_t>(stage_row_bytes) + 15) / 16 * 16;
-    s.ll_msg_meta = AlignUp(static_cast<size_t>(num_experts) * sizeof(uint32_t));
+    // counts[E], then the word of the sender's repeats for this rank (dispatch_ll.cu kernel A).
+    s.ll_msg_meta = AlignUp(static_cast<size_t>(num_experts + 1) * sizeof(uint32_t));
     s.ll_msg_stride = AlignUp(s.ll_msg_meta + N * 2 * sizeof(int32_t));
     s.ll_ctr = o;       o += AlignUp(2 * sizeof(uint64_t));
     s.ll_done = o;      o += flags;

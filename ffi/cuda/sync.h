@@ -140,7 +140,8 @@ struct Diag {
 //   ll_done[kMaxRanks]   u64  ll_done[d] = last seq whose combine_send rank d started
 //   ll_msg_flag[2][kMaxRanks] u64  [p][s] = last seq whose counts message source s wrote here
 //   ll_msg[2][ranks]     of ll_msg_stride bytes: source s's message, u32 counts[E] (its slots
-//                        per expert, every expert) then {i32 slot, f32 weight} x the rows it
+//                        per expert, every expert), u32 its repeats of this rank's experts
+//                        (dropped at the source), then {i32 slot, f32 weight} x the rows it
 //                        sends to this rank, in (expert, t, k) order, at + ll_msg_meta
 //   ll_row_flag[2][L][ranks][cap] u64  last seq whose row i of (local expert l, source s) is here
 //   ll_rows[2][L][ranks][cap] of ll_row_stride bytes: those rows (payload or fp8 codes + scales)
@@ -156,7 +157,7 @@ struct SymLayout {
          ll_msg_meta = 0, ll_row_flag = 0, ll_rows = 0, ll_row_stride = 0, ll_cflag = 0,
          ll_crows = 0, ll_crow_stride = 0, ll_msg_out = 0, ll_tok = 0, ll_cstage = 0;
   int64_t ll_experts = 0;  // L (0: no low-latency area)
-  int64_t ll_cap = 0;      // rows per (local expert, source) area: min(M, Tmax * K)
+  int64_t ll_cap = 0;      // rows per (local expert, source) area: min(M, Tmax)
   int32_t ll_ranks = 0;    // R
   size_t ready = 0, free = 0, abort = 0, src_off = 0, counts = 0, sorted_slot = 0, sorted_w = 0,
          slot_order = 0, slot_expert = 0, stage_w = 0, stage = 0, stage_bytes = 0;

@@ -245,7 +245,7 @@ def _check_ll_fits(op: str, ep_size: int, ranks_per_node: int, *, experts: int, 
   if topk > most_topk:
     _fail(op, "config.topk", f"<= {most_topk} in low-latency mode on the CUDA backend", topk)
   limits = (("local experts", experts // ep_size, info["ll_experts"]),
-            ("rows per (expert, source) min(M, T*K)", cap, info["ll_cap"]),
+            ("rows per (expert, source) min(M, T)", cap, info["ll_cap"]),
             ("T*K (slots)", slots, info["max_tokens"] * info["topk"]),
             ("num_experts", experts, info["experts"]),
             ("row bytes", row_bytes, info["ll_row_bytes"]))
@@ -264,7 +264,8 @@ def ll_dispatch_send(x, topk_idx, topk_weights, *, config, ep_size: int, ranks_p
   """``jaxep_ll_dispatch_send``: x[T,H], topk_idx[T,K] i32 (raw ids), topk_weights[T,K] f32 ->
   ``(pos[T,K] i32, invalid[1] i32)``: each row is written into its expert rank's receive area
   (fp8_dispatch: quantized on the way, codes + scales per 128 channels); pos is the slot's
-  ordinal among this rank's slots of its expert (-1 masked), for ll_dispatch_recv."""
+  ordinal among this rank's slots of its expert (-1 masked, or a repeat of an expert its token
+  named at an earlier k: dropped and counted on the expert's rank), for ll_dispatch_recv."""
   op = "ll_dispatch_send"
   _extension.require(op)
   t, h = x.shape
@@ -272,7 +273,7 @@ def ll_dispatch_send(x, topk_idx, topk_weights, *, config, ep_size: int, ranks_p
   m = config.expert_rows(ep_size)
   row = _config.fp8_row_bytes(h) if config.fp8_dispatch else h * np.dtype(x.dtype).itemsize
   _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=t * k,
-                 cap=min(m, t * k), row_bytes=row, topk=k)
+                 cap=min(m, t), row_bytes=row, topk=k)
   out_types = (jax.ShapeDtypeStruct((t, k), np.int32), jax.ShapeDtypeStruct((1,), np.int32))
   call = _ffi_call("jaxep_ll_dispatch_send", out_types)
   return tuple(call(x, topk_idx, topk_weights, rows_per_expert=_i64(m),
@@ -293,7 +294,7 @@ def ll_dispatch_recv(topk_idx, pos, invalid, *, config, dtype, ep_size: int,
   tail = _config.fp8_row_bytes(h) - h if fp8 else 0  # the scales' bytes
   row = h + tail if fp8 else h * np.dtype(dtype).itemsize
   _check_ll_fits(op, ep_size, ranks_per_node, experts=config.num_experts, slots=t * k,
-                 cap=min(m, t * k), row_bytes=row, topk=k)
+                 cap=min(m, t), row_bytes=row, topk=k)
   i32 = np.int32
   out_types = (jax.ShapeDtypeStruct((l * m, h), np.uint8 if fp8 else dtype),
                jax.ShapeDtypeStruct((l * m, tail), np.uint8),

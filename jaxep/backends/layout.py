@@ -58,18 +58,32 @@ def normal_layout(idx_all, num_experts: int, capacity: int, me):
     return send_row_flat.reshape(R, T, K), recv_slot, counts
 
 
+def repeated_experts(idx_all):
+    """[R,T,K] bool: slot (s,t,k) names the same expert as an earlier slot (s,t,k'), k' < k, of its
+    token (ids sanitized; masked slots repeat nothing)."""
+    K = idx_all.shape[-1]
+    same = idx_all[..., :, None] == idx_all[..., None, :]  # [R,T,K(k),K(k')]
+    earlier = jnp.arange(K)[None, :] < jnp.arange(K)[:, None]  # k' < k
+    return (idx_all >= 0) & jnp.any(same & earlier, axis=-1)
+
+
 def ll_layout(idx_all, num_experts: int, rows: int, me):
     """The low-latency layout from all ranks' sanitized ids `idx_all` [R,T,K], M = `rows`.
 
-    Returns (send_row_all [R,T,K], recv_slot [L*M], counts [L], dropped): slot (s,t,k) of expert
+    Returns (send_row_all [R,T,K], recv_slot [L*M], counts [L], dropped): a slot whose token names
+    its expert at an earlier k is dropped at its source (each token reaches an expert once, so the
+    area holds at most T rows per (expert, source)); of the other slots, the one of expert
     e = d*L + l at position p among expert e's slots in (s, t, k) order gets flat row l*M + p on
     rank d when p < M, else -1 (dropped: the last in that order first); recv_slot[l*M + m] is the
-    global slot id of this rank's row (l, m) or -1; counts[l] = rows kept of local expert l.
+    global slot id of this rank's row (l, m) or -1; counts[l] = rows kept of local expert l;
+    dropped = both kinds of drop of the slots routed to this rank's experts.
     """
     R, T, K = idx_all.shape
     n, M = R * T * K, rows
     L = num_experts // R
-    key, order, per_expert, start = expert_order(idx_all, num_experts)
+    repeated = repeated_experts(idx_all)
+    n_repeated = jnp.sum(repeated & (idx_all // L == me))  # masked ids: -1 // L != me
+    key, order, per_expert, start = expert_order(jnp.where(repeated, -1, idx_all), num_experts)
     key_sorted = key[order]
     pos_sorted = jnp.arange(n, dtype=jnp.int32) - start[key_sorted]  # position within its expert
     keep_sorted = (key_sorted < num_experts) & (pos_sorted < M)
@@ -83,7 +97,7 @@ def ll_layout(idx_all, num_experts: int, rows: int, me):
     padded = jnp.concatenate([order, jnp.full((1,), -1, jnp.int32)])  # never empty (T = 0)
     slot = padded[jnp.where(valid, first[:, None] + m[None, :], n)]
     recv_slot = jnp.where(valid, slot, -1).reshape(L * M)
-    dropped = jnp.sum(mine) - jnp.sum(counts)
+    dropped = jnp.sum(mine) - jnp.sum(counts) + n_repeated
     return send_row.reshape(R, T, K), recv_slot, counts.astype(jnp.int32), dropped
 
 

@@ -108,7 +108,8 @@ def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, co
     (fp8 rows are dequantized to the compute dtype when `config.fp8_dispatch`); the experts run as
     batched matmuls over all M rows of each expert (biases only on rows below counts[l]; the
     combine reads only those); `jaxep.combine` sums the rows back in jaxep's fixed order.
-    "dropped_rows" counts the rows of an expert past M.
+    "dropped_rows" counts the rows of an expert past M (and a token's repeats of an expert: the
+    routers here pick distinct experts, so none).
     """
     with phase("router"):
         routed = _route(params, x, routing)

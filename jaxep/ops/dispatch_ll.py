@@ -12,7 +12,9 @@ Expert e lives on rank e // 2; the rows of local expert l are ordered by (source
     rank 1: x[0] = [a (e2 r0 t0), d (e2 r1 t1)]  x[1] = [c (e3 r1 t0), 0]          counts = [2, 1]
 
 With M = 1 the second row of each expert is dropped (b of e1, c of e0, ...) and counted in
-stats.dropped_rows. The handle indexes the flat rows l * M + m, so `jaxep.combine` of y [L, M, H]
+stats.dropped_rows. A token reaches an expert once: topk_idx [[1, 1], ...] sends a to e1 once and
+counts the repeat in stats.dropped_rows on e1's rank (the CUDA area holds T rows per (expert,
+source)). The handle indexes the flat rows l * M + m, so `jaxep.combine` of y [L, M, H]
 is the normal-mode combine of y.reshape(L * M, H), bit for bit (docs/design.md "Low-latency mode").
 
 Autodiff: d x = the unweighted combine of the rows' cotangents (the fixed order), d topk_weights =

@@ -48,14 +48,26 @@ def runtime_sizes(configs, ep_size: int) -> dict:
 
 def ll_area_sizes(configs, ep_size: int) -> dict:
     """The low-latency area (ffi/cuda/low_latency.h) for the mode="low_latency" configs among
-    `configs`: L local experts and the rows per (expert, source), min(M, T_max * K); zeros when
-    there is none. (The staging the area adds with several nodes the C++ layout sizes itself.)"""
+    `configs`: L local experts and the rows per (expert, source), min(M, T_max): a token reaches
+    an expert at most once (a repeat of its expert is dropped at the source, docs/design.md), so
+    no source sends an expert more than T rows. Zeros when there is none. (The staging the area
+    adds with several nodes the C++ layout sizes itself.)"""
     ll = [c for c in configs if c.mode == "low_latency"]
     if not ll:
         return dict(ll_experts=0, ll_cap=0)
     return dict(ll_experts=max(c.local_experts(ep_size) for c in ll),
-                ll_cap=max(min(c.expert_rows(ep_size), c.max_tokens_per_rank * c.topk)
-                           for c in ll))
+                ll_cap=max(min(c.expert_rows(ep_size), c.max_tokens_per_rank) for c in ll))
+
+
+def ll_area_bytes(configs, ep_size: int) -> int:
+    """Bytes of the low-latency area's rows and their flags (ffi/cuda/sync.cu, ll_rows and
+    ll_row_flag): 2 halves x L x R x ll_cap rows of the widest row (16-byte aligned) and a u64 flag
+    each. The counts messages and the combine's rows (O(R*E) and O(T*K)) are not counted."""
+    ll = ll_area_sizes(configs, ep_size)
+    if not ll["ll_experts"]:
+        return 0
+    row = -(-max(_row_bytes(c) for c in configs) // 16) * 16
+    return 2 * ll["ll_experts"] * ep_size * ll["ll_cap"] * (row + 8)
 
 
 @dataclasses.dataclass(frozen=True)

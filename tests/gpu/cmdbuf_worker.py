@@ -10,26 +10,55 @@ The step: a jitted `jax.lax.scan` over a stack of `--layers` MoE layers (the per
 `jaxep.nn.MoE`, `jaxep.nn.moe_local`: router, top-k, dispatch, gated SiLU experts as ragged dots,
 combine; residual x + y), forward and backward (`jax.value_and_grad` of a per-rank loss, the router
 with a leading rank dimension so no gradient is an XLA all-reduce: ranks sharing one GPU cannot run
-XLA collectives). The normal-mode cross-rank handlers are not command-buffer compatible (they take
-a host sequence number each call), so XLA splits its command buffers around every one of them.
+XLA collectives).
 
-Each variant is compiled twice in this process, with command buffers as XLA_FLAGS sets them
-(default: on) and with `compiler_options={"xla_gpu_enable_command_buffer": ""}` (off), and the two
-executables are timed alternately, `--rounds` rounds of `--iters` steps each (wall clock of
-back-to-back steps after a warm-up; every rank times its own, rank 0 prints). Variants:
+Where XLA forms command buffers (openxla/xla; what this worker counts):
+  * `--xla_gpu_enable_command_buffer` lists the command types that may be recorded: FUSION
+    (kernels, copies, sorts), CUBLAS, CUBLASLT, CUDNN, CUSTOM_CALL, COLLECTIVES, CONDITIONAL,
+    WHILE, DYNAMIC_SLICE_FUSION, ...; XLA's default is FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL,
+    CUDNN, with `--xla_gpu_graph_min_graph_size=5` (a run of fewer commands stays unrecorded).
+  * A custom call is a command only when its FFI handler is registered with the
+    `kCmdBufferCompatible` trait (and CUSTOM_CALL is on). A while loop (a `lax.scan`) is one
+    command only with WHILE on and every thunk of its body and condition a command; otherwise
+    runs of commands inside its body become command buffers of their own.
+  * jaxep's normal-mode handlers are not command-buffer compatible (each call takes a host
+    sequence number, ffi/exchange.h), so every one of them ends the command buffer before it and
+    starts a new one after it: the scan is never one graph, and each layer's step is several
+    graphs with the handlers launched from the host between them. The low-latency handlers are
+    compatible (their sequence numbers live on the device).
+  * Where they show: XLA's HLO pass (CommandBufferScheduling) outlines each buffer into a
+    computation named `command_buffer[.N]`, called from the schedule; newer XLA forms them on
+    the thunks instead (`--xla_gpu_experimental_enable_command_buffer_on_thunks`, default on),
+    where the HLO text shows none and the thunk sequence dumped under `xla_dump_to`
+    (`*thunk_sequence_after_thunk_passes.txt`) shows `kCommandBuffer` thunks. The worker counts
+    both: the HLO computations and the dumped `kCommandBuffer` thunks (and the jaxep custom
+    calls inside and outside them).
+
+Each variant is compiled with command buffers off (`compiler_options=
+{"xla_gpu_enable_command_buffer": ""}`) and with each of `--candidates`, named flag sets for "on"
+(CANDIDATES; `xla_flags`: no override, XLA_FLAGS and XLA's defaults as they are); a set this XLA
+does not accept is reported and skipped. The executables are timed alternately, `--rounds`
+rounds of `--iters` steps each (wall clock of back-to-back steps after a warm-up; every rank
+times its own, rank 0 prints). Variants:
   moe          the stack above (jaxep dispatch / combine, CUDA backend on GPU);
   local        the same stack with dispatch / combine replaced by a rank-local grouping (argsort
                by expert, no jaxep call): how much command buffers save a step that XLA can capture
                whole, at the same expert compute.
-Prints `CMDBUF <variant> on_ms=... off_ms=... on/off=... spread=...` and the number of command
-buffer computations in each executable (0 with them off: the switch took).
+Prints `HLO <variant> <set>: command buffers ...` per executable and `CMDBUF <variant> <set>
+on_ms=... off_ms=... on/off=...`. On a GPU it exits 1 with `FAIL` when "off" holds a command
+buffer (the switch did not take) or no candidate's executable of a variant holds one (the on/off
+comparison would measure nothing). On CPU there are no command buffers: the check is skipped
+and says so.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,14 +83,80 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", default=None, choices=("cuda", "reference"))
     p.add_argument("--timeout_s", type=float, default=60.0)
     p.add_argument("--nproc_hint", type=int, default=0, help="unused; documents EP 1 runs")
+    p.add_argument("--candidates", default=",".join(CANDIDATES),
+                   help="flag sets for command buffers on: " + ", ".join(CANDIDATES))
     a = p.parse_args(argv)
     for v in a.variants.split(","):
         if v not in ("moe", "local"):
             p.error(f"--variants: unknown {v!r} (moe, local)")
+    for c in a.candidates.split(","):
+        if c not in CANDIDATES:
+            p.error(f"--candidates: unknown {c!r} ({', '.join(CANDIDATES)})")
     return a
 
 
 OFF = {"xla_gpu_enable_command_buffer": ""}
+_TYPES = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL"
+# Flag sets for "on", as compiler options (the names of XLA's DebugOptions fields).
+CANDIDATES = {
+    "xla_flags": {},  # XLA_FLAGS / XLA's defaults
+    "min1": {"xla_gpu_enable_command_buffer": _TYPES, "xla_gpu_graph_min_graph_size": 1},
+    "while_min1": {"xla_gpu_enable_command_buffer": _TYPES + ",WHILE,CONDITIONAL",
+                   "xla_gpu_graph_min_graph_size": 1},
+    "while_min1_hlo_pass": {"xla_gpu_enable_command_buffer": _TYPES + ",WHILE,CONDITIONAL",
+                            "xla_gpu_graph_min_graph_size": 1,
+                            "xla_gpu_experimental_enable_command_buffer_on_thunks": False},
+}
+_THUNK_LINE = re.compile(r"^(\s*)\d+: (\S+)")
+
+
+def count_command_buffers(hlo_text: str, dump_dir: str) -> dict:
+    """The command buffers of one compiled executable: `hlo` = computations named
+    command_buffer[.N] defined in its HLO (XLA's HLO pass); `thunks` = kCommandBuffer thunks at any
+    depth of the thunk sequence dumped in `dump_dir` (the thunk pass), None without a dump;
+    `cc_in` / `cc_out` = custom-call thunks inside / outside one."""
+    hlo = len(set(re.findall(r"^\s*%?(command_buffer[\w.]*)\s", hlo_text, re.M)))
+    found = sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence_after_thunk_passes*.txt")))
+    if not found:  # thunk passes changed nothing: only the first sequence is dumped
+        found = sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")))
+    out = dict(hlo=hlo, thunks=None, cc_in=0, cc_out=0)
+    if not found:
+        return out
+    with open(found[-1]) as f:
+        lines = f.read().splitlines()
+    out["thunks"] = 0
+    stack: list[tuple[int, bool]] = []  # (indent, is a command buffer) of the enclosing thunks
+    for line in lines:
+        m = _THUNK_LINE.match(line)
+        if not m:
+            continue
+        indent, kind = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        inside = any(cb for _, cb in stack)
+        is_cb = kind.startswith("kCommandBuffer")
+        out["thunks"] += is_cb
+        if kind.startswith("kCustomCall"):
+            out["cc_in" if inside else "cc_out"] += 1
+        stack.append((indent, is_cb))
+    return out
+
+
+def total_buffers(c: dict) -> int:
+    return c["hlo"] + (c["thunks"] or 0)
+
+
+def count_failures(variant: str, counts: dict) -> list[str]:
+    """What makes a GPU run's on/off comparison meaningless: "off" holding a command buffer, or
+    no "on" candidate holding one (`counts`: count_command_buffers per compiled executable)."""
+    fails = []
+    if "off" in counts and total_buffers(counts["off"]):
+        fails.append(f"{variant}: 'off' holds command buffers {counts['off']}")
+    on = {k: c for k, c in counts.items() if k != "off"}
+    if not any(total_buffers(c) for c in on.values()):
+        fails.append(f"{variant}: no candidate executable holds a command buffer ("
+                     + (", ".join(f"{k}: {c}" for k, c in on.items()) or "none compiled") + ")")
+    return fails
 
 
 def main(argv=None) -> int:
@@ -154,54 +249,95 @@ def main(argv=None) -> int:
         return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(pspec, P("ep")),
                                      out_specs=(P("ep"), pspec)))
 
-    results = {}
+    results, failures = {}, []
     for variant in a.variants.split(","):
         step = make_step(layer_moe if variant == "moe" else layer_local)
-        lowered = step.lower(params, x)
-        exes = {"on": lowered.compile()}
+        exes, counts = compile_all(step.lower(params, x), a, variant, say)
+        held = [k for k in exes if k != "off" and total_buffers(counts[k]) > 0]
+        if not on_gpu:
+            say(f"SKIP {variant}: command-buffer count not checked: platform "
+                f"{jax.default_backend()} has no command buffers", flush=True)
+        else:
+            failures += count_failures(variant, counts)
+        med, vals = time_all(exes, params, x, a)
+        results[variant] = (med, held)
+        off = med.get("off")
+        for k in exes:
+            if k == "off":
+                continue
+            line = (f"CMDBUF {variant} {k} rank={me} buffers={total_buffers(counts[k])} "
+                    f"on_ms={med[k]:.3f}"
+                    + (f" off_ms={off:.3f} on/off={med[k] / off:.3f}" if off else " off_ms=-")
+                    + f" loss_equal_to_off={vals[k] == vals.get('off', vals[k])}")
+            print(line, flush=True)  # every rank: the ranks' spread shows
+    if me == 0 and "moe" in results and "local" in results:
+        (m, m_held), (l, l_held) = results["moe"], results["local"]
+        # the last candidate holding command buffers (on CPU, where none does: the last one)
+        mk = (m_held or [k for k in m if k != "off"] or [None])[-1]
+        lk = (l_held or [k for k in l if k != "off"] or [None])[-1]
+        if "off" in m and "off" in l and mk and lk:
+            print(f"CMDBUF summary: moe step on({mk})/off {m[mk] / m['off']:.3f}, local (captured "
+                  f"whole) on({lk})/off {l[lk] / l['off']:.3f}; moe on - local on = "
+                  f"{m[mk] - l[lk]:.3f} ms of jaxep calls and their splits per step", flush=True)
+    for f in failures:
+        print(f"FAIL rank={me} {f}", flush=True)
+    jaxep.finalize()
+    return 1 if failures else 0
+
+
+def compile_all(lowered, a, variant, say):
+    """The "off" executable and one per accepted candidate, with each one's command buffers
+    (count_command_buffers over its HLO and its dumped thunk sequence)."""
+    import jaxep
+    exes, counts = {}, {}
+    for name in ["off"] + a.candidates.split(","):
+        opts = OFF if name == "off" else CANDIDATES[name]
+        dump = tempfile.mkdtemp(prefix=f"cmdbuf_{variant}_{name}_")
         try:
-            exes["off"] = lowered.compile(compiler_options=OFF)
+            exe = lowered.compile(compiler_options=dict(opts, xla_dump_to=dump))
         except Exception as e:  # pylint: disable=broad-except
-            say(f"NOTE {variant}: compile with command buffers off failed: {type(e).__name__}: "
-                f"{e}", flush=True)
+            say(f"NOTE {variant} {name}: not compiled ({opts}): {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}", flush=True)
+            shutil.rmtree(dump, ignore_errors=True)
+            continue
+        exes[name] = exe
+        c = counts[name] = count_command_buffers(exe.as_text() or "", dump)
+        shutil.rmtree(dump, ignore_errors=True)
+        n_cc = len(re.findall(r'custom_call_target="jaxep_', exe.as_text() or ""))
+        thunks = "no thunk dump" if c["thunks"] is None else (
+            f"kCommandBuffer thunks {c['thunks']}, custom-call thunks inside {c['cc_in']} / "
+            f"outside {c['cc_out']}")
+        say(f"HLO {variant} {name}: command buffers {total_buffers(c)} (HLO computations "
+            f"{c['hlo']}; {thunks}); jaxep custom calls {n_cc}; options {opts}", flush=True)
+    jaxep.check()
+    return exes, counts
+
+
+def time_all(exes, params, x, a):
+    """Median ms per step of each executable over `a.rounds` alternating rounds, and each one's
+    loss (rank 0's shard) after the warm-up."""
+    import jax
+    import numpy as np
+    import jaxep
+    for exe in exes.values():
+        for _ in range(a.warmup):
+            out = exe(params, x)
+        jax.block_until_ready(out)
+        jaxep.check()
+    vals = {k: float(np.asarray(exe(params, x)[0].addressable_shards[0].data)[0])
+            for k, exe in exes.items()}
+    times = {k: [] for k in exes}
+    for _ in range(a.rounds):
         for k, exe in exes.items():
-            text = exe.as_text() or ""
-            n_cb = len(set(re.findall(r"command_buffer[\w.]*", text)))
-            n_cc = len(re.findall(r'custom_call_target="jaxep_', text))
-            say(f"HLO {variant} {k}: command buffer computations {n_cb}, jaxep custom calls {n_cc}",
-                flush=True)
-        times = {k: [] for k in exes}
-        for k, exe in exes.items():  # warm-up, and the two executables' results must agree
-            for _ in range(a.warmup):
+            t0 = time.perf_counter()
+            for _ in range(a.iters):
                 out = exe(params, x)
             jax.block_until_ready(out)
-            jaxep.check()
-        vals = {k: float(np.asarray(exe(params, x)[0].addressable_shards[0].data)[0])
-                for k, exe in exes.items()}
-        for _ in range(a.rounds):
-            for k, exe in exes.items():
-                t0 = time.perf_counter()
-                for _ in range(a.iters):
-                    out = exe(params, x)
-                jax.block_until_ready(out)
-                times[k].append((time.perf_counter() - t0) / a.iters * 1e3)
-        jaxep.check()
-        med = {k: float(np.median(v)) for k, v in times.items()}
-        spread = {k: max(v) / min(v) for k, v in times.items()}
-        results[variant] = med
-        line = (f"CMDBUF {variant} rank={me} on_ms={med['on']:.3f}"
-                + (f" off_ms={med['off']:.3f} on/off={med['on'] / med['off']:.3f}" if "off" in med
-                   else " off_ms=- (not compiled)")
-                + " rounds_ms=" + ";".join(f"{k}:" + ",".join(f"{t:.3f}" for t in v)
-                                           for k, v in times.items())
-                + f" spread(max/min)=" + ",".join(f"{k}:{s:.3f}" for k, s in spread.items())
-                + f" loss_on_off_equal={len(set(vals.values())) == 1}")
-        print(line, flush=True)  # every rank: the ranks' spread shows
-    if me == 0 and "moe" in results and "local" in results and "off" in results["moe"]:
-        m, l = results["moe"], results["local"]
-        print(f"CMDBUF summary: moe step on/off {m['on'] / m['off']:.3f}, local (captured whole) "
-              f"on/off {l['on'] / l['off']:.3f}; moe on - local on = {m['on'] - l['on']:.3f} ms "
-              f"of jaxep calls and their splits per step", flush=True)
+            times[k].append((time.perf_counter() - t0) / a.iters * 1e3)
+    jaxep.check()
+    return {k: float(np.median(v)) for k, v in times.items()}, vals
+
+
     jaxep.finalize()
     return 0
 

@@ -7,7 +7,8 @@ l*M + m), as tests/gpu/multirank_worker.py does for normal mode (whose helpers i
   * the public ops (jaxep.dispatch / jaxep.combine with the initialized low-latency config):
     x [L,M,H], counts, weights, send_row, recv_slot, sanitized ids, stats, combine;
   * the split ops (dispatch_send/recv, combine_send/recv) give the one-call bits;
-  * cuda_backend directly with other sizes: M small enough to drop rows, bad ids, fp8_dispatch
+  * cuda_backend directly with other sizes: M small enough to drop rows, bad ids, tokens that
+    name an expert twice (the repeats dropped and counted), fp8_dispatch
     (codes and scales), f16;
   * a jitted lax.scan decode loop of dispatch + combine, every step against the oracle.
 `--case graph` (run with XLA command buffers on for custom calls): a jitted lax.scan decode loop
@@ -306,6 +307,15 @@ def main() -> int:
         ("ll_fp8", dict(T=T, H=H, K=K, E=E, M=16, dtype=jnp.bfloat16, routing="uniform", fp8=True)),
         ("ll_fp8_one_expert", dict(T=T, H=H, K=K, E=E, M=2 * T, dtype=jnp.bfloat16,
                                    routing="one_expert", fp8=True)),
+        # Tokens naming an expert twice: the repeats dropped at the source, counted on the
+        # expert's rank (the area holds T rows per (expert, source)); alone, with drops past M
+        # and bad ids, and with fp8 rows.
+        ("ll_bf16_repeats", dict(T=T, H=H, K=K, E=E, M=mw.R * T, dtype=jnp.bfloat16,
+                                 routing="repeats")),
+        ("ll_bf16_repeats_drop_bad_ids", dict(T=T, H=H, K=K, E=E, M=3, dtype=jnp.bfloat16,
+                                              routing="repeats", bad_frac=0.2)),
+        ("ll_fp8_repeats", dict(T=T, H=H, K=K, E=E, M=16, dtype=jnp.bfloat16, routing="repeats",
+                                fp8=True)),
     ]
     for name, kw in cases:
         mw.run_case(name, case_backend, name, cfg, **kw)

@@ -137,6 +137,11 @@ def make_inputs(seed, T, H, K, E, dtype, routing, bad_frac=0.0):
         elif routing == "one_expert":
             idx = np.full((T, K), -1)
             idx[:, 0] = 0
+        elif routing == "repeats":  # uniform, then about a third of slots k >= 1 repeat an earlier k
+            idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+            for t, k in zip(*np.nonzero(rng.random((T, K)) < 1 / 3)):
+                if k:
+                    idx[t, k] = idx[t, rng.integers(0, k)]
         else:
             raise ValueError(routing)
         idx = idx.astype(np.int32)

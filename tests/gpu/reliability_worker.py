@@ -63,6 +63,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--digest", action="store_true",
                    help="print the sha256 of each input set's first outputs")
     p.add_argument("--mode", default="normal", choices=("normal", "low_latency"))
+    p.add_argument("--rows_per_expert", default="0",
+                   help="low latency: Config.rows_per_expert (M); 0 = the Config's default, "
+                        "bench = jaxep-bench's default M for these sizes")
+    p.add_argument("--heap_for_ranks", type=int, default=0,
+                   help="print `HEAP <bytes> <symmetric bytes>`, the NVSHMEM_SYMMETRIC_SIZE "
+                        "jaxep.initialize recommends for this config on N ranks sharing one GPU, "
+                        "and exit (no run; needs the built extension)")
     p.add_argument("--tokens", type=int, default=128, help="T per rank")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--topk", type=int, default=4)
@@ -87,7 +94,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("calls", "inputs", "sync_every", "check_every"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if a.rows_per_expert != "bench" and not a.rows_per_expert.isdigit():
+        p.error(f"--rows_per_expert: an integer >= 0 or 'bench', got {a.rows_per_expert!r}")
+    if a.rows_per_expert not in ("0", "bench") and a.mode != "low_latency":
+        p.error("--rows_per_expert is for --mode low_latency")
     return a
+
+
+def make_config(a, R: int):
+    """The run's jaxep.Config on R ranks (also what --heap_for_ranks sizes)."""
+    import jaxep
+    E = a.experts or a.experts_per_rank * R
+    ll = {}
+    if a.mode == "low_latency" and a.rows_per_expert == "bench":
+        import types
+        from jaxep.bench import low_latency  # jaxep-bench's M: its ll cases' heap fits this
+        bc = types.SimpleNamespace(rows_per_expert=0, tokens=a.tokens, topk=a.topk, experts=E)
+        ll = {"rows_per_expert": low_latency.rows_per_expert(bc, R)}
+    elif a.mode == "low_latency" and int(a.rows_per_expert):
+        ll = {"rows_per_expert": int(a.rows_per_expert)}
+    return jaxep.Config(num_experts=E, topk=a.topk, hidden=a.hidden, max_tokens_per_rank=a.tokens,
+                        capacity_factor=a.capacity_factor or None, dtype=a.dtype,
+                        timeout_s=a.timeout_s, mode=a.mode, **ll,
+                        **({"ranks_per_node": a.ranks_per_node} if a.ranks_per_node else {}),
+                        **({"num_sms": a.num_sms} if a.num_sms else {}))
+
+
+def heap_bytes(a, R: int) -> tuple[int, int]:
+    """(NVSHMEM_SYMMETRIC_SIZE, symmetric block bytes) for this config on R ranks sharing one GPU:
+    what jaxep.initialize computes and recommends (jaxep.runtime.sizes: Params.of, the
+    extension's symmetric_bytes, recommended_env), from the jaxep on the path."""
+    import dataclasses
+    from jaxep import _extension
+    from jaxep.runtime import sizes
+    cfg = make_config(a, R)
+    params = sizes.Params.of([cfg], device=0, rank=0, size=R, node_size=a.ranks_per_node or R)
+    ext = _extension.module() if _extension.multi_rank_built() else None
+    if ext is None:
+        raise RuntimeError(f"no multi-rank extension here ({_extension.unavailable_reason()})")
+    sym = ext.symmetric_bytes(ext.RuntimeParams(**dataclasses.asdict(params)))
+    rec = sizes.recommended_env(sym, ranks_on_gpu=R)
+    return int(rec["NVSHMEM_SYMMETRIC_SIZE"]), int(sym)
 
 
 # ----------------------------------------------------------------------------------- checksum
@@ -162,6 +209,14 @@ def main(argv=None) -> int:
         sys.path.append(ROOT)  # last: a tree on PYTHONPATH (the `ab` step's base) wins for jaxep
     import jaxep
 
+    if a.heap_for_ranks:
+        try:
+            heap, sym = heap_bytes(a, a.heap_for_ranks)
+        except RuntimeError as e:
+            print(f"HEAP unknown: {e}", flush=True)
+            return 3
+        print(f"HEAP {heap} {sym}", flush=True)
+        return 0
     multi = jax.process_count() > 1
     R = jax.process_count() if multi else len(jax.devices())
     me = jax.process_index()
@@ -171,17 +226,14 @@ def main(argv=None) -> int:
     E = a.experts or a.experts_per_rank * R
     G = a.ranks_per_node or R
     dtype = jnp.dtype(a.dtype)
-    cfg = jaxep.Config(num_experts=E, topk=a.topk, hidden=a.hidden, max_tokens_per_rank=a.tokens,
-                       capacity_factor=a.capacity_factor or None, dtype=a.dtype,
-                       timeout_s=a.timeout_s, mode=a.mode,
-                       **({"ranks_per_node": a.ranks_per_node} if a.ranks_per_node else {}),
-                       **({"num_sms": a.num_sms} if a.num_sms else {}))
+    cfg = make_config(a, R)
     jaxep.initialize(cfg)
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
     spec = NamedSharding(mesh, P("ep"))
     say = (lambda *s: print(*s, flush=True)) if me == 0 or not multi else (lambda *s: None)
     say(f"CONFIG ranks={R} layout={R // G}x{G} backend={backend} mode={a.mode} T={a.tokens} "
-        f"H={a.hidden} K={a.topk} E={E} dtype={a.dtype} capacity_factor={a.capacity_factor or None} "
+        f"H={a.hidden} K={a.topk} E={E}"
+        f"{f' M={cfg.expert_rows(R)}' if a.mode == 'low_latency' else ''} dtype={a.dtype} capacity_factor={a.capacity_factor or None} "
         f"calls={a.calls} delay_ms=0..{a.delay_ms} inputs={a.inputs} check={a.check} "
         f"jaxep={os.path.dirname(jaxep.__file__)}")
 

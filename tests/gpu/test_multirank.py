@@ -111,7 +111,7 @@ def _assert_all_passed(nproc, rc, out, secs):
 
 
 # Config(mode="low_latency") on the CUDA backend (tests/gpu/ll_multirank_worker.py): bitwise vs
-# the oracle (x [L,M,H], counts, drops, bad ids, fp8 codes and scales, combine), split == one
+# the oracle (x [L,M,H], counts, drops, bad ids, repeated experts, fp8 codes and scales, combine), split == one
 # call, a jitted decode loop; one node and 2 emulated nodes x 4.
 @pytest.mark.parametrize("nproc,layout", [(4, ()), (8, ()), (8, ("--ranks_per_node", "4")),
                                           (8, ("--ranks_per_node", "4", "--wire", "payload"))])
