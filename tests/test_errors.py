@@ -207,7 +207,7 @@ def test_axis_name_other_than_the_initialized_one_raises():
             jaxep.initialize(CFG, axis_name="tp")
     finally:
         jaxep.finalize()
-    with pytest.raises(TypeError, match=r"jaxep.initialize: axis_name must be a non-empty str, got int 3"):
+    with pytest.raises(TypeError, match=r"jaxep.initialize: axis_name must be a non-empty str or a tuple of them, got int 3"):
         jaxep.initialize(CFG, axis_name=3)
     assert jaxep.runtime.initialized_config() is None
 
