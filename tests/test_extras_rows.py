@@ -231,7 +231,7 @@ def test_the_gradient_of_a_carried_leaf_is_dispatchs_dx(mode, dtype, R):
 def test_floating_leaves_get_the_sum_over_their_rows_and_integers_none(mode):
     """d loss / d leaf[t] = sum over token t's kept rows of the row's cotangent (integer-valued
     here, so any order is exact), per leaf of a tree that also holds int and bool leaves (which
-    carry no gradient); f32 and bf16 leaves share the combine of their dtype group or not."""
+    carry no gradient); f32 and bf16 leaves in their dtype's combine, complex ones part by part."""
     cfg = _cfg(mode=mode, recv_capacity=6) if mode == "normal" else _cfg(mode=mode,
                                                                           rows_per_expert=2)
     R, T, K = 4, 4, cfg.topk
@@ -253,13 +253,16 @@ def test_floating_leaves_get_the_sum_over_their_rows_and_integers_none(mode):
             res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, extras=(fl, ints))
             a, b = res.extras[0]["a"], res.extras[0]["b"]
             a, b = a.reshape(N, 3), b.reshape(N, 2)
+            z = res.extras[0]["z"].reshape(N)
             i = res.extras[1]["i"].reshape(N).astype(jnp.float32)
-            out = jnp.sum(a * coef) + jnp.sum(b.astype(jnp.float32) * coef[:, :2] * 2) + 0 * i.sum()
+            out = jnp.sum(a * coef) + jnp.sum(b.astype(jnp.float32) * coef[:, :2] * 2) + \
+                jnp.sum(jnp.real(z) * coef[:, 0] + jnp.imag(z) * coef[:, 1]) + 0 * i.sum()
             return out[None]
         return jnp.sum(jax.shard_map(body, mesh=harness.mesh(R), in_specs=P("ep"),
                                      out_specs=P("ep"))(fl, ints, x, idx, w, coef))
     fl = {"a": rng.standard_normal((R * T, 3)).astype(np.float32),
-          "b": rng.standard_normal((R * T, 2)).astype(jnp.bfloat16)}
+          "b": rng.standard_normal((R * T, 2)).astype(jnp.bfloat16),
+          "z": (rng.standard_normal((R * T,)) + 1j).astype(np.complex64)}
     ints = {"i": np.arange(R * T, dtype=np.int32), "f": np.ones((R * T,), bool)}
     g = jax.jit(jax.grad(loss))(fl, ints, *(np.concatenate(a) for a in (xs, idxs, ws)), coef)
     want_a = np.zeros((R, T, 3), np.float32)
@@ -272,6 +275,9 @@ def test_floating_leaves_get_the_sum_over_their_rows_and_integers_none(mode):
     np.testing.assert_array_equal(np.asarray(g["b"]).astype(np.float32),
                                   (2 * want_a[..., :2]).reshape(R * T, 2))
     assert g["b"].dtype == jnp.bfloat16
+    # jax.grad of a real loss in a complex input z = u + iv is dL/du - i dL/dv
+    np.testing.assert_array_equal(np.asarray(g["z"]), (want_a[..., 0] - 1j * want_a[..., 1])
+                                  .astype(np.complex64).reshape(R * T))
 
 
 # ---- EP over a tuple of mesh axes ---------------------------------------------------------------
