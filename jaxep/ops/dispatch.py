@@ -56,7 +56,8 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name: str = "ep", config, backen
                     backend=call.backend)
     return DispatchResult(x=out.x, group_sizes=out.group_sizes, weights=out.weights,
                           expert=row_expert(out.group_sizes, call.sizes.rows), handle=handle,
-                          stats=Stats(dropped_rows=out.stats[0:1], invalid_ids=out.stats[1:2]))
+                          stats=Stats(dropped_rows=out.stats[0:1], invalid_ids=out.stats[1:2],
+                                      max_recv_rows=out.stats[2:3]))
 
 
 def row_expert(group_sizes, rows: int):
