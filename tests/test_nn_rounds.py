@@ -246,3 +246,55 @@ def test_no_worst_case_buffer_in_the_training_step():
     default = rows_shapes(_hot_layer(R))
     assert (2 * T * K, H) in default and (R * T * K, H) not in default
     assert (R * T * K, H) in rows_shapes(_hot_layer(R, recv_capacity=R * T * K))
+
+
+# ---- the memory estimate (jaxep.nn.memory, docs/nn.md "Memory at scale") -------------------
+
+H200 = 141e9
+GIB = 2 ** 30
+
+
+def test_deepseek_v3_at_ep64_fits_an_h200_only_with_the_budget():
+    from jaxep.nn import memory
+    budget, worst = memory.deepseek_v3(64), memory.deepseek_v3(64, None)
+    assert budget.rounds and budget.recv_rows == 2 * 4096 * 8
+    assert not worst.rounds and worst.recv_rows == 64 * 4096 * 8
+    assert budget.total < H200 < worst.total
+
+
+def test_memory_rows_do_not_grow_with_the_ep_size():
+    from jaxep.nn import memory
+    rows = lambda e: {k: v for k, v in e.parts.items() if k not in ("weights",)}  # noqa: E731
+    budgets = [memory.deepseek_v3(R) for R in (8, 64, 256)]
+    assert rows(budgets[0]) == rows(budgets[1]) == rows(budgets[2])
+    worst = [memory.deepseek_v3(R, None) for R in (8, 64, 256)]
+    assert worst[1].parts["saved"] == 8 * worst[0].parts["saved"]
+    assert worst[2].parts["backward"] == 4 * worst[1].parts["backward"]
+
+
+def test_memory_model_by_hand():
+    """One small case, each part from the module docstring's formula."""
+    from jaxep.nn import memory
+    R, T, H, F, E, K, b, p, n = 4, 64, 32, 16, 8, 2, 2, 4, 3
+    est = memory.layer_memory(ep_size=R, tokens=T, hidden=H, ffn=F, num_experts=E, topk=K,
+                              itemsize=b, param_itemsize=p, recv_budget_factor=2.0, layers=n)
+    C = 2 * T * K  # 256, a multiple of 8, below R * T * K = 512
+    saved = C * (H * b + 8 * F + F * b)
+    assert est.recv_rows == C and est.parts == dict(
+        saved=n * saved, backward=C * (H * b + 4 * H + 12 * F), round=saved,
+        stage=max(T, C) * H * b, tokens=(4 + n) * T * H * b,
+        weights=n * (E // R) * 3 * H * F * 2 * p)
+    assert est.total == sum(est.parts.values())
+
+
+def test_memory_table_in_the_docs_is_the_function():
+    """docs/nn.md's table rows are what jaxep.nn.memory.deepseek_v3 computes."""
+    import pathlib
+    from jaxep.nn import memory
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "nn.md").read_text()
+    for R in (8, 64, 256):
+        worst, budget = memory.deepseek_v3(R, None), memory.deepseek_v3(R)
+        rows_sized = budget.total - budget.parts["weights"] - budget.parts["tokens"]
+        want = (f"| {R} | {worst.recv_rows:,} | {worst.total / GIB:.1f} GiB | "
+                f"{budget.recv_rows:,} | {budget.total / GIB:.1f} GiB | {rows_sized / GIB:.1f} GiB |")
+        assert want in text, want

@@ -287,8 +287,6 @@ class MoE(nnx.Module):
                                topk_groups, float(routed_scaling_factor), router_dtype)
         self.capacity_factor, self.recv_capacity = capacity_factor, recv_capacity
         self.recv_budget_factor = recv_budget_factor
-        # Dropless in rounds: no capacity given, so the budget bounds the receive buffer.
-        self.dropless = config is None and capacity_factor is None and recv_capacity is None
         self.max_tokens_per_rank, self.backend = max_tokens_per_rank, backend
         self.dtype, self.param_dtype = dtype, param_dtype
         self._make_params(rngs, router_bias, selection_bias, expert_bias, shared_gate,
@@ -344,6 +342,11 @@ class MoE(nnx.Module):
                              "selection_bias=True, got one without")
         self.selection_bias[...] = update_selection_bias(self.selection_bias[...], expert_counts,
                                                          rate)
+
+    @property
+    def dropless(self) -> bool:
+        """Dropless in rounds: no capacity given, so the budget bounds the receive buffer."""
+        return self.config is None and self.capacity_factor is None and self.recv_capacity is None
 
     def ep_config(self, tokens_per_rank: int) -> Config:
         """The `jaxep.Config` a call with `tokens_per_rank` tokens on each rank uses."""
