@@ -203,6 +203,30 @@ def test_layer_default_is_dropless_in_rounds(R):
     assert aux["dropped_rows"].tolist() == [0] * R and bool(np.all(aux["kept"]))
 
 
+def test_rounds_under_remat_and_in_bf16():
+    """The rounds' custom VJP under jax.checkpoint gives the same gradients; a bf16 layer with
+    rounds equals the worst-case capacity's within bf16 rounding of the per-round sums."""
+    R = 4
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(np.abs(rng.standard_normal((R * T, H))) + 0.1, jnp.float32)
+    graph, state = nnx.split(_hot_layer(R))
+
+    def loss(s, x):
+        y, aux = nnx.merge(graph, s)(x)
+        return jnp.sum(y ** 2), aux["rounds"]
+    (_, rounds_), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(state, x)
+    g_remat = jax.jit(jax.grad(jax.checkpoint(lambda s, x: loss(s, x)[0])))(state, x)
+    assert rounds_.tolist() == [2] * R
+    _close(jax.tree.leaves(g_remat), jax.tree.leaves(g), "remat grad")
+    xb = x.astype(jnp.bfloat16)
+    y, aux = nnx.jit(lambda m, x: m(x))(_hot_layer(R, dtype=jnp.bfloat16), xb)
+    y_w, _ = nnx.jit(lambda m, x: m(x))(_hot_layer(R, dtype=jnp.bfloat16,
+                                                    recv_capacity=R * T * K), xb)
+    assert y.dtype == jnp.bfloat16 and aux["rounds"].tolist() == [2] * R
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_w, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_layer_with_a_capacity_keeps_dropping():
     R = 4
     x = jnp.asarray(np.abs(np.random.default_rng(6).standard_normal((R * T, H))), jnp.float32)

@@ -17,7 +17,10 @@ The further rounds run inside one `jax.custom_vjp` whose forward is a `lax.while
 each round's combine to y and saves no per-round residual; its backward runs the rounds again in
 a `lax.while_loop`, each iteration taking the VJP of one round (dispatch -> expert_fn -> combine)
 at that round's mask and adding its cotangents. At most one round's buffers are live beyond the
-first's, forward or backward. When no rank was sent more than C rows, both loops run zero times.
+first's, forward or backward. When no rank was sent more than C rows, both loops run zero times;
+what remains is elementwise: the backward's f32 zero accumulators of params', x's and the weights'
+sizes, added to the first round's gradients (memory traffic of a few times the local expert
+weights' bytes per layer, against the expert matmuls' backward over C rows).
 
 Numerics: with one round y is the first combine's output, bitwise (the same as without rounds).
 With several, y is the f32 sum, in round order, of each round's combine output (each round's sum
