@@ -102,8 +102,8 @@ def _close(got, want, what):
 
 def _bitwise(got, want, what):
     for (path, g), wnt in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(wnt).view(np.uint32),
-                                      err_msg=f"{what} {jax.tree_util.keystr(path)}")
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint32),
+                                      np.asarray(wnt).view(np.uint32), err_msg=f"{what} {jax.tree_util.keystr(path)}")
 
 
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
@@ -176,7 +176,8 @@ def _layer_run(moe, x, c):
     def loss(m, x):
         y, aux = m(x)
         return jnp.sum(y * c) + aux["load_balancing_loss"], (y, aux)
-    (_, (y, aux)), (g_m, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(moe, x)
+    step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, (y, aux)), (g_m, g_x) = step(moe, x)
     return y, jax.device_get(aux), nnx.state(g_m, nnx.Param), g_x
 
 
@@ -320,5 +321,6 @@ def test_memory_table_in_the_docs_is_the_function():
         worst, budget = memory.deepseek_v3(R, None), memory.deepseek_v3(R)
         rows_sized = budget.total - budget.parts["weights"] - budget.parts["tokens"]
         want = (f"| {R} | {worst.recv_rows:,} | {worst.total / GIB:.1f} GiB | "
-                f"{budget.recv_rows:,} | {budget.total / GIB:.1f} GiB | {rows_sized / GIB:.1f} GiB |")
+                f"{budget.recv_rows:,} | {budget.total / GIB:.1f} GiB | "
+                f"{rows_sized / GIB:.1f} GiB |")
         assert want in text, want

@@ -105,10 +105,11 @@ def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, co
     """`moe_local` through the low-latency mode (`config.mode == "low_latency"`): the decode path.
 
     Same arguments and results as `moe_local` but `dropless` and "max_recv_rows" (one round,
-    always: the low-latency receive area is sized per expert). dispatch returns this rank's rows as [L, M, H]
-    (fp8 rows are dequantized to the compute dtype when `config.fp8_dispatch`); the experts run as
-    batched matmuls over all M rows of each expert (biases only on rows below counts[l]; the
-    combine reads only those); `jaxep.combine` sums the rows back in jaxep's fixed order.
+    always: the low-latency receive area is sized per expert). dispatch returns this rank's
+    rows as [L, M, H] (fp8 rows are dequantized to the compute dtype when
+    `config.fp8_dispatch`); the experts run as batched matmuls over all M rows of each expert
+    (biases only on rows below counts[l]; the combine reads only those); `jaxep.combine` sums
+    the rows back in jaxep's fixed order.
     "dropped_rows" counts the rows of an expert past M.
     """
     routed = _route(params, x, routing)

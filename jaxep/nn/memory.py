@@ -12,7 +12,7 @@ the expert width, L = E / R local experts; `experts.grouped_experts` computes ga
   - round: with rounds possible (C below R * T * K), one more round's saved arrays while the
     rounds' backward takes its VJP (`jaxep.nn.rounds`): C x (H b + 8 F + F b);
   - stage: the CUDA backend's symmetric stage (NVSHMEM heap, outside XLA's pool), max(T, C) x H b;
-  - tokens: x, y and their cotangents, 4 x T H b, and the saved inputs of the layers, layers x T H b;
+  - tokens: x, y and their cotangents, 4 x T H b, and the layers' saved inputs, layers x T H b;
   - weights: layers x L x 3 H F x 2 p (the routed experts' weights and their gradients).
 It leaves out the router, shared experts, optimizer state and XLA's scratch: a lower bound of
 what a step needs, and the part that grows with R.
