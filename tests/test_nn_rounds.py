@@ -228,6 +228,32 @@ def test_rounds_under_remat_and_in_bf16():
                                rtol=2e-2, atol=2e-2)
 
 
+def test_rounds_with_a_tensor_axis():
+    """Experts' F split on a tensor axis (each round's down projection summed over it inside the
+    rounds' loops): the same results as the worst-case capacity's, forward and gradients."""
+    from jax.sharding import AxisType
+    from jaxep.nn import MoEShardingConfig
+    R = 4
+    mesh = jax.make_mesh((R, 2), ("ep", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    sharding = MoEShardingConfig(experts=P("ep", None, "tensor"))
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(np.abs(rng.standard_normal((R * T, H))) + 0.1, jnp.float32)
+    c = jnp.asarray(rng.standard_normal((R * T, H)), jnp.float32)
+
+    def layer(**kw):
+        moe = MoE(H, F, E, K, mesh=mesh, sharding=sharding, rngs=nnx.Rngs(0), **kw)
+        router = np.array(moe.router[...])
+        router[:, :2] += np.array([4.0, 3.0], np.float32)
+        moe.router[...] = jnp.asarray(router)
+        return moe
+    y, aux, g_m, g_x = _layer_run(layer(), x, c)
+    y_w, _, g_mw, g_xw = _layer_run(layer(recv_capacity=R * T * K), x, c)
+    assert aux["rounds"].tolist() == [2] * R
+    _close(y, y_w, "y")
+    _close(g_x, g_xw, "dx")
+    _close(jax.tree.leaves(g_m), jax.tree.leaves(g_mw), "d params")
+
+
 def test_layer_with_a_capacity_keeps_dropping():
     R = 4
     x = jnp.asarray(np.abs(np.random.default_rng(6).standard_normal((R * T, H))), jnp.float32)
