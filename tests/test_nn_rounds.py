@@ -158,6 +158,67 @@ def test_one_round_is_bitwise_the_single_call(R):
     _bitwise(g, g_w, "grad vs worst case")
 
 
+def _dispatch_with_extras(real):
+    """jaxep.dispatch with `extras=` (per-token arrays arriving with their rows as res.extras),
+    emulated over the reference layout: each row's extras are its slot's token's (all-gathered)."""
+    import types
+    from jaxep.backends import layout
+
+    def dispatch(x, idx, w, *, extras=None, **kw):
+        res = real(x, idx, w, **kw)
+        if extras is None:
+            return res
+        slot = res.handle.recv_slot
+        rows = jax.tree.map(lambda e: layout.rows_from_slots(
+            jax.lax.all_gather(e, kw["axis_name"]), slot, K), extras)
+        return types.SimpleNamespace(**{f: getattr(res, f) for f in (
+            "x", "group_sizes", "weights", "expert", "handle", "stats")}, extras=rows)
+    return dispatch
+
+
+def _experts_with_extras(p, rows, sizes, expert, extras):
+    """Rows scaled by their token's float extra, offset by its int extra: both reach the rows."""
+    scaled = rows * extras["scale"][:, None] + extras["tag"][:, None].astype(rows.dtype) / 8
+    return grouped_experts(scaled, p, sizes, expert, act=ACT, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("R", [2, 8])
+def test_extras_ride_with_every_round(R, monkeypatch):
+    """extras (a float and an int per token) reach each round's rows; the float's gradient sums
+    over the rounds like x's; the int is carried, never differentiated."""
+    monkeypatch.setattr(jaxep, "dispatch", _dispatch_with_extras(jaxep.dispatch))
+    p, idx = _params(), _routing(R, "hot")
+    x, w = _inputs(R)
+    rng = np.random.default_rng(9)
+    ex = dict(scale=jnp.asarray(rng.uniform(0.5, 1.5, R * T), jnp.float32),
+              tag=jnp.asarray(rng.integers(0, 4, R * T), jnp.int32))
+    c = jnp.asarray(rng.standard_normal((R * T, H)), jnp.float32)
+
+    def make(cf):
+        cfg = jaxep.Config(E, K, H, T, capacity_factor=cf, dtype="float32")
+
+        def body(p, x, idx, w, ex):
+            y, st = rounds.run(_experts_with_extras, p, x, idx, w, ex, axis_name="ep",
+                               config=cfg, backend="reference")
+            return y, st["rounds"]
+        f = jax.shard_map(body, mesh=_mesh(R), in_specs=(P("ep"),) * 5,
+                          out_specs=(P("ep"), P("ep")))
+
+        def loss(p, x, w, ex):
+            y, n = f(p, x, idx, w, ex)
+            return jnp.sum(y * c), n
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True,
+                                          allow_int=True))
+
+    (_, n), g = make(1.0)(p, x, w, ex)
+    (_, n_w), g_w = make(None)(p, x, w, ex)
+    assert n.tolist() == [math.ceil(R * T * K / 16)] * R and n_w.tolist() == [1] * R
+    assert g[3]["tag"].dtype == jax.dtypes.float0
+    _close(jax.tree.leaves(g[:3]) + [g[3]["scale"]], jax.tree.leaves(g_w[:3]) + [g_w[3]["scale"]],
+           "grad")
+    assert float(jnp.max(jnp.abs(g[3]["scale"]))) > 0
+
+
 # ---- the layer's default ------------------------------------------------------------------
 
 
