@@ -173,7 +173,7 @@ def run(expert_fn: ExpertFn, params: Any, x: Array, topk_idx: Array, topk_weight
     one = jnp.ones((1,), jnp.int32)
     stats = dict(dropped_rows=st.dropped_rows.astype(jnp.int32),
                  invalid_ids=st.invalid_ids.astype(jnp.int32),
-                 max_recv_rows=st.max_recv_rows.astype(jnp.int32), rounds=one * 1,
+                 max_recv_rows=st.max_recv_rows.astype(jnp.int32), rounds=one,
                  kept=res.handle.send_row >= 0)
     capacity = res.x.shape[0]
     worst = jax.lax.axis_size(axis_name) * idx.size  # R * T * K: one round always suffices
