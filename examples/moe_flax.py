@@ -342,8 +342,10 @@ def run(steps: int, short: bool, backend_flag: str | None = None) -> dict:
     print(f"moe_flax: MoE {', '.join(f'{k}={v}' for k, v in arch_kw.items()) or 'defaults'}; "
           f"capacity {capacity} receive rows per rank: "
           + (f"--capacity_factor={_CF.value} drops the rows past it (the layer's default, "
-             f"capacity_factor=None, is dropless: R * T * K = {worst} rows; --capacity_factor 0)"
-             if _CF.value else f"dropless, R * T * K = {ep} * {tokens_per_rank} * {topk}"),
+             f"--capacity_factor 0, is dropless: a budget of min(R * T * K = {worst}, "
+             f"{moe.recv_budget_factor} * T * K) rows, rounds past it)"
+             if _CF.value else f"dropless, rows past the budget in further rounds "
+             f"(worst case R * T * K = {worst}; aux['rounds'] counts them)"),
           flush=True)
 
     with jax.set_mesh(mesh):

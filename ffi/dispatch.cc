@@ -167,7 +167,7 @@ struct CrossRankScratch {
   int32_t* sorted_slot;  // [T*K] my valid slots in that order
   float* sorted_w;       // [T*K] their weights
   int32_t* counts;       // [E] my slots per expert
-  int32_t* lstats;       // [2] the local layout's stats
+  int32_t* lstats;       // [3] the local layout's stats
   void* meta;            // the meta kernel's workspace
 };
 
@@ -179,7 +179,7 @@ ffi::Error CarveCrossRankScratch(ffi::ScratchAllocator& scratch, const DispatchS
   const size_t meta_bytes = mr::DispatchMetaScratchBytes(s.ep_size, s.experts);
   void* buf = nullptr;
   if (ffi::Error e = AllocateScratch(scratch, Carver::Round(layout_bytes) + 3 * Carver::Round(ints) +
-                                                  Carver::Round(s.experts * 4) + Carver::Round(8) +
+                                                  Carver::Round(s.experts * 4) + Carver::Round(12) +
                                                   Carver::Round(meta_bytes),
                                      &buf);
       e.failure()) {
@@ -191,7 +191,7 @@ ffi::Error CarveCrossRankScratch(ffi::ScratchAllocator& scratch, const DispatchS
   out->sorted_slot = static_cast<int32_t*>(c.Take(ints));
   out->sorted_w = static_cast<float*>(c.Take(ints));
   out->counts = static_cast<int32_t*>(c.Take(s.experts * 4));
-  out->lstats = static_cast<int32_t*>(c.Take(8));
+  out->lstats = static_cast<int32_t*>(c.Take(12));
   out->meta = c.Take(meta_bytes);
   return ffi::Error::Success();
 }
@@ -412,7 +412,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<jaxep::S32Mat>()                              // send_row [T, K]
         .Ret<jaxep::S32Vec>()                              // recv_slot [C]
         .Ret<jaxep::S32Mat>()                              // topk_idx_out [T, K]
-        .Ret<jaxep::S32Vec>());                            // stats [2] {dropped, invalid}
+        .Ret<jaxep::S32Vec>());                            // stats [3] {dropped, invalid, max_recv_rows}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxepDispatchRows, jaxep::DispatchRowsImpl,

@@ -15,9 +15,14 @@ class Stats:
 
     dropped_rows: rows that arrived at this rank beyond its capacity (dropped, combine gives them 0).
     invalid_ids: expert ids on this rank outside [-1, num_experts) (masked, never sent).
+    max_recv_rows: normal mode: the most rows any rank of the EP group was sent before capacity
+      (valid slots whose expert it holds), the same value on every rank, so every rank can tell
+      how many dispatches of capacity C would deliver every row (`jaxep.nn.rounds`). None in
+      low-latency mode.
     """
     dropped_rows: jax.Array
     invalid_ids: jax.Array
+    max_recv_rows: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +122,8 @@ class CombinePending:
     handle: Handle
 
 
-jax.tree_util.register_dataclass(Stats, data_fields=["dropped_rows", "invalid_ids"], meta_fields=[])
+jax.tree_util.register_dataclass(Stats, data_fields=["dropped_rows", "invalid_ids", "max_recv_rows"],
+                                 meta_fields=[])
 jax.tree_util.register_dataclass(
     Handle, data_fields=["weights", "send_row", "recv_slot", "topk_idx"],
     meta_fields=["config", "axis_name", "backend"])

@@ -52,9 +52,9 @@ def _program(cfg, R, backend, expert_fn):
         out = jaxep.combine(y, res.handle, axis_name="ep")
         h = res.handle
         return (res.x, res.group_sizes, res.weights, h.send_row, h.recv_slot, y, out,
-                res.stats.dropped_rows, res.stats.invalid_ids, res.expert)
+                res.stats.dropped_rows, res.stats.invalid_ids, res.expert, res.stats.max_recv_rows)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=(P("ep"),) * 3, out_specs=(P("ep"),) * 10))
+    return jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=(P("ep"),) * 3, out_specs=(P("ep"),) * 11))
 
 
 def run(cfg, xs, idxs, ws, *, backend=None, expert_fn=None):
@@ -67,7 +67,7 @@ def run(cfg, xs, idxs, ws, *, backend=None, expert_fn=None):
     outs = f(jnp.asarray(np.concatenate(xs)), jnp.asarray(np.concatenate(idxs)),
              jnp.asarray(np.concatenate(ws)))
     names = ("x", "group_sizes", "weights", "send_row", "recv_slot", "y", "out", "dropped", "invalid",
-             "expert")
+             "expert", "max_recv_rows")
     return {n: np.split(np.asarray(o), R) for n, o in zip(names, outs)}
 
 

@@ -12,13 +12,15 @@ import numpy as np
 
 def dispatch(xs, idxs, ws, *, num_experts, capacity):
     """Returns a dict of per-rank lists: x, group_sizes, weights, expert (each row's local expert,
-    -1 on rows past the kept ones), send_row, recv_slot, dropped, invalid."""
+    -1 on rows past the kept ones), send_row, recv_slot, dropped, invalid, max_recv_rows (the
+    most valid slots any rank was sent, before capacity: the same on every rank)."""
     R = len(xs)
     T, K = idxs[0].shape
     L = num_experts // R
     out = {k: [] for k in ("x", "group_sizes", "weights", "expert", "recv_slot", "dropped",
                            "invalid")}
     send_row = [np.full((T, K), -1, np.int32) for _ in range(R)]
+    sent = []  # valid slots routed to each rank
     for d in range(R):
         slots = []  # (local expert, s, t, k) of every valid slot routed to rank d
         for s in range(R):
@@ -28,6 +30,7 @@ def dispatch(xs, idxs, ws, *, num_experts, capacity):
                     if 0 <= e < num_experts and e // L == d:
                         slots.append((e % L, s, t, k))
         slots.sort()
+        sent.append(len(slots))
         kept = slots[:capacity]
         H = xs[0].shape[1]
         rows = np.zeros((capacity, H), xs[0].dtype)
@@ -51,6 +54,7 @@ def dispatch(xs, idxs, ws, *, num_experts, capacity):
     for s in range(R):
         out["invalid"].append(int(np.sum((idxs[s] < -1) | (idxs[s] >= num_experts))))
     out["send_row"] = send_row
+    out["max_recv_rows"] = [max(sent)] * R
     return out
 
 

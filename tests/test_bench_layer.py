@@ -134,7 +134,7 @@ def test_parser_keeps_only_gpu_device_events(tmp_path):
 def test_trace_phases_on_a_real_step(tmp_path):
     """jax.profiler's own trace of a jitted function with the layer's scopes: its events name
     their HLO ops, which the compiled text maps to the phases."""
-    from jaxep.nn.local import phase
+    from jaxep.nn.phases import phase
 
     def f(w, x):
         with phase("router"):

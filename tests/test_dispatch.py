@@ -19,6 +19,7 @@ def _check(cfg, xs, idxs, ws, *, expert_fn=None, backend="reference"):
             np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8), err_msg=f"{name} rank {r}")
     assert [int(d[0]) for d in got["dropped"]] == want["dropped"]
     assert [int(d[0]) for d in got["invalid"]] == want["invalid"]
+    assert [int(d[0]) for d in got["max_recv_rows"]] == want["max_recv_rows"]
     want_out = oracle.combine(got["y"], want["weights"], want["send_row"], idxs,
                               num_experts=cfg.num_experts)
     for r in range(R):

@@ -29,6 +29,7 @@ CHILD = textwrap.dedent("""
             for r in range(R):
                 assert np.array_equal(np.asarray(got[name][r]).view(np.uint8),
                                       np.asarray(want[name][r]).view(np.uint8)), (G, name, r)
+        assert [int(m[0]) for m in got["max_recv_rows"]] == want["max_recv_rows"], G
         out = oracle.combine(got["y"], want["weights"], want["send_row"], idxs, num_experts=E,
                              ranks_per_node=G, wire_dtype="bfloat16")
         for r in range(R):

@@ -174,7 +174,8 @@ def test_multirank_layer_worker_on_cpu():
     """tests/gpu/nn_multirank_worker.py (the GPU tier's N-rank layer test) as 2 real processes on
     CPU with the reference backend (XLA's CPU collectives): checks the worker's multi-process
     logic (per-rank blocks, per-rank router gradient, expert gradients summed over the token
-    blocks, host reference, the decode step, every layer option at once) without a GPU. The CUDA backend's run is GPU only."""
+    blocks, host reference, the decode step, the dropless rounds, every layer option at once)
+    without a GPU. The CUDA backend's run is GPU only."""
     import os
     import re
     import subprocess
@@ -193,9 +194,9 @@ def test_multirank_layer_worker_on_cpu():
     # and the decode step (the layer's low-latency path, initialize([train, decode]))
     assert len(re.findall(r"^\[rank \d\] RESULT \d decode ok", out, re.M)) == 2, out[-4000:]
     # and every routing and expert option at once, normal mode and decode path
-    for case in ("options", "options_decode"):
+    for case in ("options", "options_decode", "rounds"):
         assert len(re.findall(rf"^\[rank \d\] RESULT \d {case} ok", out, re.M)) == 2, out[-4000:]
-    assert len(re.findall(r"^\[rank \d\] SUMMARY \d 5/5$", out, re.M)) == 2, out[-4000:]
+    assert len(re.findall(r"^\[rank \d\] SUMMARY \d 6/6$", out, re.M)) == 2, out[-4000:]
 
 
 def test_example_on_a_terminal_rich_progress_and_no_tpu_probe_line():

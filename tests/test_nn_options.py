@@ -116,7 +116,7 @@ def test_callable_activation_params_dict_and_dropless_default():
     moe = MoE(H, F, E, K, mesh=_mesh(4), activation=act, shared_ffn=4, rngs=nnx.Rngs(1))
     assert list(moe.params_dict()) == ["router", "w_gate", "w_up", "w_down", "shared_w_gate",
                                        "shared_w_up", "shared_w_down"]
-    assert moe.ep_config(4).capacity(4) == 4 * 4 * K  # R * T * K: the no-drop worst case
+    assert moe.dropless and moe.ep_config(4).capacity(4) == min(4 * 4 * K, 2 * 4 * K)  # budget
     x = _x(7, (4, 4, H))
     y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
     y_ref, _ = moe.reference(x)

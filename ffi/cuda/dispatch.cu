@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(kChunk)
 }
 
 // A single block of kScanThreads. Turns counts into bases in place (exclusive scan in
-// (expert, chunk) order), then writes group_sizes, stats and kept_total.
+// (expert, chunk) order), then writes group_sizes, stats and kept_total. One rank is the whole
+// EP group, so the most rows any rank was sent (stats[2]) is this rank's valid slots.
 __global__ void __launch_bounds__(kScanThreads)
     ScanKernel(int32_t* __restrict__ bases, int32_t num_experts, int32_t num_chunks,
                const int32_t* __restrict__ chunk_invalid, int32_t capacity,
@@ -110,6 +111,7 @@ __global__ void __launch_bounds__(kScanThreads)
   if (threadIdx.x == 0) {
     stats[0] = max(0, total_valid - capacity);  // dropped_rows
     stats[1] = total_invalid;                   // invalid_ids
+    stats[2] = total_valid;                     // max_recv_rows
     *kept_total = min(total_valid, capacity);
   }
 }
@@ -317,6 +319,12 @@ __global__ void __launch_bounds__(kMetaThreads) DispatchMetaKernel(Team team, Di
     *m.kept = kept;
     a.stats[0] = total_me - kept;         // dropped rows, this rank as destination
     a.stats[1] = a.layout_stats[1];       // invalid ids, this rank as source
+    // The most rows any destination was sent before capacity: G is over every source's counts
+    // (the same snapshot on every rank, internode sources included), so every rank writes the
+    // same value.
+    int most = 0;
+    for (int d = 0; d < R; ++d) most = max(most, m.g[(d + 1) * L] - m.g[d * L]);
+    a.stats[2] = most;                    // max_recv_rows, identical on every rank
   }
   __syncthreads();
   // 5. send_row of my slots: base + position among my slots of that expert, if below capacity.

@@ -53,7 +53,7 @@ struct DispatchLayoutArgs {
   int32_t* recv_slot = nullptr;           // [C] slot id of the row, or -1.
   float* row_weights = nullptr;           // [C] weight of the row's slot, or 0.
   int32_t* group_sizes = nullptr;         // [E] kept rows per expert.
-  int32_t* stats = nullptr;               // [2] {dropped_rows, invalid_ids}.
+  int32_t* stats = nullptr;               // [3] {dropped_rows, invalid_ids, max_recv_rows}.
   // Device scratch of DispatchLayoutScratchBytes(T*K, E) bytes, at least 4-byte aligned;
   // contents on entry do not matter.
   void* scratch = nullptr;
@@ -84,7 +84,9 @@ namespace jaxep::cuda::mr {
 
 // Dispatch, after the ready exchange. One block. Reads every source's `counts`, then writes
 //   send_row[T*K]   (source side) row on the destination or -1 (dropped / masked);
-//   group_sizes[L], stats[2] = {dropped_rows (as destination), invalid (from layout_stats[1])};
+//   group_sizes[L], stats[3] = {dropped_rows (as destination), invalid (from layout_stats[1]),
+//   max_recv_rows (the most rows any destination was sent before capacity, the same on every
+//   rank)};
 //   scratch for the pull (DispatchMetaScratchBytes).
 // `local_order[slot]` is the slot's index among this source's valid slots in (expert, slot)
 // order (the single-rank layout with unbounded capacity), -1 when masked.
@@ -92,7 +94,7 @@ struct DispatchMetaArgs {
   int32_t tokens = 0, topk = 0, experts = 0, capacity = 0;
   const int32_t* topk_idx_out = nullptr;  // sanitized ids [T*K]
   const int32_t* local_order = nullptr;   // [T*K]
-  const int32_t* layout_stats = nullptr;  // [2] of the local layout
+  const int32_t* layout_stats = nullptr;  // [3] of the local layout
   int32_t* send_row = nullptr;
   int32_t* group_sizes = nullptr;
   int32_t* stats = nullptr;

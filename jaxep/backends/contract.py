@@ -42,8 +42,9 @@ class Route(NamedTuple):
 
 
 class DispatchOut(NamedTuple):
-    """`dispatch`'s result: x [C,H], weights [C] f32, group_sizes [L] i32, the route, stats [2]
-    i32 (dropped_rows as destination, invalid_ids as source)."""
+    """`dispatch`'s result: x [C,H], weights [C] f32, group_sizes [L] i32, the route, stats [3]
+    i32 (dropped_rows as destination, invalid_ids as source, max_recv_rows: the most rows any
+    rank of the EP group was sent before capacity, the same on every rank)."""
     x: jax.Array
     weights: jax.Array
     group_sizes: jax.Array

@@ -104,8 +104,8 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
 
   Attributes: num_experts, capacity, ep_size, ranks_per_node, num_sms (int64); dispatch_kernel (str);
   zero_copy (bool). Returns ``(x_rows[C,H], weights[C] f32, group_sizes[L] i32, send_row[T,K] i32,
-  recv_slot[C] i32, topk_idx_out[T,K] i32, stats[2] i32)`` with C = capacity,
-  L = num_experts // ep_size, stats = (dropped_rows, invalid_ids).
+  recv_slot[C] i32, topk_idx_out[T,K] i32, stats[3] i32)`` with C = capacity,
+  L = num_experts // ep_size, stats = (dropped_rows, invalid_ids, max_recv_rows).
   """
   op = "dispatch"
   _extension.require(op)
@@ -123,7 +123,7 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
       jax.ShapeDtypeStruct((t, k), i32),      # send_row
       jax.ShapeDtypeStruct((c,), i32),        # recv_slot
       jax.ShapeDtypeStruct((t, k), i32),      # topk_idx_out
-      jax.ShapeDtypeStruct((2,), i32),        # stats
+      jax.ShapeDtypeStruct((3,), i32),        # stats
   )
   call = _ffi_call("jaxep_dispatch", out_types)
   return tuple(call(x, topk_idx, topk_weights, num_experts=_i64(config.num_experts),

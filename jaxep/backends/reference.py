@@ -55,7 +55,8 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, sizes):
         rows = fp8.unpack_wire_rows(rows, x.shape[1], x.dtype)
     weights = layout.take(w_all.reshape(-1), recv_slot, recv_slot >= 0).astype(jnp.float32)
     dropped = jnp.sum(my_counts) - jnp.sum(group_sizes)
-    stats = jnp.stack([dropped, n_invalid]).astype(jnp.int32)
+    most = jnp.max(jnp.sum(counts.reshape(sizes.ep, L), axis=1))  # every rank's, from idx_all
+    stats = jnp.stack([dropped, n_invalid, most]).astype(jnp.int32)
     return varying(DispatchOut(rows, weights, group_sizes, send_row_all[me], recv_slot, idx,
                                stats), axis_name)
 

@@ -23,7 +23,7 @@ import json
 import os
 import re
 
-from jaxep.nn.local import PHASES  # the scopes moe_local / moe_local_plain name their steps
+from jaxep.nn.phases import PHASES  # the scopes moe_local / moe_local_plain name their steps
 
 # "jaxep_moe/router/dot", or inside a transform's parentheses: "transpose(jvp(jaxep_moe/router))/mul"
 _PHASE_RE = re.compile(r"jaxep_moe/(" + "|".join(PHASES) + r")(?=[/)]|$)")

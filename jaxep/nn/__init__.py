@@ -2,7 +2,8 @@
 from jaxep.nn.experts import ACTIVATIONS, gpt_oss_glu, silu_glu
 from jaxep.nn.hf import moe_kwargs
 from jaxep.nn.hf_weights import load_hf_weights, save_hf_weights
-from jaxep.nn.local import PHASES, moe_local, moe_local_decode
+from jaxep.nn.local import moe_local, moe_local_decode
+from jaxep.nn.phases import PHASES
 from jaxep.nn.moe import PARAM_NAMES, MoE, SelectionBias
 from jaxep.nn.plain import moe_local_plain
 from jaxep.nn.reference import moe_reference

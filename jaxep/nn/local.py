@@ -15,23 +15,12 @@ import jax.numpy as jnp
 
 import jaxep
 from jaxep import Config
+from jaxep.nn import rounds
+from jaxep.nn.phases import phase
 from jaxep.nn.experts import activation_fn, batched_experts, grouped_experts, shared_mlp
 from jaxep.nn.routing import Routed, Routing, route_full, routing_stats, token_slots
 
 Array = jax.Array
-# The layer's steps, in order; `phase(name)` names each one's XLA ops "jaxep_moe/<name>/..." (their
-# backward ops "transpose(...)/jaxep_moe/<name>/..."), so a profile attributes time to them
-# (jaxep/bench/layer.py does).
-PHASES = ("router", "dispatch", "experts", "combine", "shared")
-
-
-def phase(name: str):
-    """`jax.named_scope("jaxep_moe/<name>")` of one of `PHASES`."""
-    if name not in PHASES:
-        raise ValueError(f"jaxep.nn.local.phase: name must be one of {PHASES}, got {name!r}")
-    return jax.named_scope(f"jaxep_moe/{name}")
-
-
 def _with_shared(y: Array, x: Array, params: dict[str, Array], act: Callable, dtype: Any,
                  tensor_axes: tuple[str, ...]) -> Array:
     """y plus the shared experts' output on x, when the layer has shared experts."""
@@ -47,8 +36,8 @@ def _route(params: dict[str, Array], x: Array, routing: Routing) -> Routed:
 
 def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: Config,
               axis_name: str, backend: str | None = None, activation: str | Callable = "silu",
-              tensor_axes: tuple[str, ...] = (),
-              stat_group: int = 0) -> tuple[Array, dict[str, Array]]:
+              tensor_axes: tuple[str, ...] = (), stat_group: int = 0,
+              dropless: bool = False) -> tuple[Array, dict[str, Array]]:
     """One rank's share of the layer; call inside `jax.shard_map` over `axis_name`.
 
     Args:
@@ -57,40 +46,54 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
         slice of F on this device's `tensor_axes`), optional router_bias, selection_bias,
         shared_w_* ([H,Fs'], [Fs',H]) and shared_gate [H,1].
       x: [T,H] this rank's tokens, in the compute dtype `routing.dtype`.
+      dropless: rows past the capacity C of `config` go in further rounds (`jaxep.nn.rounds`)
+        instead of being dropped; False: dropped, last in layout order first.
     Returns:
       y [T,H] and per-rank statistics, each with a leading dim of 1 (concatenate over ranks):
       "expert_counts" [1,E] int32, "prob_sum" [1,E] f32, "z_sum" [1] f32, "dropped_rows" [1]
-      int32, "invalid_ids" [1] int32; and "kept" [T,K] bool (per token, not per rank): the
-      (token, k) pairs that reached their expert (False: dropped for capacity or masked). With
+      int32, "invalid_ids" [1] int32, "rounds" [1] int32 (dispatches run, the same on every rank
+      of the EP group), "max_recv_rows" [1] int32 (the most rows any rank of the EP group was
+      sent before capacity; normal mode only); and "kept"
+      [T,K] bool (per token, not per rank): the (token, k) pairs that reached their expert
+      (False: dropped for capacity or masked). With
       `stat_group` g > 0 (dividing T), also "token_slots" [T/g,E] int32 (`token_slots`) and
       "token_probs" [T/g,E] f32 (router probabilities), each summed over every run of g
       consecutive tokens: what `sequence_balancing_loss` sums per sequence.
     """
     with phase("router"):
         routed = _route(params, x, routing)
-    with phase("dispatch"):
-        res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
-                             backend=backend)
     act = activation_fn(activation)
-    with phase("experts"):
-        rows = grouped_experts(res.x, params, res.group_sizes, res.expert, act=act,
-                               dtype=routing.dtype, tensor_axes=tensor_axes)
-    with phase("combine"):
-        y = jaxep.combine(rows, res.handle, axis_name=axis_name, config=config)
+    experts = lambda p, rows, sizes, expert, _: grouped_experts(  # noqa: E731
+        rows, p, sizes, expert, act=act, dtype=routing.dtype, tensor_axes=tensor_axes)
+    y, st = rounds.run(experts, _expert_params(params), x, routed.idx, routed.weights,
+                       axis_name=axis_name, config=config, backend=backend, dropless=dropless)
     with phase("shared"):
         y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
-    return y, _layer_stats(routed, routing, res, stat_group)
+    return y, _layer_stats(routed, routing, st, stat_group)
 
 
-def _layer_stats(routed: Routed, routing: Routing, res, stat_group: int) -> dict[str, Array]:
-    """The per-rank aux of both paths: routing sums, the dispatch's stats and the kept slots
-    (and with `stat_group` g > 0 the slots and probabilities summed over runs of g tokens)."""
+def _expert_params(params: dict[str, Array]) -> dict[str, Array]:
+    """The routed experts' arrays (what `grouped_experts` reads), and only those."""
+    return {k: v for k, v in params.items() if k in ("w_gate", "w_up", "w_down", "b_gate",
+                                                     "b_up", "b_down")}
+
+
+def _dispatch_stats(res) -> dict[str, Array]:
+    """A low-latency dispatch's statistics under `rounds.run`'s names (one round; that mode's
+    stats have no max_recv_rows)."""
+    return dict(dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
+                invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
+                kept=res.handle.send_row >= 0, rounds=jnp.ones((1,), jnp.int32))
+
+
+def _layer_stats(routed: Routed, routing: Routing, dispatched: dict[str, Array],
+                 stat_group: int) -> dict[str, Array]:
+    """The per-rank aux of both paths: routing sums, the dispatch's statistics (`rounds.run`'s
+    names) and the kept slots (and with `stat_group` g > 0 the slots and probabilities summed
+    over runs of g tokens)."""
     st = routing_stats(routed, routing.num_experts)
     out = dict(expert_counts=st["expert_counts"][None], prob_sum=st["prob_sum"][None],
-               z_sum=st["z_sum"].reshape(1),
-               dropped_rows=res.stats.dropped_rows.reshape(1).astype(jnp.int32),
-               invalid_ids=res.stats.invalid_ids.reshape(1).astype(jnp.int32),
-               kept=res.handle.send_row >= 0)
+               z_sum=st["z_sum"].reshape(1), **dispatched)
     if stat_group:
         e = routing.num_experts
         runs = lambda a: jnp.sum(a.reshape(-1, stat_group, e), axis=1)  # noqa: E731
@@ -104,10 +107,12 @@ def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, co
                      stat_group: int = 0) -> tuple[Array, dict[str, Array]]:
     """`moe_local` through the low-latency mode (`config.mode == "low_latency"`): the decode path.
 
-    Same arguments and results as `moe_local`. dispatch returns this rank's rows as [L, M, H]
-    (fp8 rows are dequantized to the compute dtype when `config.fp8_dispatch`); the experts run as
-    batched matmuls over all M rows of each expert (biases only on rows below counts[l]; the
-    combine reads only those); `jaxep.combine` sums the rows back in jaxep's fixed order.
+    Same arguments and results as `moe_local` but `dropless` and "max_recv_rows" (one round,
+    always: the low-latency receive area is sized per expert). dispatch returns this rank's
+    rows as [L, M, H] (fp8 rows are dequantized to the compute dtype when
+    `config.fp8_dispatch`); the experts run as batched matmuls over all M rows of each expert
+    (biases only on rows below counts[l]; the combine reads only those); `jaxep.combine` sums
+    the rows back in jaxep's fixed order.
     "dropped_rows" counts the rows of an expert past M (and a token's repeats of an expert: the
     routers here pick distinct experts, so none).
     """
@@ -126,4 +131,4 @@ def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, co
         y = jaxep.combine(out, res.handle, axis_name=axis_name)
     with phase("shared"):
         y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
-    return y, _layer_stats(routed, routing, res, stat_group)
+    return y, _layer_stats(routed, routing, _dispatch_stats(res), stat_group)

@@ -31,10 +31,14 @@ Worked example (8 CPU devices: run with XLA_FLAGS=--xla_force_host_platform_devi
     y_ref, _ = moe.reference(x)  # dense single-device computation of the same layer
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
 
-Capacity: by default (`capacity_factor=None`) the layer never drops: each rank's receive buffer has
-the worst case's R * T * K rows. With a `capacity_factor` or `recv_capacity`, rows beyond a rank's
-capacity are dropped, last in jaxep's layout order first; a dropped (token, expert) pair
-contributes zero to `y` and is counted in `aux["dropped_rows"]`; `moe.reference(x,
+Capacity: by default (no `capacity_factor`, `recv_capacity` or `config`) the layer never drops and
+its memory does not grow with the EP size: each rank's receive buffer has a budget of C =
+min(R * T * K, ceil(recv_budget_factor * T * K)) rows (rounded up to a multiple of 8;
+recv_budget_factor defaults to 2), and the rows past it go in further rounds of dispatch ->
+experts -> combine inside the layer, forward and backward (`jaxep.nn.rounds`; `aux["rounds"]`
+counts them; docs/nn.md gives the memory at scale). With a `capacity_factor` or `recv_capacity`,
+rows beyond a rank's capacity are dropped, last in jaxep's layout order first; a dropped (token,
+expert) pair contributes zero to `y` and is counted in `aux["dropped_rows"]`; `moe.reference(x,
 slot_mask=aux["kept"])` reproduces that.
 
 Decode: `moe(x, decode=True)` is the same layer through jaxep's low-latency mode: dispatch gives
@@ -118,6 +122,14 @@ def _check_sizes(**sizes: Any) -> None:
                              f"got {v!r}")
 
 
+def _check_budget(factor: Any) -> None:
+    """recv_budget_factor: a finite number >= 1 (below 1 every balanced step would need rounds)."""
+    ok = isinstance(factor, (int, float, np.integer, np.floating)) and not isinstance(factor, bool)
+    if not ok or not math.isfinite(factor) or factor < 1:
+        raise ValueError(f"jaxep.nn.MoE: recv_budget_factor must be a finite number >= 1 (receive "
+                         f"rows per rank = ceil(factor * T * K)), got {factor!r}")
+
+
 def _to_spec(tree: Any, mesh: Mesh, specs: Any) -> Any:
     """Reshards arrays to `specs` on a mesh with Explicit axes (shard_map reshards Auto axes
     itself)."""
@@ -171,6 +183,10 @@ class MoE(nnx.Module):
       - "dropped_rows" [S] int32 / "invalid_ids" [S] int32: per token shard (per EP rank when
         tokens are sharded on the EP axis only), rows dropped for capacity and invalid expert ids;
       - "drop_fraction": f32 scalar, dropped rows / (N * K);
+      - "rounds" [S] int32: dispatches run per token shard (1 unless a rank of the EP group was
+        sent more rows than its receive budget; the same on every rank of one EP group);
+      - "max_recv_rows" [S] int32 (not with decode=True): the most rows any rank of the shard's
+        EP group was sent (rounds = ceil(max_recv_rows / C) when dropless);
       - "kept" [..., K] bool: which (token, k) pairs reached their expert;
       - with `sequence_loss`, "sequence_balancing_loss": f32 scalar, DeepSeek-V3's sequence-wise
         balance loss over the sequences along axis -2 of x [..., S, H] (`load_balancing_loss`
@@ -202,8 +218,12 @@ class MoE(nnx.Module):
       sequence_loss: also return aux["sequence_balancing_loss"] (x with a sequence axis, [..., S,
         H]); the layer then carries [tokens / g, E] routing statistics out of its shard_map, g =
         gcd(S, tokens per shard) (one row per sequence where sequences do not span shards).
-      capacity_factor, recv_capacity: receive capacity per rank, as in `jaxep.Config`. Default
-        None: never drop (R * T * K rows per rank; docs/nn.md gives its memory at scale).
+      capacity_factor, recv_capacity: receive capacity per rank, as in `jaxep.Config`; rows past
+        it are dropped. Default None: never drop, in rounds of recv_budget_factor's budget.
+      recv_budget_factor: m, the dropless default's receive rows per rank, C = min(R * T * K,
+        ceil(m * T * K)) (a multiple of 8); rows past C go in further rounds. Default 2.0: one
+        round unless a rank is sent more than twice the average; larger m, fewer rounds under
+        skew and more memory. Ignored with capacity_factor, recv_capacity or config.
       max_tokens_per_rank: sizes jaxep's buffers; default: the tokens per rank of each call.
       config: a full `jaxep.Config`; wins over capacity_factor / recv_capacity /
         max_tokens_per_rank. Its num_experts, topk, hidden and dtype must match the layer's.
@@ -224,7 +244,8 @@ class MoE(nnx.Module):
                  activation: str | Callable = "silu", expert_bias: bool = False,
                  shared_ffn: int | None = None, shared_gate: bool = False,
                  sequence_loss: bool = False, capacity_factor: float | None = None,
-                 recv_capacity: int | None = None, max_tokens_per_rank: int | None = None,
+                 recv_capacity: int | None = None, recv_budget_factor: float = 2.0,
+                 max_tokens_per_rank: int | None = None,
                  config: Config | None = None, backend: str | None = None,
                  decode_config: Config | None = None, decode_backend: str | None = None,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
@@ -252,6 +273,7 @@ class MoE(nnx.Module):
         if config is None:  # validates E, K, H and divisibility now rather than at the first call
             Config(num_experts, topk, hidden, 1, capacity_factor=capacity_factor,
                    recv_capacity=recv_capacity).local_experts(self.ep_size)
+            _check_budget(recv_budget_factor)
         else:
             _check_config(config, num_experts, topk, hidden, dtype, self.ep_size)
         if decode_config is not None:
@@ -264,6 +286,7 @@ class MoE(nnx.Module):
         self.routing = Routing(num_experts, topk, score_fn, renormalize, dtype, num_groups,
                                topk_groups, float(routed_scaling_factor), router_dtype)
         self.capacity_factor, self.recv_capacity = capacity_factor, recv_capacity
+        self.recv_budget_factor = recv_budget_factor
         self.max_tokens_per_rank, self.backend = max_tokens_per_rank, backend
         self.dtype, self.param_dtype = dtype, param_dtype
         self._make_params(rngs, router_bias, selection_bias, expert_bias, shared_gate,
@@ -330,6 +353,11 @@ class MoE(nnx.Module):
         self.selection_bias[...] = update_selection_bias(self.selection_bias[...], expert_counts,
                                                          rate)
 
+    @property
+    def dropless(self) -> bool:
+        """Dropless in rounds: no capacity given, so the budget bounds the receive buffer."""
+        return self.config is None and self.capacity_factor is None and self.recv_capacity is None
+
     def ep_config(self, tokens_per_rank: int) -> Config:
         """The `jaxep.Config` a call with `tokens_per_rank` tokens on each rank uses."""
         if self.config is not None:
@@ -338,8 +366,9 @@ class MoE(nnx.Module):
         if tokens_per_rank > t_max:
             raise ValueError(f"jaxep.nn.MoE: tokens per rank must be <= max_tokens_per_rank="
                              f"{t_max}, got {tokens_per_rank}")
+        factor = self.recv_budget_factor if self.dropless else self.capacity_factor
         return Config(self.num_experts, self.topk, self.hidden, t_max,
-                      capacity_factor=self.capacity_factor, recv_capacity=self.recv_capacity,
+                      capacity_factor=factor, recv_capacity=self.recv_capacity,
                       dtype=jnp.dtype(self.dtype).name)
 
     def decode_ep_config(self, tokens_per_rank: int) -> Config:
@@ -383,8 +412,10 @@ class MoE(nnx.Module):
         if decode:
             config, backend, fn = self.decode_ep_config(n // shards), self.decode_backend, \
                 moe_local_decode
+            more = {}
         else:
             config, backend, fn = self.ep_config(n // shards), self.backend, moe_local
+            more = dict(dropless=self.dropless)
         params, pspec, unwrap = self._shard_map_params()
         # The sequence-wise loss's statistics leave the shard_map summed over runs of g tokens: g
         # divides both the sequence length and a shard's tokens, so no run crosses a sequence.
@@ -393,11 +424,12 @@ class MoE(nnx.Module):
         def local(p, xs):
             return fn(unwrap(p), xs, routing=self.routing, config=config, axis_name=s.axis_name,
                       backend=backend, activation=self.activation, tensor_axes=s.tensor_axes,
-                      stat_group=group)
+                      stat_group=group, **more)
 
         st_spec = s.stat_spec()
         stat_spec = dict(expert_counts=st_spec, prob_sum=st_spec, z_sum=st_spec,
-                         dropped_rows=st_spec, invalid_ids=st_spec, kept=s.tokens)
+                         dropped_rows=st_spec, invalid_ids=st_spec, rounds=st_spec, kept=s.tokens,
+                         **({} if decode else dict(max_recv_rows=st_spec)))
         if self.sequence_loss:
             stat_spec.update(token_slots=s.tokens, token_probs=s.tokens)
         args = _to_spec((params, xf), self.mesh, (pspec, s.tokens))
@@ -413,9 +445,11 @@ class MoE(nnx.Module):
         lb = load_balancing_loss(counts, jnp.sum(st["prob_sum"], axis=0), n, self.topk)
         aux = dict(load_balancing_loss=lb, router_z_loss=router_z_loss(jnp.sum(st["z_sum"]), n),
                    expert_counts=counts, dropped_rows=st["dropped_rows"],
-                   invalid_ids=st["invalid_ids"],
+                   invalid_ids=st["invalid_ids"], rounds=st["rounds"],
                    drop_fraction=jnp.sum(st["dropped_rows"]) / (n * self.topk),
                    kept=_reshape(st["kept"], shape[:-1] + (self.topk,), self.mesh))
+        if "max_recv_rows" in st:
+            aux["max_recv_rows"] = st["max_recv_rows"]
         if group:  # [n / g, E] run sums -> [sequences, S / g, E]: the loss sums over axis -2
             runs = (n // shape[-2], shape[-2] // group, self.num_experts)
             aux["sequence_balancing_loss"] = sequence_balancing_loss(

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxep.nn.experts import activation_fn, grouped_experts
-from jaxep.nn.local import _route, _with_shared, phase
+from jaxep.nn.local import _route, _with_shared
+from jaxep.nn.phases import phase
 from jaxep.nn.routing import Routing
 
 Array = jax.Array

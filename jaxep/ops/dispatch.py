@@ -67,7 +67,8 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name="ep", config, backend: str 
         "dispatch", extras, x.shape[0], route_of(out), call, call.sizes.rows)
     return DispatchResult(x=out.x, group_sizes=out.group_sizes, weights=out.weights,
                           expert=row_expert(out.group_sizes, call.sizes.rows), handle=handle,
-                          stats=Stats(dropped_rows=out.stats[0:1], invalid_ids=out.stats[1:2]),
+                          stats=Stats(dropped_rows=out.stats[0:1], invalid_ids=out.stats[1:2],
+                                      max_recv_rows=out.stats[2:3]),
                           extras=carried)
 
 

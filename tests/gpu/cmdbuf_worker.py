@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--capacity_factor", type=float, default=1.25, help="0 = never drop")
+    p.add_argument("--recv_budget_factor", type=float, default=0.0,
+                   help="> 0: the layer's dropless default instead of --capacity_factor: "
+                        "ceil(m*T*K) receive rows per rank, rows past them in further rounds")
     p.add_argument("--iters", type=int, default=20, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="on/off alternations")
@@ -180,15 +183,18 @@ def main(argv=None) -> int:
     L = a.experts_per_rank
     E = L * R
     dtype = jnp.dtype(a.dtype)
+    dropless = a.recv_budget_factor > 0  # the layer's default: a budget, rounds past it
     cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
-                       capacity_factor=a.capacity_factor or None, dtype=a.dtype,
+                       capacity_factor=(a.recv_budget_factor if dropless
+                                        else a.capacity_factor or None), dtype=a.dtype,
                        timeout_s=a.timeout_s)
     jaxep.initialize(cfg)
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
     spec = NamedSharding(mesh, P("ep"))
     say = print if me == 0 else (lambda *s, **k: None)
     say(f"CONFIG ranks={R} backend={backend} layers={NL} T={T} H={H} F={F} K={K} E={E} "
-        f"dtype={a.dtype} train={not a.forward_only} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        f"dtype={a.dtype} train={not a.forward_only} capacity={cfg.capacity(R)} "
+        f"dropless={dropless} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         flush=True)
 
     # This rank's parameters of every layer (layer dim first); the router with a rank dim of 1.
@@ -218,7 +224,7 @@ def main(argv=None) -> int:
 
     def layer_moe(p, xs):
         y, _ = jaxep.nn.moe_local(p, xs, routing=routing, config=cfg, axis_name="ep",
-                                  backend=backend)
+                                  backend=backend, dropless=dropless)
         return y
 
     def layer_local(p, xs):

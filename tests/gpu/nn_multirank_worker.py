@@ -20,6 +20,11 @@ reference's over all token blocks). f32 with `jax_default_matmul_precision=highe
 k-th and (k+1)-th router scores are within 1e-4 (a near tie could pick another expert on the GPU
 than on the CPU). Capacity: never drop.
 
+Rounds (case "rounds"): the layer's dropless default, `moe_local(dropless=True)` with a budget of
+C = ceil(T*K) receive rows and every token routed to experts 0..K-1, so the busiest rank needs
+several dispatches (`jaxep.nn.rounds`), forward and backward; against the same dense reference,
+with the rounds, max_recv_rows (dispatch's stat, from the CUDA meta kernel) and no drop checked.
+
 Decode (case "decode"): the runtime is initialized with the training config and a low-latency
 decode config (`jaxep.initialize([cfg, decode_cfg])`), and `jaxep.nn.moe_local_decode` (the
 layer's `decode=True` path: low-latency dispatch, batched experts over [L, M, H], combine) of a
@@ -80,8 +85,9 @@ def mine(a) -> np.ndarray:
     return np.asarray(a.addressable_shards[0].data)
 
 
-def make_problem(seed: int, T: int, H: int, F: int, E: int, K: int):
-    """Parameters, tokens [R*T,H] and cotangents, all f32, with no near tie at the top-k boundary."""
+def make_problem(seed: int, T: int, H: int, F: int, E: int, K: int, skew: bool = False):
+    """Parameters, tokens [R*T,H] and cotangents, all f32, with no near tie at the top-k boundary.
+    skew: positive tokens and router columns 0..K-1 raised, so every token picks experts 0..K-1."""
     for attempt in range(100):
         rng = np.random.default_rng([seed, attempt])
         params = dict(router=rng.normal(0, H ** -0.5, (H, E)),
@@ -90,6 +96,9 @@ def make_problem(seed: int, T: int, H: int, F: int, E: int, K: int):
                       w_down=rng.normal(0, F ** -0.5, (E, F, H)))
         params = {k: v.astype(np.float32) for k, v in params.items()}
         x = rng.standard_normal((R * T, H)).astype(np.float32)
+        if skew:
+            x = np.abs(x) + np.float32(0.1)
+            params["router"][:, :K] += (4.0 / H) * np.arange(K, 0, -1, dtype=np.float32)
         g = rng.standard_normal((R * T, H)).astype(np.float32)
         logits = x.astype(np.float64) @ params["router"].astype(np.float64)
         s = np.exp(logits - logits.max(1, keepdims=True))
@@ -147,7 +156,10 @@ def run(args) -> int:
     T_dec = 4  # decode tokens per rank
     decode_cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T_dec,
                               dtype="float32", mode="low_latency", timeout_s=args.timeout_s)
-    jaxep.initialize([cfg, decode_cfg])
+    # The dropless rounds' budget (jaxep.nn.rounds): C = ceil(T*K) rows, below R*T*K from 2 ranks.
+    rounds_cfg = jaxep.Config(num_experts=E, topk=K, hidden=H, max_tokens_per_rank=T,
+                              capacity_factor=1.0, dtype="float32", timeout_s=args.timeout_s)
+    jaxep.initialize([cfg, rounds_cfg, decode_cfg])
     routing = _Routing(E, K, "softmax", True, jnp.float32)
     pspec = dict(router=P("ep"), w_gate=P("ep"), w_up=P("ep"), w_down=P("ep"))
 
@@ -208,6 +220,11 @@ def run(args) -> int:
     except Exception as e:  # pylint: disable=broad-except
         report("decode", False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
         traceback.print_exc()
+    try:
+        case_rounds(args, rounds_cfg, routing, pspec, T, H, F, E, K, L)
+    except Exception as e:  # pylint: disable=broad-except
+        report("rounds", False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400])
+        traceback.print_exc()
     for name, fn in (("options", case_options), ("options_decode", case_options_decode)):
         try:
             fn(args, cfg if name == "options" else decode_cfg,
@@ -219,6 +236,57 @@ def run(args) -> int:
     print(f"SUMMARY {ME} {passed}/{len(RESULTS)}", flush=True)
     jaxep.finalize()
     return 0 if passed == len(RESULTS) else 1
+
+
+def case_rounds(args, cfg, routing, pspec, T, H, F, E, K, L):
+    """Dropless rounds (`moe_local(dropless=True)`, `jaxep.nn.rounds`) with every token routed to
+    experts 0..K-1: the busiest rank is sent about R*T*K rows against C = cfg.capacity(R) rows, so
+    the step runs ceil(max_recv_rows / C) dispatches forward and again backward, each rank the
+    same number; forward and backward against the dense reference, nothing dropped."""
+    def per_rank(p, x, g):
+        p = dict(p, router=p["router"][0])
+
+        def f(p_, x_):
+            return moe_local(p_, x_, routing=routing, config=cfg, axis_name="ep",
+                             backend=args.backend, dropless=True)
+
+        y, vjp, st = jax.vjp(f, p, x, has_aux=True)
+        dp, dx = vjp(g)
+        return (y, dx, dict(dp, router=dp["router"][None]), st["kept"], st["dropped_rows"],
+                st["rounds"], st["max_recv_rows"])
+
+    step = jax.jit(jax.shard_map(per_rank, mesh=MESH, in_specs=(pspec, P("ep"), P("ep")),
+                                 out_specs=(P("ep"), P("ep"), pspec) + (P("ep"),) * 4))
+    params, x, g = make_problem(args.seed + 7, T, H, F, E, K, skew=True)
+    sl = slice(ME * L, (ME + 1) * L)
+    local = dict(router=params["router"][None], w_gate=params["w_gate"][sl],
+                 w_up=params["w_up"][sl], w_down=params["w_down"][sl])
+    gp = {k: glob(v) for k, v in local.items()}
+    gx, gg = glob(x[ME * T:(ME + 1) * T]), glob(g[ME * T:(ME + 1) * T])
+    checks = []
+    if args.backend == "cuda":
+        hlo = step.lower(gp, gx, gg).compile().as_text() or ""
+        found = sorted({m.group(1) for m in COLLECTIVE.finditer(hlo)})
+        checks.append((not found, f"collectives {found or 'none'}"))
+    y, dx, dp, kept, dropped, rounds, most = step(gp, gx, gg)
+    jax.block_until_ready(y)
+    jaxep.check()
+    top = np.argsort(-(x.astype(np.float64) @ params["router"].astype(np.float64)), axis=1)[:, :K]
+    sent = int(np.bincount(top.reshape(-1) // L, minlength=R).max())
+    C = cfg.capacity(R)
+    want = 1 if C >= R * T * K else -(-sent // C)
+    ref, where = reference_all_blocks(params, x, g, T, K)
+    y_ref, dp_ref, dx_ref = ref[ME]
+    checks += [close("rounds", "y", mine(y), y_ref), close("rounds", "dx", mine(dx), dx_ref),
+               close("rounds", "d_router", mine(dp["router"])[0], dp_ref["router"])]
+    for w in ("w_gate", "w_up", "w_down"):
+        checks.append(close("rounds", f"d_{w}", mine(dp[w]), sum(r[1][w] for r in ref)[sl]))
+    got = (int(mine(rounds)[0]), int(mine(most)[0]), int(mine(dropped).sum()))
+    checks.append((got == (want, sent, 0) and bool(mine(kept).all()) and (R == 1 or want > 1),
+                   f"rounds {got[0]} (want {want}), max_recv_rows {got[1]} (want {sent}), C {C}, "
+                   f"dropped {got[2]}"))
+    report("rounds", all(c[0] for c in checks),
+           f"vs dense reference ({where}): " + ", ".join(c[1] for c in checks))
 
 
 def case_decode(args, decode_cfg, routing, pspec, T, H, F, E, K, L):

@@ -69,7 +69,7 @@ def oracle_dispatch(x, idx, w, *, num_experts, capacity):
   send_row = np.full((t * k,), -1, np.int32)
   send_row[kept] = np.arange(n, dtype=np.int32)
   group_sizes = np.bincount(flat[kept], minlength=e_).astype(np.int32)
-  stats = np.array([max(0, order.size - c), invalid], np.int32)
+  stats = np.array([max(0, order.size - c), invalid, order.size], np.int32)  # one rank: the group
   return (x_rows, weights, group_sizes, send_row.reshape(t, k), recv_slot,
           sanitized.reshape(t, k), stats)
 

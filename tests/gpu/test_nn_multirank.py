@@ -71,8 +71,9 @@ def test_layer_forward_backward_multirank(nproc):
     assert r.returncode == 0 and not fails and len(summaries) == nproc, (
         f"rc={r.returncode} after {time.time() - t0:.0f}s; failures: {fails[:8]}\n"
         f"--- output tail ---\n{out[-6000:]}")
-    # hlo (collective-free) + 2 steps + the decode step + the options (normal, decode) on every rank
-    assert len([x for x in results if x[2] == "ok"]) == 6 * nproc, out[-3000:]
+    # hlo (collective-free) + 2 steps + the decode step + the rounds + the options (normal,
+    # decode) on every rank
+    assert len([x for x in results if x[2] == "ok"]) == 7 * nproc, out[-3000:]
 
 
 def test_example_cuda_vs_reference_ep1():
