@@ -120,6 +120,11 @@ FFN = flags.DEFINE_integer("ffn", 1024, "--layer: each expert's hidden width (F)
 DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 0, "--layer: tokens per rank of the decode "
                                      "step; 0 = min(--tokens, 128).", lower_bound=0,
                                      upper_bound=1 << 20)
+RECV_BUDGET_FACTOR = flags.DEFINE_float(
+    "recv_budget_factor", 2.0, "--layer: the train step runs the layer's default, dropless in "
+    "rounds of a receive buffer of ceil(factor * T*K) rows per rank (jaxep.nn.MoE's "
+    "recv_budget_factor); 0 = one dispatch at --capacity_factor, rows past it dropped.",
+    lower_bound=0.0, upper_bound=1e6)
 JSON = flags.DEFINE_string("json", None, "Write the result as JSON here (docs/benchmark.md).")
 PLOT = flags.DEFINE_string("plot", None, "Write a PNG plot here.")
 
@@ -147,7 +152,8 @@ def bench_config():
         rows_per_expert=nz(ROWS_PER_EXPERT.value), fp8_dispatch=FP8_DISPATCH.value,
         sweep_num_sms=tuple(_sms(v) for v in SWEEP_NUM_SMS.value), sweep_kernels=SWEEP_KERNELS.value,
         layer=LAYER.value, arch=ARCH.value, num_layers=NUM_LAYERS.value,
-        layer_step=LAYER_STEP.value, ffn=FFN.value, decode_tokens=DECODE_TOKENS.value)
+        layer_step=LAYER_STEP.value, ffn=FFN.value, decode_tokens=DECODE_TOKENS.value,
+        recv_budget_factor=RECV_BUDGET_FACTOR.value)
     if PRESET.value:
         given = {k: kw[k] for k, holder in _FIELDS.items() if flags.FLAGS[holder.name].present}
         if GPUS_PER_NODE.present and not RANKS_PER_NODE.present:  # its alias: given too

@@ -61,6 +61,7 @@ class Layer:
     routing: object
     train_cfg: jaxep.Config
     decode_cfg: jaxep.Config
+    dropless: bool = False  # the train step in rounds (the layer's default budget)
 
 
 def layer_of(bc, R: int) -> Layer:
@@ -80,12 +81,13 @@ def layer_of(bc, R: int) -> Layer:
     from jaxep.nn.routing import check_routing  # pylint: disable=g-import-not-at-top
     check_routing(E, K, Routing_.score_fn, Routing_.num_groups, Routing_.topk_groups)
     del MoE
-    train = bc.jaxep_config(num_experts=E, topk=K, mode="normal")
+    budget = dict(capacity_factor=bc.recv_budget_factor) if bc.recv_budget_factor else {}
+    train = bc.jaxep_config(num_experts=E, topk=K, mode="normal", **budget)
     decode = jaxep.Config(E, K, bc.hidden, Td, dtype=bc.dtype, mode="low_latency",
                           timeout_s=bc.timeout_s, ranks_per_node=bc.node_override(),
                           **({} if bc.zero_copy is None else dict(zero_copy=bc.zero_copy)))
     return Layer(bc.tokens, Td, bc.hidden, bc.ffn, E, K, E // R, R, bc.num_layers, bc.dtype, kw,
-                 Routing_, train, decode)
+                 Routing_, train, decode, bool(bc.recv_budget_factor))
 
 
 def configs(bc, R: int) -> list:
@@ -155,9 +157,11 @@ def _layer_fn(ly: Layer, path: str, backend: str):
     fn, cfg = ((moe_local, ly.train_cfg) if path == "jaxep_train" else
                (moe_local_decode, ly.decode_cfg))
 
+    extra = dict(dropless=ly.dropless) if path == "jaxep_train" else {}
+
     def f(p, h):
         y, aux = fn(p, h, routing=ly.routing, config=cfg, axis_name=AXIS, backend=backend,
-                    activation=act)
+                    activation=act, **extra)
         return y, aux["kept"]
     return f
 

@@ -95,6 +95,7 @@ class BenchConfig:
     layer_step: str = "both"
     ffn: int = 1024
     decode_tokens: int = 0
+    recv_budget_factor: float = 2.0  # > 0: the layer's default (dropless rounds); 0: capacity_factor
 
     def jaxep_config(self, **override) -> jaxep.Config:
         kw = dict(num_experts=self.experts, topk=self.topk, hidden=self.hidden,

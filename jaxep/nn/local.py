@@ -17,6 +17,7 @@ import jaxep
 from jaxep import Config
 from jaxep.nn import rounds
 from jaxep.nn.phases import phase
+from jaxep.nn.filled import bucket_sizes, on_filled_rows
 from jaxep.nn.experts import activation_fn, batched_experts, grouped_experts, shared_mlp
 from jaxep.nn.routing import Routed, Routing, route_full, routing_stats, token_slots
 
@@ -63,8 +64,17 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
     with phase("router"):
         routed = _route(params, x, routing)
     act = activation_fn(activation)
-    experts = lambda p, rows, sizes, expert, _: grouped_experts(  # noqa: E731
-        rows, p, sizes, expert, act=act, dtype=routing.dtype, tensor_axes=tensor_axes)
+    # The matmuls run on the receive buffer's filled prefix (jaxep.nn.filled): a buffer with room
+    # for bursts costs the rows that arrived. Not with tensor axes: a branch per device could
+    # differ between the devices whose partials the down projection sums.
+    expected = x.shape[0] * routing.topk
+
+    def experts(p, rows, gs, expert, _):
+        mlp = lambda r, g, e: grouped_experts(r, p, g, e, act=act, dtype=routing.dtype,  # noqa
+                                              tensor_axes=tensor_axes)
+        sizes = (rows.shape[0],) if tensor_axes else bucket_sizes(rows.shape[0], expected)
+        return on_filled_rows(mlp, rows, gs, expert, sizes=sizes)
+
     y, st = rounds.run(experts, _expert_params(params), x, routed.idx, routed.weights,
                        axis_name=axis_name, config=config, backend=backend, dropless=dropless)
     with phase("shared"):
