@@ -485,16 +485,22 @@ class MoE(nnx.Module):
                 _reshape(st["token_probs"], runs, self.mesh), self.topk, shape[-2])
         return aux
 
-    def reference(self, x: Array, slot_mask: Array | None = None) -> tuple[Array, dict[str, Array]]:
-        """The dense single-device computation of this layer (`moe_reference`, every option), on
-        host copies of the parameters and of x (call it outside `jit`)."""
+    def reference(self, x: Array, slot_mask: Array | None = None, *, routing: Any = None,
+                  extras: Any = None) -> tuple[Array, dict[str, Array]]:
+        """The dense single-device computation of this layer (`moe_reference`, every option, the
+        expert function included), on host copies of the parameters and of x (call it outside
+        `jit`); `routing` and `extras` as in `__call__`."""
         params = jax.tree.map(_to_host, self.params_dict())
         x = _to_host(x)
         if slot_mask is not None:
             slot_mask = _to_host(slot_mask).reshape(-1, self.topk)
+        routing = None if routing is None else jax.tree.map(_to_host, routing)
+        extras = None if extras is None else jax.tree.map(_to_host, extras)
         r = self.routing
         return moe_reference(params, x, topk=self.topk, score_fn=r.score_fn,
                              renormalize=r.renormalize, dtype=self.dtype, slot_mask=slot_mask,
                              num_groups=r.num_groups, topk_groups=r.topk_groups,
                              routed_scaling_factor=r.routed_scaling_factor,
-                             router_dtype=r.router_dtype, activation=self.activation)
+                             router_dtype=r.router_dtype, activation=self.activation,
+                             score_dtype=r.score_dtype, routing=routing, experts=self.experts,
+                             extras=extras)
