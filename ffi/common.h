@@ -101,7 +101,8 @@ inline ffi::Error PayloadRowBytes(std::string_view target, std::string_view what
 
 // Bytes of a row dispatch moves: a payload dtype's, or uint8 for the packed rows of the fp8
 // wire (Config.dispatch_wire_dtype; jaxep/fp8.py pack_wire_rows: H codes, then H/128 f32
-// scales), which the row kernels copy like any other bytes.
+// scales) and for dispatch_rows' byte rows (the per-token extras), which the row kernels copy
+// like any other bytes.
 inline ffi::Error DispatchRowBytes(std::string_view target, std::string_view what,
                                    ffi::DataType t, int64_t width, int64_t* row_bytes) {
   if (t == ffi::DataType::U8) {

@@ -329,6 +329,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 
 // Row copy only: x_rows[c] = x[token of recv_slot[c]] (on its source rank when ep_size > 1), zero
 // rows where recv_slot[c] is -1 (or outside the slots, which a well-formed handle never holds).
+// x is a payload dtype's rows, or uint8 byte rows (the per-token extras, jaxep/ops/_carry.py):
+// the row kernels copy bytes whatever the dtype.
 ffi::Error DispatchRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32, 1> recv_slot, ffi::Buffer<ffi::S32, 2> send_row,
                             ffi::Buffer<ffi::S32, 2> topk_idx, int64_t num_experts,
@@ -338,8 +340,8 @@ ffi::Error DispatchRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
   const int64_t rows = recv_slot.dimensions()[0];
   const int64_t max_blocks = cuda::MaxBlocksForSms(num_sms);
   int64_t row_bytes = 0;
-  if (ffi::Error e = PayloadRowBytes(kDispatchRowsTarget, "x", x.element_type(),
-                                     x.dimensions()[1], &row_bytes);
+  if (ffi::Error e = DispatchRowBytes(kDispatchRowsTarget, "x", x.element_type(),
+                                      x.dimensions()[1], &row_bytes);
       e.failure()) {
     return e;
   }
@@ -416,7 +418,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxepDispatchRows, jaxep::DispatchRowsImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()     // XLA's compute stream
-        .Arg<xla::ffi::AnyBuffer>()                        // x [T, H] bf16|f16|f32
+        .Arg<xla::ffi::AnyBuffer>()                        // x [T, H] bf16|f16|f32|u8
         .Arg<jaxep::S32Vec>()                              // recv_slot [C] (handle)
         .Arg<jaxep::S32Mat>()                              // send_row [T, K] (handle)
         .Arg<jaxep::S32Mat>()                              // topk_idx [T, K] sanitized (handle)

@@ -28,7 +28,8 @@ class Handle:
     send_row:  [T,K] i32 row of slot (t,k) on its destination rank, -1 if masked/invalid/dropped.
     recv_slot: [C] i32  global slot id s*T*K + t*K + k of each received row, -1 for empty rows.
     topk_idx:  [T,K] i32 the sanitized expert ids (invalid ones are -1).
-    Static: the config, the EP axis name and the backend that made it. `combine` checks the
+    Static: the config, the EP axis name (a str, or a tuple of mesh axes) and the backend that
+    made it. `combine` checks the
     arrays against the config (the shapes a dispatch with it makes), the config against the one
     given to `jaxep.initialize` (and to combine's `config=`, when passed) and the axis name.
     """
@@ -37,7 +38,7 @@ class Handle:
     recv_slot: jax.Array
     topk_idx: jax.Array
     config: Config = dataclasses.field(metadata=dict(static=True))
-    axis_name: str = dataclasses.field(metadata=dict(static=True))
+    axis_name: str | tuple = dataclasses.field(metadata=dict(static=True))
     backend: str = dataclasses.field(metadata=dict(static=True))
 
 
@@ -45,13 +46,15 @@ class Handle:
 class DispatchResult:
     """x [C,H] expert-major rows, group_sizes [L] i32, weights [C] f32, expert [C] i32 (each
     row's local expert, -1 on rows past sum(group_sizes): what per-expert biases index), handle,
-    stats."""
+    stats, extras: dispatch's `extras` tree with each leaf [C, ...] (row p holds the extras of
+    the token of row p; rows past sum(group_sizes) zero), or None when dispatch had none."""
     x: jax.Array
     group_sizes: jax.Array
     weights: jax.Array
     expert: jax.Array
     handle: Handle
     stats: Stats
+    extras: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,8 @@ class LowLatencyDispatchResult:
     handle:  a `jaxep.Handle` over the flat rows l * M + m (so combine, its transposes and the
              normal-mode backend ops reuse it unchanged).
     stats:   dropped_rows (rows of an expert past M) and invalid_ids, as in normal mode.
+    extras:  dispatch's `extras` tree with each leaf [L, M, ...] (row (l, m) holds the extras of
+             its token; rows past counts[l] zero), or None when dispatch had none.
     """
     x: jax.Array
     scales: jax.Array | None
@@ -75,6 +80,7 @@ class LowLatencyDispatchResult:
     weights: jax.Array
     handle: Handle
     stats: Stats
+    extras: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +90,17 @@ class DispatchPending:
     arrays: the backend's in-flight arrays (what the send half moved; backend specific).
     x, topk_weights: dispatch's differentiable inputs, carried so that `dispatch_recv`'s VJP can
       return their cotangents (the send half itself is not differentiated).
+    extras: dispatch_send's `extras` tree ([T, ...] leaves, checked), which `dispatch_recv`
+      carries to the rows; None without extras.
     Static: the config, the EP axis name and the backend.
     """
     arrays: tuple
     x: jax.Array
     topk_weights: jax.Array
     config: Config = dataclasses.field(metadata=dict(static=True))
-    axis_name: str = dataclasses.field(metadata=dict(static=True))
+    axis_name: str | tuple = dataclasses.field(metadata=dict(static=True))
     backend: str = dataclasses.field(metadata=dict(static=True))
+    extras: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +122,13 @@ jax.tree_util.register_dataclass(
     Handle, data_fields=["weights", "send_row", "recv_slot", "topk_idx"],
     meta_fields=["config", "axis_name", "backend"])
 jax.tree_util.register_dataclass(
-    DispatchResult, data_fields=["x", "group_sizes", "weights", "expert", "handle", "stats"], meta_fields=[])
+    DispatchResult, data_fields=["x", "group_sizes", "weights", "expert", "handle", "stats",
+                                 "extras"], meta_fields=[])
 jax.tree_util.register_dataclass(
-    LowLatencyDispatchResult, data_fields=["x", "scales", "counts", "weights", "handle", "stats"],
-    meta_fields=[])
+    LowLatencyDispatchResult, data_fields=["x", "scales", "counts", "weights", "handle", "stats",
+                                           "extras"], meta_fields=[])
 jax.tree_util.register_dataclass(
-    DispatchPending, data_fields=["arrays", "x", "topk_weights"],
+    DispatchPending, data_fields=["arrays", "x", "topk_weights", "extras"],
     meta_fields=["config", "axis_name", "backend"])
 jax.tree_util.register_dataclass(
     CombinePending, data_fields=["arrays", "y", "weights", "handle"], meta_fields=[])

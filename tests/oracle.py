@@ -228,3 +228,16 @@ def ll_dispatch(xs, idxs, ws, *, num_experts, rows, fp8=False):
         out["invalid"].append(int(np.sum((idxs[s] < -1) | (idxs[s] >= num_experts))))
     out["send_row"] = send_row
     return out
+
+
+def carry(extras, recv_slot, *, topk):
+    """Per-token extras carried to the rows (dispatch(..., extras=)): `extras` a list over source
+    ranks of [T, ...] arrays, `recv_slot` one rank's [N] global slot ids (s*T*K + t*K + k, -1 for
+    an empty row) -> [N, ...]: row c holds extras[s][t] of its slot's token, zeros where empty."""
+    T = extras[0].shape[0]
+    out = np.zeros((len(recv_slot),) + extras[0].shape[1:], extras[0].dtype)
+    for c, slot in enumerate(recv_slot):
+        if slot >= 0:
+            s, t = divmod(int(slot) // topk, T)
+            out[c] = extras[s][t]
+    return out

@@ -207,7 +207,7 @@ def test_axis_name_other_than_the_initialized_one_raises():
             jaxep.initialize(CFG, axis_name="tp")
     finally:
         jaxep.finalize()
-    with pytest.raises(TypeError, match=r"jaxep.initialize: axis_name must be a non-empty str, got int 3"):
+    with pytest.raises(TypeError, match=r"jaxep.initialize: axis_name must be a non-empty str or a tuple of them, got int 3"):
         jaxep.initialize(CFG, axis_name=3)
     assert jaxep.runtime.initialized_config() is None
 
@@ -304,3 +304,76 @@ def test_machine_node_layout_that_does_not_divide_the_ep_size(monkeypatch):
         _trace(*_args())
     _trace(*_args(R=4), R=4)
     _trace(*_args(R=2), R=2, cfg=dataclasses.replace(CFG, ranks_per_node=2))  # the config wins
+
+
+def _trace_extras(extras, *, mode="normal", R=2):
+    cfg = dataclasses.replace(CFG, mode=mode)
+
+    def body(x, idx, w):
+        return jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, extras=extras).x
+    f = jax.shard_map(body, mesh=harness.mesh(R), in_specs=(P("ep"),) * 3, out_specs=P("ep"))
+    return jax.jit(f).trace(*_args(R=R))
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+@pytest.mark.parametrize("extras,pattern", [
+    ({"ids": jnp.zeros((3,), jnp.int32)},
+     r"jaxep.dispatch: extras\['ids'\] must have shape \[T=4, \.\.\.\] \(the leading dim is x's "
+     r"tokens\), got \[3\]"),
+    ((jnp.zeros((4, 2)), jnp.zeros(())),
+     r"jaxep.dispatch: extras\[1\] must have shape \[T=4, \.\.\.\] .*got \[\]"),
+    ({"a": {"pos": 3}},
+     r"jaxep.dispatch: extras\['a'\]\['pos'\] must be an array \[T=4, \.\.\.\] \(each leaf of "
+     r"extras is per token\), got int 3"),
+])
+def test_bad_extras_raise_naming_the_leaf(extras, pattern, mode):
+    """Extras are checked at trace time (per rank: T = 4 tokens here): a leaf whose leading size
+    is not T, or that is not an array, names the leaf, what was expected and what came."""
+    with pytest.raises(ValueError, match=pattern):
+        _trace_extras(extras, mode=mode)
+
+
+def _trace_axes(axis_name, axes=("a", "b"), shape=(2, 2)):
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
+
+    def body(x, idx, w):
+        return jaxep.dispatch(x, idx, w, axis_name=axis_name, config=CFG).x
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * 3, out_specs=P(axes))
+    return jax.jit(f).trace(*_args(R=int(np.prod(shape))))
+
+
+@pytest.mark.parametrize("axis_name,pattern", [
+    ((), r"jaxep.dispatch: axis_name must be a mesh axis name or a non-empty tuple of them, got "
+         r"an empty tuple \(\)"),
+    (("a", "a"), r"jaxep.dispatch: axis_name must name each mesh axis once, got \('a', 'a'\) "
+                 r"\('a' more than once\)"),
+    (("a", 3), r"jaxep.dispatch: axis_name must be a tuple of non-empty str mesh axis names, got "
+               r"\('a', 3\) \(3 is not one\)"),
+    (("a", "ep"), r"jaxep.dispatch: must be called inside jax.shard_map over the EP mesh axes: "
+                  r"expected bound axes named 'a', 'ep' \(axis_name=\('a', 'ep'\)\), got only "
+                  r"'a' \(size 2\), 'b' \(size 2\): 'ep' not among them \("),
+])
+def test_bad_tuple_axis_names_raise(axis_name, pattern):
+    """A tuple axis_name: empty, an axis twice, a non-str entry, an axis the mesh lacks."""
+    with pytest.raises(ValueError, match=pattern):
+        _trace_axes(axis_name)
+
+
+def test_combine_over_another_tuple_than_dispatchs_raises():
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+
+    def body(x, idx, w):
+        res = jaxep.dispatch(x, idx, w, axis_name=("a", "b"), config=CFG)
+        return jaxep.combine(res.x, res.handle, axis_name=("b", "a"))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(("a", "b")),) * 3, out_specs=P(("a", "b")))
+    with pytest.raises(ValueError, match=r"jaxep.combine: axis_name must be the one dispatch used, "
+                                         r"expected \('a', 'b'\), got \('b', 'a'\)"):
+        jax.jit(f).trace(*_args(R=4))
+
+
+def test_initialize_checks_a_tuple_axis_name():
+    with pytest.raises(ValueError, match=r"jaxep.initialize: axis_name must name each mesh axis "
+                                         r"once, got \('a', 'b', 'a'\)"):
+        jaxep.initialize(CFG, axis_name=("a", "b", "a"))

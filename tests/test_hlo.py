@@ -286,3 +286,88 @@ def test_the_flax_layer_with_every_option_lowers_on_the_cuda_backend(cuda_loweri
             {"jaxep_gather_back"} if R > 1 else set())
     assert want <= set(targets), targets
     assert "all_to_all" not in hlo  # the tokens move through jaxep's calls only
+
+
+def _extras_grad_hlo(cfg, R, axes=("ep",), shape=None, axis_name=None):
+    """The lowered StableHLO of jax.grad, w.r.t. x and a float extras leaf, of dispatch (with
+    extras: an f32 scale and int32 ids) -> rows scaled -> combine, over a mesh of `axes` and the
+    EP axes `axis_name` (default: all of `axes`, in their order)."""
+    from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    mesh = Mesh(np.array(jax.devices()[:R]).reshape(shape or (R,)), axes)
+    ax = axis_name or (axes[0] if len(axes) == 1 else axes)
+
+    def loss(x, s, w, idx, ids):
+        def body(x, s, w, idx, ids):
+            res = jaxep.dispatch(x, idx, w, axis_name=ax, config=cfg,
+                                 extras={"s": s, "ids": ids})
+            sc = (res.extras["s"] * (res.extras["ids"] > 0)).astype(res.x.dtype)
+            return jaxep.combine(res.x * sc[..., None], res.handle, axis_name=ax)
+        out = jax.shard_map(body, mesh=mesh, in_specs=P(ax), out_specs=P(ax))(x, s, w, idx, ids)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+    T, H, K = cfg.max_tokens_per_rank, cfg.hidden, cfg.topk
+    sds = jax.ShapeDtypeStruct
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(
+        sds((R * T, H), jnp.dtype(cfg.dtype)), sds((R * T,), jnp.float32),
+        sds((R * T, K), jnp.float32), sds((R * T, K), jnp.int32), sds((R * T,), jnp.int32))
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("mode,R", [("normal", 1), ("normal", 2), ("low_latency", 1),
+                                    ("low_latency", 2)])
+def test_extras_lower_to_one_byte_row_dispatch_rows_and_their_gradient_to_a_combine(
+        cuda_lowering, mode, R):
+    """On the CUDA backend the extras travel as one jaxep_dispatch_rows of uint8 byte rows [T, 8]
+    (an f32 and an i32 per token) along the dispatch's route, and the f32 leaf's gradient is one
+    more jaxep_combine (its dx) of [rows, 1] f32 cotangents; the calls carry the contract's
+    attributes."""
+    cfg = jaxep.Config(num_experts=8, topk=2, hidden=128, max_tokens_per_rank=4,
+                       dtype="bfloat16", mode=mode)
+    hlo = _extras_grad_hlo(cfg, R)
+    byte_rows = re.findall(r"custom_call @jaxep_dispatch_rows\((.*?)\) .*?: \((tensor<[^>]*>)",
+                           hlo)
+    assert [t for _, t in byte_rows].count("tensor<4x8xui8>") == 1, byte_rows
+    combines = re.findall(r"custom_call @jaxep_combine\(.*?\) .*?: \((tensor<[^>]*>)", hlo)
+    rows = cfg.capacity(R) if mode == "normal" else 8 // R * cfg.expert_rows(R)
+    assert f"tensor<{rows}x1xf32>" in combines, combines
+    for target, attrs in custom_calls(hlo):
+        if target in ATTRS:
+            assert set(attrs) == ATTRS[target] and attrs["ep_size"] == R, (target, attrs)
+
+
+def test_dispatch_without_extras_lowers_as_before(cuda_lowering):
+    """extras=None adds nothing to the program: the HLO is the one without the argument."""
+    cfg = jaxep.Config(num_experts=8, topk=2, hidden=16, max_tokens_per_rank=8)
+    base = _grad_hlo(cfg, 2)
+
+    def loss(x, w, A, idx):
+        def body(x, idx, w, A):
+            res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, extras=None)
+            y = jax.lax.ragged_dot(res.x, A, res.group_sizes)
+            return jaxep.combine(y, res.handle, axis_name="ep")
+        out = jax.shard_map(body, mesh=harness.mesh(2), in_specs=(P("ep"),) * 4,
+                            out_specs=P("ep"))(x, idx, w, A)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+    sds = jax.ShapeDtypeStruct
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        sds((16, 16), jnp.bfloat16), sds((16, 2), jnp.float32), sds((8, 16, 16), jnp.bfloat16),
+        sds((16, 2), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo == base
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_a_tuple_of_ep_axes_lowers_like_one_axis_of_their_product(cuda_lowering, mode):
+    """axis_name=("a", "b") over a (2, 2) mesh reaches the custom calls as EP size 4 (ep_size,
+    ranks_per_node), exactly the calls of axis_name="ep" over 4 devices; naming the axes against
+    the mesh's order raises (the runtime's rank is the device's position in the mesh)."""
+    cfg = jaxep.Config(num_experts=8, topk=2, hidden=128, max_tokens_per_rank=4,
+                       dtype="bfloat16", mode=mode)
+    flat = custom_calls(_extras_grad_hlo(cfg, 4))
+    tup = custom_calls(_extras_grad_hlo(cfg, 4, ("a", "b"), (2, 2)))
+    assert tup == flat and all(a["ep_size"] == 4 for _, a in tup), tup
+    with pytest.raises(ValueError, match=r"axis_name=\('b', 'a'\) on the multi-rank CUDA backend "
+                                         r"must name its mesh axes in the mesh's order .*expected "
+                                         r"the axes of size > 1 in the order \('a', 'b'\), got "
+                                         r"\('b', 'a'\)"):
+        _extras_grad_hlo(cfg, 4, ("a", "b"), (2, 2), axis_name=("b", "a"))

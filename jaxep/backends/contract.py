@@ -82,7 +82,8 @@ class Backend(Protocol):
         """Rows to their experts' ranks in the layout order; the route; the stats."""
 
     def dispatch_rows(self, x, route: Route, *, axis_name, config, sizes) -> jax.Array:
-        """[C,H]: x's rows in the route's layout (no layout computed again)."""
+        """[C,H]: x's rows in the route's layout (no layout computed again), bit for bit. x is a
+        payload dtype's [T,H] or uint8 byte rows [T,B] (the per-token extras, `jaxep.ops._carry`)."""
 
     def combine(self, y, weights, route: Route, *, axis_name, config, sizes) -> jax.Array:
         """[T,H] in y's dtype: the fixed-order f32 sum of w * y over each token's rows."""

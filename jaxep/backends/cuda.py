@@ -30,8 +30,30 @@ def check_limits(config) -> None:
                          "backend='reference'")
 
 
-def _topology(sizes) -> dict:
-    """The custom calls' ep_size and ranks_per_node attributes."""
+def check_rank_order(axis_name, sizes) -> None:
+    """The multi-rank handlers take their rank from the runtime: the process index, which is the
+    device's position in jax.devices() and so in a mesh built over jax.devices() in order (as
+    with one EP axis). Over a tuple of mesh axes the collective rank (`jax.lax.axis_index`) is
+    that position only when the tuple names its axes of size > 1 in the mesh's order; another
+    order would give every rank another rank's rows: ValueError at trace time."""
+    if not isinstance(axis_name, tuple) or sizes.ep == 1:
+        return
+    mesh = jax.sharding.get_abstract_mesh()
+    shape = dict(mesh.shape)
+    named = [a for a in axis_name if shape.get(a, 1) > 1]
+    in_mesh_order = [a for a in mesh.axis_names if a in named]
+    if named != in_mesh_order:
+        raise ValueError(
+            f"jaxep: axis_name={axis_name!r} on the multi-rank CUDA backend must name its mesh "
+            f"axes in the mesh's order (the runtime's rank is the process index, the device's "
+            f"position in the mesh over jax.devices()): expected the axes of size > 1 in the "
+            f"order {tuple(in_mesh_order)!r}, got {tuple(named)!r}")
+
+
+def _topology(sizes, axis_name) -> dict:
+    """The custom calls' ep_size and ranks_per_node attributes (the EP axes checked against the
+    runtime's rank order first)."""
+    check_rank_order(axis_name, sizes)
     return dict(ep_size=sizes.ep, ranks_per_node=sizes.node)
 
 
@@ -43,19 +65,19 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name, config, sizes):
     wire = config.dispatch_wire_dtype is not None
     sent = calls.fp8_quantize_rows(x) if wire else x
     out = calls.dispatch(sent, topk_idx, topk_weights, config=config, capacity=sizes.rows,
-                         rows_dtype=x.dtype if wire else None, **_topology(sizes))
+                         rows_dtype=x.dtype if wire else None, **_topology(sizes, axis_name))
     return varying(DispatchOut(*out), axis_name)
 
 
 def dispatch_rows(x, route, *, axis_name, config, sizes):
     (rows,) = calls.dispatch_rows(x, route.recv_slot, route.send_row, route.topk_idx,
-                                  config=config, **_topology(sizes))
+                                  config=config, **_topology(sizes, axis_name))
     return varying(rows, axis_name)
 
 
 def combine(y, weights, route, *, axis_name, config, sizes):
     (out,) = calls.combine(y, weights, route.send_row, route.recv_slot, route.topk_idx,
-                           config=config, **_topology(sizes))
+                           config=config, **_topology(sizes, axis_name))
     return varying(out, axis_name)
 
 
@@ -64,7 +86,7 @@ def gather_back(v, route, *, axis_name, config, sizes):
         kept = route.send_row >= 0
         return jnp.where(kept, v[jnp.where(kept, route.send_row, 0)], 0.0).astype(jnp.float32)
     (out,) = calls.gather_back(v.astype(jnp.float32), route.send_row, route.topk_idx,
-                               config=config, **_topology(sizes))
+                               config=config, **_topology(sizes, axis_name))
     return varying(out, axis_name)
 
 
@@ -93,7 +115,7 @@ def ll_dispatch_send(x, topk_idx, topk_weights, *, axis_name, config, sizes):
         return varying((idx, n_invalid, topk_weights) + payload, axis_name)
     check_limits(config)
     pos, invalid = calls.ll_dispatch_send(x, topk_idx, topk_weights, config=config,
-                                          **_topology(sizes))
+                                          **_topology(sizes, axis_name))
     return (topk_idx, pos, invalid)
 
 
@@ -106,7 +128,7 @@ def ll_dispatch_recv(sent, *, axis_name, config, sizes):
     L, M, H = sizes.local_experts, sizes.expert_rows, config.hidden
     topk_idx, pos, invalid = sent
     rows, tail, weights, counts, send_row, recv_slot, idx, stats = calls.ll_dispatch_recv(
-        topk_idx, pos, invalid, config=config, dtype=config.dtype, **_topology(sizes))
+        topk_idx, pos, invalid, config=config, dtype=config.dtype, **_topology(sizes, axis_name))
     scales = None
     if config.fp8_dispatch:  # bitcasts only: u8 codes -> e4m3; [L*M, H/32] u8 -> f32
         rows = jax.lax.bitcast_convert_type(rows, jnp.float8_e4m3fn)
@@ -126,7 +148,7 @@ def combine_send(y, weights, route, *, axis_name, config, sizes):
             f"{config.dtype} (jaxep_ll_combine_recv reads the rows sent back as that dtype), "
             f"got {y.dtype}")
     (marker,) = calls.ll_combine_send(y, weights, route.recv_slot, tokens=route.send_row.shape[0],
-                                      config=config, **_topology(sizes))
+                                      config=config, **_topology(sizes, axis_name))
     return (marker, route.send_row, route.topk_idx)
 
 
@@ -136,5 +158,5 @@ def combine_recv(sent, *, axis_name, config, sizes, dtype):
         return varying(layout.node_sum(recv, 1, 0, config.combine_wire_dtype, dtype), axis_name)
     marker, send_row, topk_idx = sent
     (out,) = calls.ll_combine_recv(marker, send_row, topk_idx, hidden=config.hidden,
-                                   dtype=config.dtype, config=config, **_topology(sizes))
+                                   dtype=config.dtype, config=config, **_topology(sizes, axis_name))
     return varying(out, axis_name).astype(dtype)

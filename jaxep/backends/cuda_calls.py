@@ -133,8 +133,9 @@ def dispatch(x, topk_idx, topk_weights, *, config, capacity: int, ep_size: int =
 
 def dispatch_rows(x, recv_slot, send_row, topk_idx, *, config, ep_size: int = 1,
                   ranks_per_node: int = 1):
-  """``jaxep_dispatch_rows``: x[T,H], recv_slot[C], send_row[T,K], topk_idx[T,K] int32 (the
-  handle's) -> ``(x_rows[C,H],)``.
+  """``jaxep_dispatch_rows``: x[T,H] (bf16, f16, f32, or uint8 byte rows: the per-token
+  extras), recv_slot[C], send_row[T,K], topk_idx[T,K] int32 (the handle's) -> ``(x_rows[C,H],)``,
+  a byte copy of each row.
 
   Row c is ``x[recv_slot[c] // topk]`` (the slot's token, topk = config.topk), zeros where
   recv_slot[c] == -1 (send_row and topk_idx tell other nodes which tokens they need).

@@ -5,15 +5,18 @@ import jax
 
 
 def varying(xs, axis_name):
-    """Marks every array of the pytree `xs` as varying over the EP axis (a no-op where it is).
+    """Marks every array of the pytree `xs` as varying over the EP axis (a no-op where it is);
+    `axis_name` a mesh axis or a tuple of them (varying over each).
 
     Inside shard_map with check_vma, the custom VJP rules must return cotangents typed like their
     (varying) primal inputs. Outputs computed from the data are varying already; those JAX builds
     as constants are not: a custom call's results and, with T = 0 tokens per rank, the empty or
     all-zero arrays of the reference backend.
     """
+    axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
     def one(x):
-        if x is None or axis_name in (getattr(jax.typeof(x), "vma", None) or ()):
+        if x is None or set(axes) <= set(getattr(jax.typeof(x), "vma", None) or ()):
             return x
         try:
             return jax.lax.pcast(x, axis_name, to="varying")

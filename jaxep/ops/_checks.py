@@ -20,28 +20,41 @@ PAYLOAD = tuple(jnp.dtype(d) for d in PAYLOAD_DTYPES)  # x / y dtypes, from jaxe
 
 
 class Call(NamedTuple):
-    """The static part of one op call (hashable: a custom VJP's nondiff argument)."""
-    axis_name: str
+    """The static part of one op call (hashable: a custom VJP's nondiff argument). axis_name is
+    canonical (`runtime.canonical_axis_name`): a str, or a tuple of mesh axes."""
+    axis_name: str | tuple
     config: Config
     backend: str
     sizes: Sizes
 
 
+def _named(axes) -> str:
+    return ", ".join(repr(a) for a in axes)
+
+
 def ep_size(op: str, axis_name) -> int:
-    """The size of the EP axis; a clear error outside shard_map or over other axes."""
-    if not isinstance(axis_name, str):
-        raise TypeError(f"jaxep.{op}: axis_name must be a str, got {type(axis_name).__name__}")
+    """The size of the EP group (the product of its axes' sizes; `axis_name` canonical); a clear
+    error outside shard_map or over other axes."""
     try:
         return int(jax.lax.axis_size(axis_name))
     except NameError:
-        bound = _jax_private.bound_axes()
-        got = ("none" if not bound else "only " + ", ".join(f"{a!r} (size {n})"
-                                                          for a, n in bound.items()))
+        pass
+    axes, bound = runtime.axis_names(axis_name), _jax_private.bound_axes()
+    got = ("none" if not bound else "only " + ", ".join(f"{a!r} (size {n})"
+                                                      for a, n in bound.items()))
+    if len(axes) == 1:
         raise ValueError(
             f"jaxep.{op}: must be called inside jax.shard_map over the EP mesh axis: expected a bound "
             f"axis named {axis_name!r}, got {got} (call it from a function mapped with "
             f"jax.shard_map(..., mesh=mesh) whose mesh has the axis {axis_name!r}, or pass "
             f"axis_name= the EP axis)") from None
+    missing = [a for a in axes if bound is not None and a not in bound]
+    raise ValueError(
+        f"jaxep.{op}: must be called inside jax.shard_map over the EP mesh axes: expected bound "
+        f"axes named {_named(axes)} (axis_name={axis_name!r}), got {got}"
+        + (f": {_named(missing)} not among them" if missing else "")
+        + " (call it from a function mapped with jax.shard_map(..., mesh=mesh) whose mesh has "
+        "those axes, or pass axis_name= the EP axes)") from None
 
 
 def sizes(op: str, config: Config, R: int) -> Sizes:
@@ -60,7 +73,7 @@ def resolve(op: str, config, axis_name, backend) -> Call:
     """The checks every dispatch makes before its inputs: the config (the initialized one, the
     mode the op needs), the axis, the sizes; the backend chosen."""
     runtime.check_config(op, config)
-    runtime.check_axis_name(op, axis_name)
+    axis_name = runtime.check_axis_name(op, axis_name)
     R = ep_size(op, axis_name)
     s = sizes(op, config, R)
     return Call(axis_name, config, backends.select(op, backend, R), s)
@@ -149,7 +162,7 @@ def check_handle(op: str, handle, axis_name, config, *, low_latency: bool = Fals
     runtime.check_config(op, handle.config, "handle.config")
     if low_latency:
         require_low_latency(op, handle.config, "handle.config")
-    runtime.check_axis_name(op, axis_name)
+    axis_name = runtime.check_axis_name(op, axis_name)
     if axis_name != handle.axis_name:
         raise ValueError(f"jaxep.{op}: axis_name must be the one dispatch used, expected "
                          f"{handle.axis_name!r}, got {axis_name!r}")

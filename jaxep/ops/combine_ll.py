@@ -72,7 +72,7 @@ def _send(op, y, handle, axis_name, weights, config):
     # The send half is not differentiated (combine_recv's VJP is): no tangent reaches its call.
     route = jax.lax.stop_gradient(Route(handle.send_row, handle.recv_slot, handle.topk_idx))
     sent = backends.get(call.backend).combine_send(
-        jax.lax.stop_gradient(y_flat), jax.lax.stop_gradient(w), route, axis_name=axis_name,
+        jax.lax.stop_gradient(y_flat), jax.lax.stop_gradient(w), route, axis_name=call.axis_name,
         config=cfg, sizes=s)
     return CombinePending(arrays=tuple(sent), y=y_flat, weights=w, handle=handle)
 

@@ -23,12 +23,12 @@ import jax.numpy as jnp
 
 from jaxep import backends
 from jaxep.backends.contract import route_of
-from jaxep.ops import _checks, _transpose, dispatch_ll
+from jaxep.ops import _carry, _checks, _transpose, dispatch_ll
 from jaxep.types import DispatchResult, Handle, Stats
 
 
-def dispatch(x, topk_idx, topk_weights, *, axis_name: str = "ep", config, backend: str | None = None
-             ) -> DispatchResult:
+def dispatch(x, topk_idx, topk_weights, *, axis_name="ep", config, backend: str | None = None,
+             extras=None) -> DispatchResult:
     """Dispatches tokens to experts across the EP axis; call inside `jax.shard_map`.
 
     Args:
@@ -36,27 +36,39 @@ def dispatch(x, topk_idx, topk_weights, *, axis_name: str = "ep", config, backen
         T = 0 works (all outputs empty or zero, combine gives [0, H]).
       topk_idx: [T, K] int32 expert ids; -1 masks a slot; ids outside [-1, E) are masked and counted.
       topk_weights: [T, K] float32 routing weights.
-      axis_name: the shard_map axis that spans the EP group (the one given to jaxep.initialize).
+      axis_name: the shard_map axis that spans the EP group (the one given to jaxep.initialize),
+        or a tuple of mesh axes whose product is the EP group: ranks in the order of
+        `jax.lax.axis_index(axis_name)` (the order jax's collectives over the tuple use).
       config: the `jaxep.Config` (the one given to `jaxep.initialize`, if called).
       backend: "reference", "cuda" or None (automatic).
+      extras: None, or a pytree of per-token arrays [T, ...] of any dtype (adapter ids,
+        positions, scales) carried to the rows their tokens went to (`res.extras`), bitwise on
+        every backend; floating leaves are differentiable (`jaxep.ops._carry`).
 
     Returns a `DispatchResult`: x [C, H], group_sizes [L], weights [C], expert [C] (each row's
-    local expert, -1 on empty rows), handle, stats. With config.mode="low_latency": a
-    `LowLatencyDispatchResult` (x [L, M, H], scales, counts [L], weights [L, M], handle, stats),
-    exactly `dispatch_recv(dispatch_send(...))` (`jaxep.ops.dispatch_ll`).
+    local expert, -1 on empty rows), handle, stats, extras (the tree of `extras` with leaves
+    [C, ...]: row p holds its token's, rows past sum(group_sizes) zero; None without extras).
+    With config.mode="low_latency": a `LowLatencyDispatchResult` (x [L, M, H], scales, counts
+    [L], weights [L, M], handle, stats, extras [L, M, ...]), exactly
+    `dispatch_recv(dispatch_send(...))` (`jaxep.ops.dispatch_ll`).
     """
     if getattr(config, "mode", None) == "low_latency":
         return dispatch_ll.dispatch_one_call(x, topk_idx, topk_weights, axis_name=axis_name,
-                                             config=config, backend=backend)
+                                             config=config, backend=backend, extras=extras)
     call = _checks.resolve("dispatch", config, axis_name, backend)
     _checks.check_inputs("dispatch", x, topk_idx, topk_weights, call)
+    if extras is not None:
+        _carry.check("dispatch", extras, x.shape[0])
     out = _dispatch(x, topk_idx, topk_weights, call)
     handle = Handle(weights=out.weights, send_row=out.send_row, recv_slot=out.recv_slot,
-                    topk_idx=out.topk_idx, config=config, axis_name=axis_name,
+                    topk_idx=out.topk_idx, config=config, axis_name=call.axis_name,
                     backend=call.backend)
+    carried = None if extras is None else _carry.carry(
+        "dispatch", extras, x.shape[0], route_of(out), call, call.sizes.rows)
     return DispatchResult(x=out.x, group_sizes=out.group_sizes, weights=out.weights,
                           expert=row_expert(out.group_sizes, call.sizes.rows), handle=handle,
-                          stats=Stats(dropped_rows=out.stats[0:1], invalid_ids=out.stats[1:2]))
+                          stats=Stats(dropped_rows=out.stats[0:1], invalid_ids=out.stats[1:2]),
+                          extras=carried)
 
 
 def row_expert(group_sizes, rows: int):

@@ -33,32 +33,33 @@ from jax.custom_derivatives import SymbolicZero
 from jaxep import backends, runtime
 from jaxep.backends.contract import route_of
 from jaxep.config import Config
-from jaxep.ops import _checks, _transpose
+from jaxep.ops import _carry, _checks, _transpose
 from jaxep.types import DispatchPending, Handle, LowLatencyDispatchResult, Stats
 
 
-def dispatch_send(x, topk_idx, topk_weights, *, axis_name: str = "ep", config: Config,
-                  backend: str | None = None) -> DispatchPending:
+def dispatch_send(x, topk_idx, topk_weights, *, axis_name="ep", config: Config,
+                  backend: str | None = None, extras=None) -> DispatchPending:
     """The send half of low-latency dispatch; call inside `jax.shard_map`, then `dispatch_recv`.
 
     Same arguments as `jaxep.dispatch` (config.mode must be "low_latency"). Returns a
     `jaxep.DispatchPending` (a pytree: it may cross jit, scan and remat boundaries). Compute that
     does not depend on the result can be placed between the two halves: on the reference backend
-    every collective is in this half and only local work in `dispatch_recv`.
+    every collective is in this half and only local work in `dispatch_recv`, except the carry of
+    `extras` (checked here, carried by `dispatch_recv` along the route it receives).
     """
-    return _send("dispatch_send", x, topk_idx, topk_weights, axis_name, config, backend)
+    return _send("dispatch_send", x, topk_idx, topk_weights, axis_name, config, backend, extras)
 
 
 def dispatch_recv(pending: DispatchPending) -> LowLatencyDispatchResult:
     """The receive half: `jaxep.LowLatencyDispatchResult` (x [L,M,H], scales, counts [L],
-    weights [L,M], handle, stats) from `dispatch_send`'s pending."""
+    weights [L,M], handle, stats, extras [L,M,...] or None) from `dispatch_send`'s pending."""
     if not isinstance(pending, DispatchPending):
         raise TypeError(f"jaxep.dispatch_recv: pending must be the jaxep.DispatchPending that "
                         f"dispatch_send returned, got {type(pending).__name__}")
     cfg, axis_name = pending.config, pending.axis_name
     _checks.require_low_latency("dispatch_recv", cfg, "pending.config")
     runtime.check_config("dispatch_recv", cfg, "pending.config")
-    runtime.check_axis_name("dispatch_recv", axis_name)
+    axis_name = runtime.check_axis_name("dispatch_recv", axis_name)
     _checks.check_backend("dispatch_recv", pending.backend, "pending.backend")
     R = _checks.ep_size("dispatch_recv", axis_name)
     call = _checks.Call(axis_name, cfg, pending.backend, _checks.sizes("dispatch_recv", cfg, R))
@@ -67,28 +68,39 @@ def dispatch_recv(pending: DispatchPending) -> LowLatencyDispatchResult:
     handle = Handle(weights=out.weights.reshape(-1), send_row=out.send_row,
                     recv_slot=out.recv_slot, topk_idx=out.topk_idx, config=cfg,
                     axis_name=axis_name, backend=pending.backend)
+    extras = None
+    if pending.extras is not None:  # carried on the flat rows l * M + m, then [L, M, ...]
+        L, M = call.sizes.local_experts, call.sizes.expert_rows
+        flat = _carry.carry("dispatch_recv", pending.extras, pending.x.shape[0], route_of(out),
+                            call, L * M)
+        extras = jax.tree.map(lambda a: a.reshape((L, M) + a.shape[1:]), flat)
     return LowLatencyDispatchResult(x=out.x, scales=out.scales, counts=out.counts,
                                     weights=out.weights, handle=handle,
                                     stats=Stats(dropped_rows=out.stats[0:1],
-                                                invalid_ids=out.stats[1:2]))
+                                                invalid_ids=out.stats[1:2]), extras=extras)
 
 
-def dispatch_one_call(x, topk_idx, topk_weights, *, axis_name, config, backend=None):
+def dispatch_one_call(x, topk_idx, topk_weights, *, axis_name, config, backend=None, extras=None):
     """`jaxep.dispatch` with mode="low_latency": dispatch_send then dispatch_recv."""
-    return dispatch_recv(_send("dispatch", x, topk_idx, topk_weights, axis_name, config, backend))
+    return dispatch_recv(_send("dispatch", x, topk_idx, topk_weights, axis_name, config, backend,
+                               extras))
 
 
-def _send(op, x, topk_idx, topk_weights, axis_name, config, backend):
+def _send(op, x, topk_idx, topk_weights, axis_name, config, backend, extras):
     """dispatch_send, its checks naming `op` (the one-call jaxep.dispatch names itself)."""
     if isinstance(config, Config):
         _checks.require_low_latency(op, config)
     call = _checks.resolve(op, config, axis_name, backend)
     _checks.check_inputs(op, x, topk_idx, topk_weights, call)
+    if extras is not None:
+        leaves, treedef, _, width = _carry.check(op, extras, x.shape[0])
+        _carry.check_fits(op, width, call)
+        extras = jax.tree_util.tree_unflatten(treedef, leaves)  # numpy leaves as jax arrays
     sent = backends.get(call.backend).ll_dispatch_send(
         jax.lax.stop_gradient(x), topk_idx, jax.lax.stop_gradient(topk_weights),
-        axis_name=axis_name, config=config, sizes=call.sizes)
+        axis_name=call.axis_name, config=config, sizes=call.sizes)
     return DispatchPending(arrays=tuple(sent), x=x, topk_weights=topk_weights, config=config,
-                           axis_name=axis_name, backend=call.backend)
+                           axis_name=call.axis_name, backend=call.backend, extras=extras)
 
 
 def detach_empty(tree):

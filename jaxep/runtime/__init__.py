@@ -26,11 +26,11 @@ from __future__ import annotations
 import jax
 
 from jaxep.config import Config
-from jaxep.runtime.state import RUNTIME
+from jaxep.runtime.state import RUNTIME, axis_names, canonical_axis_name  # noqa: F401
 from jaxep.runtime.watchdog import TimeoutError  # noqa: A004  pylint: disable=redefined-builtin
 
 
-def initialize(config, axis_name: str = "ep") -> None:
+def initialize(config, axis_name="ep") -> None:
     """Declares the config(s) every later call must use and, in a multi-process GPU run, sets up
     the NVSHMEM runtime (see the module docstring). Collective: every process must call it.
 
@@ -43,6 +43,9 @@ def initialize(config, axis_name: str = "ep") -> None:
     RuntimeError on every process, naming the differing fields and ranks, otherwise. Set
     JAXEP_LOG_LEVEL=INFO (or configure the "jaxep" logger) to see the topology and the effective
     settings.
+
+    `axis_name`: the EP mesh axis, or a tuple of mesh axes whose product is the EP group (ranks
+    in the order of `jax.lax.axis_index(axis_name)`), as the ops are given it.
     """
     RUNTIME.initialize(config, axis_name)
 
@@ -108,6 +111,7 @@ def check_config(op: str, config, name: str = "config") -> None:
     RUNTIME.check_config(op, config, name)
 
 
-def check_axis_name(op: str, axis_name) -> None:
-    """After `jaxep.initialize(config, axis_name)`, every op runs over that EP axis."""
-    RUNTIME.check_axis_name(op, axis_name)
+def check_axis_name(op: str, axis_name):
+    """`axis_name` in its canonical form (a str, or a tuple of at least two distinct mesh axes);
+    after `jaxep.initialize(config, axis_name)`, every op runs over that EP axis."""
+    return RUNTIME.check_axis_name(op, axis_name)

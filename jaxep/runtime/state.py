@@ -32,13 +32,44 @@ def as_configs(config) -> tuple:
     return tuple(dict.fromkeys(configs))  # equal configs once, in order
 
 
+def canonical_axis_name(op: str, axis_name, what: str = "axis_name"):
+    """The EP axis as jaxep keeps it: a non-empty str, or a tuple of at least two distinct
+    non-empty str (mesh axes whose product is the EP group, ranks in the order jax's collectives
+    over that tuple use: `jax.lax.axis_index(tuple)`). A list is taken as its tuple and a 1-tuple
+    as its one name (jax's collectives treat them alike), so equal groups compare equal."""
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    if isinstance(axis_name, tuple):
+        if not axis_name:
+            raise ValueError(f"jaxep.{op}: {what} must be a mesh axis name or a non-empty tuple "
+                             f"of them, got an empty tuple ()")
+        bad = [a for a in axis_name if not isinstance(a, str) or not a]
+        if bad:
+            raise ValueError(f"jaxep.{op}: {what} must be a tuple of non-empty str mesh axis "
+                             f"names, got {axis_name!r} ({bad[0]!r} is not one)")
+        twice = sorted({a for a in axis_name if axis_name.count(a) > 1})
+        if twice:
+            raise ValueError(f"jaxep.{op}: {what} must name each mesh axis once, got "
+                             f"{axis_name!r} ({', '.join(map(repr, twice))} more than once)")
+        return axis_name[0] if len(axis_name) == 1 else axis_name
+    if not isinstance(axis_name, str) or not axis_name:
+        raise TypeError(f"jaxep.{op}: {what} must be a non-empty str or a tuple of them, got "
+                        f"{type(axis_name).__name__} {axis_name!r}")
+    return axis_name
+
+
+def axis_names(axis_name) -> tuple:
+    """The mesh axes of a canonical EP axis name, as a tuple (one name: a 1-tuple)."""
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
 @dataclasses.dataclass
 class Runtime:
     """Process-wide state. `started` is set while the NVSHMEM runtime is up in this process.
     `generation` counts the multi-rank start attempts: each takes a fresh key-value namespace,
     the same on every rank since every rank makes the same attempts."""
     configs: tuple = ()
-    axis_name: str | None = None
+    axis_name: str | tuple | None = None
     started: nvshmem.Started | None = None
     generation: int = 0
     watchdog: watchdog.Watchdog | None = None
@@ -53,11 +84,9 @@ class Runtime:
         """Processes per host agreed at initialize, or None without a multi-rank runtime."""
         return self.started.params.node_size if self.started else None
 
-    def initialize(self, config, axis_name: str) -> None:
+    def initialize(self, config, axis_name) -> None:
         configs = as_configs(config)
-        if not isinstance(axis_name, str) or not axis_name:
-            raise TypeError(f"jaxep.initialize: axis_name must be a non-empty str, got "
-                            f"{type(axis_name).__name__} {axis_name!r}")
+        axis_name = canonical_axis_name("initialize", axis_name)
         if self.configs and self.configs != configs:
             raise ValueError("jaxep.initialize: already initialized with another config; call "
                              f"jaxep.finalize() first. initialized: {list(self.configs)}, got: "
@@ -114,11 +143,14 @@ class Runtime:
                              f"passed to jaxep.initialize: vs the first, "
                              f"{field_diff(first, config)} (initialized: {list(self.configs)})")
 
-    def check_axis_name(self, op: str, axis_name) -> None:
-        """After `jaxep.initialize(config, axis_name)`, every op runs over that EP axis."""
+    def check_axis_name(self, op: str, axis_name):
+        """The canonical form of `axis_name` (`canonical_axis_name`); after
+        `jaxep.initialize(config, axis_name)`, every op runs over that EP axis."""
+        axis_name = canonical_axis_name(op, axis_name)
         if self.configs and axis_name != self.axis_name:
             raise ValueError(f"jaxep.{op}: axis_name must be the EP axis given to "
                              f"jaxep.initialize: expected {self.axis_name!r}, got {axis_name!r}")
+        return axis_name
 
 
 def _extension_state() -> str:

@@ -7,6 +7,8 @@ l*M + m), as tests/gpu/multirank_worker.py does for normal mode (whose helpers i
   * the public ops (jaxep.dispatch / jaxep.combine with the initialized low-latency config):
     x [L,M,H], counts, weights, send_row, recv_slot, sanitized ids, stats, combine;
   * the split ops (dispatch_send/recv, combine_send/recv) give the one-call bits;
+  * per-token extras (one call and split) land on their tokens' rows, and a float leaf's
+    gradient is dispatch's dx;
   * cuda_backend directly with other sizes: M small enough to drop rows, bad ids, fp8_dispatch
     (codes and scales), f16;
   * a jitted lax.scan decode loop of dispatch + combine, every step against the oracle.
@@ -143,6 +145,50 @@ def case_public(cfg, seed=3):
                zip([("x", a[0]), ("counts", a[1]), ("send_row", a[2]), ("combine", a[3])], b)]
     if all([mw.compare("public", n, g, w) for n, g, w in checks]):
         mw.report("public", True, f"one-call and split equal the oracle, M={M}")
+
+
+def case_extras(cfg, seed=13):
+    """Per-token extras in low-latency mode (one call and the split halves): [L, M, ...] rows of
+    an int32, an f32 [2] and a bool [3] leaf (16 bytes a token) through jaxep_dispatch_rows on
+    the flat rows l*M + m, against oracle.carry over the oracle's recv_slot, bitwise; the f32
+    leaf's gradient is the combine of its rows' cotangents with weights one (dispatch's dx)."""
+    E, K, H, T = cfg.num_experts, cfg.topk, cfg.hidden, cfg.max_tokens_per_rank
+    L, M = E // mw.R, cfg.expert_rows(mw.R)
+    xs, idxs, ws = mw.make_inputs(seed, T, H, K, E, np.dtype(cfg.dtype), "skewed", 0.05)
+    rng = np.random.default_rng(seed + 1)
+    ids = [rng.integers(-9, 1 << 20, (T,)).astype(np.int32) for _ in range(mw.R)]
+    sc = [rng.standard_normal((T, 2)).astype(np.float32) for _ in range(mw.R)]
+    fl = [rng.integers(0, 2, (T, 3)).astype(bool) for _ in range(mw.R)]
+    g_s = [rng.standard_normal((L * M, 2)).astype(np.float32) for _ in range(mw.R)]
+
+    def body(x, idx, w, i, s, f, gs, *, split):
+        def fwd(s):
+            kw = dict(axis_name="ep", config=cfg, extras={"ids": i, "s": s, "f": f})
+            res = (jaxep.dispatch_recv(jaxep.dispatch_send(x, idx, w, **kw)) if split
+                   else jaxep.dispatch(x, idx, w, **kw))
+            e = res.extras
+            return e["s"].reshape(L * M, 2), (e["ids"].reshape(L * M), e["f"].reshape(L * M, 3))
+        rows_s, vjp, rest = jax.vjp(fwd, s, has_aux=True)
+        (ds,) = vjp(gs)
+        return (rows_s,) + rest + (ds,)
+
+    args = [mw.glob(a) for a in (xs, idxs, ws, ids, sc, fl, g_s)]
+    got = {sp: [mw.mine(v) for v in mw.smap(lambda *a, sp=sp: body(*a, split=sp), 7, 4)(*args)]
+           for sp in (False, True)}
+    jaxep.check()
+    o = oracle.ll_dispatch(xs, idxs, ws, num_experts=E, rows=M)
+    slot = o["recv_slot"][mw.ME]
+    ones = [np.where(o["recv_slot"][r] >= 0, 1.0, 0.0).astype(np.float32) for r in range(mw.R)]
+    want = [oracle.carry(sc, slot, topk=K), oracle.carry(ids, slot, topk=K),
+            oracle.carry(fl, slot, topk=K),
+            oracle.combine(g_s, ones, o["send_row"], idxs, num_experts=E, ranks_per_node=G,
+                           wire_dtype=cfg.combine_wire_dtype)[mw.ME]]
+    names = ("s", "ids", "f", "d s")
+    checks = [(f"{'split_' if sp else ''}{n}", g, w) for sp in (False, True)
+              for n, g, w in zip(names, got[sp], want)]
+    if all([mw.compare("extras", n, g, w) for n, g, w in checks]):
+        mw.report("extras", True, f"one-call and split equal the oracle, rows "
+                                  f"{int((slot >= 0).sum())}/{L * M}")
 
 
 def case_decode_loop(cfg, steps=4, seed=21):
@@ -309,7 +355,7 @@ def main() -> int:
     ]
     for name, kw in cases:
         mw.run_case(name, case_backend, name, cfg, **kw)
-    for fn in (case_public, case_decode_loop):
+    for fn in (case_public, case_extras, case_decode_loop):
         mw.run_case(fn.__name__[5:], fn, cfg)
     return _finish()
 

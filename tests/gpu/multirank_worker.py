@@ -277,6 +277,52 @@ def case_grads(cfg, seed=7):
         report("grads", True, f"dtype={cfg.dtype}")
 
 
+def case_extras(cfg, seed=9):
+    """Per-token extras (jaxep.dispatch(..., extras=)): int32, f32 and bf16 leaves of 28 bytes a
+    token in all travel as uint8 byte rows through jaxep_dispatch_rows; each rank's rows hold
+    their tokens' extras (oracle.carry over the oracle's recv_slot, bitwise), and the f32 leaf's
+    gradient is the unweighted fixed-order combine of its rows' cotangents (dispatch's dx)."""
+    T, H, K, E = cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.num_experts
+    C = cfg.capacity(R)
+    xs, idxs, ws = make_inputs(seed, T, H, K, E, jnp.dtype(cfg.dtype), "skewed", bad_frac=0.1)
+    rng = np.random.default_rng(seed + 1)
+    ids = [rng.integers(-9, 1 << 20, (T,)).astype(np.int32) for _ in range(R)]
+    pos = [rng.integers(0, 1 << 30, (T, 3)).astype(np.int32) for _ in range(R)]
+    sc = [rng.standard_normal((T, 2)).astype(np.float32) for _ in range(R)]
+    bf = [rng.standard_normal((T,)).astype(jnp.bfloat16) for _ in range(R)]
+    g_s = [rng.standard_normal((C, 2)).astype(np.float32) for _ in range(R)]
+
+    def body(x, idx, w, i, p, s, b, gs):
+        def fwd(s):
+            res = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, backend=BACKEND,
+                                 extras={"ids": i, "pos": p, "s": s, "b": b})
+            e = res.extras
+            return e["s"], (e["ids"], e["pos"], e["b"])
+        rows_s, vjp, rest = jax.vjp(fwd, s, has_aux=True)
+        (ds,) = vjp(gs)
+        return (rows_s,) + rest + (ds,)
+
+    f = smap(body, 8, 5)
+    res = f(*(glob(a) for a in (xs, idxs, ws, ids, pos, sc, bf, g_s)))
+    jax.block_until_ready(res)
+    jaxep.check()
+    rows_s, rows_i, rows_p, rows_b, ds = (mine(a) for a in res)
+    o = oracle.dispatch(xs, idxs, ws, num_experts=E, capacity=C)
+    slot = o["recv_slot"][ME]
+    ones = [np.where(o["recv_slot"][r] >= 0, 1.0, 0.0).astype(np.float32) for r in range(R)]
+    want_ds = oracle.combine(g_s, ones, o["send_row"], idxs, num_experts=E, ranks_per_node=G,
+                             wire_dtype=cfg.combine_wire_dtype)[ME]
+    ok = all([
+        compare("extras", "ids", rows_i, oracle.carry(ids, slot, topk=K)),
+        compare("extras", "pos", rows_p, oracle.carry(pos, slot, topk=K)),
+        compare("extras", "s", rows_s, oracle.carry(sc, slot, topk=K)),
+        compare("extras", "b", rows_b, oracle.carry(bf, slot, topk=K)),
+        compare("extras", "d s", ds, want_ds),
+    ])
+    if ok:
+        report("extras", True, f"rows={int((slot >= 0).sum())}/{C}")
+
+
 def case_repeat(cfg, iters=4, reps=3, seed=11):
     """Back-to-back calls in one jitted scan, then the same executable `reps` times on different
     data without blocking, ranks arriving late. The host handlers must run for every call (they
@@ -379,7 +425,7 @@ def run_all(args) -> int:
     for name, kw in cases:
         run_case(name, case_ops, name, cfg, **kw)
     case_peer_table()
-    for fn in (case_grads, case_repeat):
+    for fn in (case_grads, case_extras, case_repeat):
         run_case(fn.__name__[5:], fn, cfg)
     passed = sum(ok for _, ok, _ in RESULTS)
     info = jaxep._extension.runtime_info() or {}
