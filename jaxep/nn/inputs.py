@@ -48,8 +48,8 @@ def check_expert_params(expert_params: Any, num_experts: int, taken: tuple[str, 
                              f"layer's own {taken}, got {name!r}")
         shape = getattr(a, "shape", None)
         if shape is None or len(shape) < 1 or shape[0] != num_experts:
-            raise ValueError(f"jaxep.nn.MoE: expert_params[{name!r}] must be an array [E={num_experts}"
-                             f", ...] (one slice per expert), got shape {shape}")
+            raise ValueError(f"jaxep.nn.MoE: expert_params[{name!r}] must be an array "
+                             f"[E={num_experts}, ...] (one slice per expert), got shape {shape}")
     return dict(expert_params)
 
 

@@ -40,6 +40,11 @@ slot_mask=aux["kept"])` reproduces that.
 Decode: `moe(x, decode=True)` is the same layer through jaxep's low-latency mode: dispatch gives
 this rank's rows as x [L, M, H] (fp8 dequantized when the decode config has `fp8_dispatch`), the
 experts run as batched matmuls over the padded rows, and the low-latency combine sums them back.
+
+Any number of tokens: the flattened tokens are padded with zero rows to a multiple of the token
+shards; padding rows get expert id -1 (dispatch masks them) and are dropped from y and from every
+statistic. `moe(x, routing=ids or (ids, weights))` replays given experts; `moe(x, extras=tree)`
+carries per-token arrays to the rows of an expert function (`experts=`); docs/nn.md has each.
 """
 from __future__ import annotations
 
@@ -168,8 +173,10 @@ class MoE(nnx.Module):
     dispatch/combine.
 
     See the module docstring for a worked example and docs/nn.md for each option and the
-    arguments of DeepSeek-V3, Qwen3-MoE, Mixtral and gpt-oss. `__call__(x, *, decode=False)` takes
-    [..., H] and returns `(y, aux)`: y like x (in `dtype`) and a dict of arrays:
+    arguments of DeepSeek-V3, Qwen3-MoE, Mixtral and gpt-oss. `__call__(x, *, decode=False,
+    extras=None, routing=None, return_router_logits=None)` takes [..., H] with any number of
+    tokens (padded to the token shards inside, the padding masked out of everything) and
+    returns `(y, aux)`: y like x (in `dtype`) and a dict of arrays:
       - "load_balancing_loss": f32 scalar, E * sum_e f_e * P_e over all tokens of the call (1.0
         when balanced; scale it yourself, e.g. 1e-2, and add it to the training loss);
       - "router_z_loss": f32 scalar, mean over tokens of logsumexp(router logits)^2 (ST-MoE);
@@ -178,6 +185,8 @@ class MoE(nnx.Module):
         tokens are sharded on the EP axis only), rows dropped for capacity and invalid expert ids;
       - "drop_fraction": f32 scalar, dropped rows / (N * K);
       - "kept" [..., K] bool: which (token, k) pairs reached their expert;
+      - "topk_idx" [..., K] int32 / "topk_weights" [..., K] f32: the experts used and their
+        combine weights; with return_router_logits, "router_logits" [..., E] f32;
       - with `sequence_loss`, "sequence_balancing_loss": f32 scalar, DeepSeek-V3's sequence-wise
         balance loss over the sequences along axis -2 of x [..., S, H] (`load_balancing_loss`
         within each sequence, averaged; scale it, e.g. 1e-4, and add it to the training loss).
@@ -197,10 +206,17 @@ class MoE(nnx.Module):
         group's score is the sum of its 2 highest scores, only the topk_groups best groups'
         experts can be chosen (default topk_groups = num_groups: no limit).
       routed_scaling_factor: multiplies the K weights (after renormalization).
-      router_dtype: dtype of the router matmul (default f32; scores are always f32).
+      router_dtype: dtype of the router matmul (default f32).
+      score_dtype: dtype of the scores, the selection-bias add, the top-k and the weights'
+        arithmetic (default f32; bf16 routes as MaxText does in bf16).
+      return_router_logits: every call adds aux["router_logits"] (a call may override it).
       activation: "silu" (silu(gate) * up, default) | "gpt_oss" (`experts.gpt_oss_glu`) | an
         elementwise callable (gate, up) -> a on f32 arrays.
       expert_bias: biases b_gate, b_up [E,F] and b_down [E,H] on each expert's projections.
+      experts: an expert function fn(params, rows, group_sizes, expert_ids, extras) -> out
+        (protocol in `jaxep.nn.experts`; default `GatedMLP`, the gated MLPs).
+      expert_params: {name: array [E, ...]}: the expert function's own arrays, stored as
+        `nnx.Param`s in `moe.expert_params` sharded over the EP axes, given to it as [L, ...].
       shared_ffn: Fs, the hidden width of shared experts run on every token (None: none); for
         S shared experts of width F each, Fs = S * F.
       shared_gate: a learned [H,1] gate on the shared experts' output, sigmoid(x @ shared_gate)

@@ -137,9 +137,9 @@ class MoEShardingConfig:
             raise ValueError(f"MoEShardingConfig: the hidden dim of tokens must be replicated: "
                              f"expected tokens=P(<token axes>, None), got tokens={self.tokens}")
         if _axes(self.experts[0]) != ep:
-            raise ValueError(f"MoEShardingConfig: experts dim 0 must be the EP axis alone (axis_name, "
-                             f"one axis or a tuple of them): "
-                             f"expected P({_entry(ep)!r}, fsdp, tensor), got {self.experts}")
+            raise ValueError(f"MoEShardingConfig: experts dim 0 must be the EP axis alone "
+                             f"(axis_name, one axis or a tuple of them): expected "
+                             f"P({_entry(ep)!r}, fsdp, tensor), got {self.experts}")
         inner = set(ep) & set(self.fsdp_axes + self.tensor_axes)
         if inner:
             raise ValueError(f"MoEShardingConfig: the EP axes {ep} may shard only dim 0 of "
