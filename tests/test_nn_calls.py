@@ -156,6 +156,11 @@ def test_score_dtype_bf16_routes_as_maxtext():
     np.testing.assert_allclose(np.asarray(aux["topk_weights"]), np.asarray(w, np.float32),
                                rtol=2 ** -7)
     assert moe.score_dtype == jnp.bfloat16
+    f32 = MoE(H, F, E, K, mesh=_mesh(1), rngs=nnx.Rngs(7), score_fn="sigmoid",
+              selection_bias=True, router_dtype=jnp.bfloat16, routed_scaling_factor=2.5)
+    f32.selection_bias[...] = moe.selection_bias[...]
+    _, aux32 = nnx.jit(lambda m, x: m(x))(f32, x)
+    assert np.any(np.asarray(aux32["topk_idx"]) != np.asarray(idx))  # f32 scores route others
 
 
 def test_maxtext_balance_loss_is_topk_times_the_sequence_loss():
@@ -205,3 +210,18 @@ def test_bad_call_arguments():
                      "expert_params names must be str other than the layer's own")]:
         with pytest.raises(ValueError, match=msg):
             MoE(H, F, E, K, mesh=_mesh(2), rngs=nnx.Rngs(0), **kw)
+
+
+def test_padding_on_an_explicit_mesh():
+    """3 tokens on a (data 2, ep 2) Explicit-axes mesh: padded to 4 and sliced back (through
+    replicated copies where the sharding cannot follow); both paths equal the reference."""
+    mesh = jax.make_mesh((2, 2), ("data", "ep"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:4])
+    moe = MoE(H, F, E, K, mesh=mesh, rngs=nnx.Rngs(0))
+    x = _x(11, (3, H))
+    y_ref, _ = moe.reference(x)
+    with jax.set_mesh(mesh):
+        for decode in (False, True):
+            y, aux = nnx.jit(lambda m, x, d=decode: m(x, decode=d))(moe, x)
+            np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-6)
+            assert aux["topk_idx"].shape == (3, K)

@@ -145,6 +145,15 @@ def _reshape(a: Array, shape: tuple[int, ...], mesh: Mesh) -> Array:
         return a.reshape(shape)
 
 
+def _rows(fn: Callable, tree: Any, mesh: Mesh) -> Any:
+    """`fn(tree)` (padding or slicing dim 0); on an Explicit-axes mesh where a sharding cannot
+    follow it, goes through replicated copies (all-gathers) rather than failing."""
+    try:
+        return fn(tree)
+    except Exception:  # jax's ShardingTypeError is not public; a real error recurs below
+        return fn(jax.tree.map(lambda a: jax.reshard(a, NamedSharding(mesh, P())), tree))
+
+
 def _to_host(a: Any) -> Any:
     """A NumPy copy of a (possibly multi-process) array."""
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
@@ -423,20 +432,22 @@ class MoE(nnx.Module):
         shards = math.prod(self.mesh.shape[a] for a in s.token_axes)
         padded = -(-max(n, 1) // shards) * shards  # tokens padded to the token shards
         opt, tok = {}, s.stat_spec()  # the optional shard_map inputs, each [padded, ...]
-        if padded != n:
-            opt["valid"] = jnp.arange(padded) < n
-            xf = pad_rows(xf, padded)
         if extras is not None:
-            opt["extras"] = pad_rows(extras, padded)
+            opt["extras"] = extras
         if given is not None:
-            opt["idx"] = pad_rows(given[0], padded)
+            opt["idx"] = given[0]
             if given[1] is not None:
-                opt["weights"] = pad_rows(given[1], padded)
+                opt["weights"] = given[1]
+        if padded != n:
+            xf, opt = _rows(lambda t: pad_rows(t, padded), (xf, opt), self.mesh)
+            opt["valid"] = jnp.arange(padded) < n
         y, st, group = self._run(xf, opt, decode, logits, shape)
         if padded != n:  # drop the padding's rows of y and of the per-token statistics
-            y = y[:n]
-            st.update({k: v[:n] for k, v in st.items() if k in _PER_TOKEN})
-            st.update({k: v[:n // group] for k, v in st.items() if k in _PER_RUN})
+            heads = dict(y=y, **{k: v for k, v in st.items() if k in _PER_TOKEN + _PER_RUN})
+            heads = _rows(lambda t: {k: v[:n // group if k in _PER_RUN else n]
+                                     for k, v in t.items()}, heads, self.mesh)
+            y = heads.pop("y")
+            st.update(heads)
         return _reshape(y, shape, self.mesh), self._aux(st, n, shape, group)
 
     def _run(self, xf: Array, opt: dict[str, Any], decode: bool, logits: bool,
