@@ -92,6 +92,9 @@ def test_routing_out_and_replayed_in_equals_the_normal_call():
         np.testing.assert_array_equal(np.asarray(aux_ids[k]), np.asarray(aux[k]), err_msg=k)
     y_w, _ = fwd(moe, x, (ids, w))
     np.testing.assert_array_equal(np.asarray(y_w), np.asarray(y))
+    dec = nnx.jit(lambda m, x, r: m(x, routing=r, decode=True))
+    y_dec, _ = nnx.jit(lambda m, x: m(x, decode=True))(moe, x)
+    np.testing.assert_array_equal(np.asarray(dec(moe, x, ids)[0]), np.asarray(y_dec))
 
     def grads(routing):
         def loss(m, x):
@@ -207,7 +210,12 @@ def test_bad_call_arguments():
                     (dict(expert_params={"a": np.zeros((E - 1, 2))}),
                      r"expert_params\['a'\] must be an array \[E=8, \.\.\.\]"),
                     (dict(expert_params={"w_gate": np.zeros((E, 2))}),
-                     "expert_params names must be str other than the layer's own")]:
+                     "expert_params names must be str other than the layer's own"),
+                    (dict(norm_topk_prob=True),
+                     r"unknown option 'norm_topk_prob' \(the layer's name for it is "
+                     r"'renormalize'\): expected one of \['hidden', .*'score_dtype', .*\], got "
+                     r"norm_topk_prob=True"),
+                    (dict(scoring=1), r"unknown option 'scoring': expected one of")]:
         with pytest.raises(ValueError, match=msg):
             MoE(H, F, E, K, mesh=_mesh(2), rngs=nnx.Rngs(0), **kw)
 

@@ -48,6 +48,7 @@ carries per-token arrays to the rows of an expert function (`experts=`); docs/nn
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Callable
 
@@ -113,6 +114,30 @@ def _check_flags(**flags: Any) -> None:
         if not isinstance(v, (bool, np.bool_)):
             raise ValueError(f"jaxep.nn.MoE: {name} must be a bool: expected True or False, "
                              f"got {v!r}")
+
+
+# Names other code bases give the layer's options (Hugging Face configs, MaxText), for the hint of
+# an unknown option's error.
+_FOREIGN_NAMES = dict(norm_topk_prob="renormalize", n_group="num_groups",
+                      topk_group="topk_groups", scoring_func="score_fn",
+                      e_score_correction_bias="selection_bias", routed_bias="selection_bias",
+                      num_experts_per_tok="topk", moe_intermediate_size="ffn",
+                      n_routed_experts="num_experts", hidden_size="hidden",
+                      shared_expert_intermediate_size="shared_ffn")
+
+
+def _check_unknown(unknown: dict[str, Any]) -> None:
+    """ValueError naming the first keyword `MoE` does not take, the options it does take and,
+    for a name other code bases use, the layer's name for it."""
+    if not unknown:
+        return
+    name, value = next(iter(unknown.items()))
+    known = [p for p in inspect.signature(MoE.__init__).parameters
+             if p not in ("self", "unknown")]
+    hint = f" (the layer's name for it is {_FOREIGN_NAMES[name]!r})" \
+        if name in _FOREIGN_NAMES else ""
+    raise ValueError(f"jaxep.nn.MoE: unknown option {name!r}{hint}: expected one of {known}, "
+                     f"got {name}={value!r}")
 
 
 def _check_sizes(**sizes: Any) -> None:
@@ -263,7 +288,8 @@ class MoE(nnx.Module):
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                  kernel_init: Callable = _KERNEL_INIT,
                  router_init: Callable = nnx.initializers.normal(0.02),
-                 bias_init: Callable = nnx.initializers.zeros_init()):
+                 bias_init: Callable = nnx.initializers.zeros_init(), **unknown: Any):
+        _check_unknown(unknown)
         _check_sizes(hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk,
                      shared_ffn=shared_ffn, num_groups=num_groups, topk_groups=topk_groups)
         _check_flags(renormalize=renormalize, router_bias=router_bias,
