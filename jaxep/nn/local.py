@@ -44,14 +44,6 @@ def _route(params: dict[str, Array], x: Array, routing: Routing, given: Any,
                            weights=jnp.where(valid[:, None], routed.weights, 0.0))
 
 
-def _dispatch(x: Array, routed: Routed, extras: Any, **kw: Any):
-    """jaxep.dispatch of the routed tokens, with the extras only when there are some (a call
-    without extras is the plain op)."""
-    if extras is None:
-        return jaxep.dispatch(x, routed.idx, routed.weights, **kw)
-    return jaxep.dispatch(x, routed.idx, routed.weights, extras=extras, **kw)
-
-
 def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: Config,
               axis_name: Any, backend: str | None = None, activation: str | Callable = "silu",
               tensor_axes: tuple[str, ...] = (), stat_group: int = 0,
@@ -90,7 +82,8 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
     act = activation_fn(activation)
     expert_fn = GatedMLP(act, routing.dtype, tensor_axes) if experts is None else experts
     # dispatch -> experts -> combine: rows grouped by local expert, one expert-function call.
-    res = _dispatch(x, routed, extras, axis_name=axis_name, config=config, backend=backend)
+    res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
+                         backend=backend, extras=extras)
     rows = checked_expert_call(expert_fn, params, res.x, res.group_sizes, res.expert,
                                None if extras is None else res.extras)
     y = jaxep.combine(rows, res.handle, axis_name=axis_name, config=config)
@@ -142,7 +135,8 @@ def moe_local_decode(params: dict[str, Array], x: Array, *, routing: Routing, co
     routed = _route(params, x, routing, given, valid)
     act = activation_fn(activation)
     expert_fn = GatedMLP(act, routing.dtype, tensor_axes) if experts is None else experts
-    res = _dispatch(x, routed, extras, axis_name=axis_name, config=config, backend=backend)
+    res = jaxep.dispatch(x, routed.idx, routed.weights, axis_name=axis_name, config=config,
+                         backend=backend, extras=extras)
     rows = res.x if res.scales is None else jaxep.dequantize_fp8(res.x, res.scales, routing.dtype)
     row_extras = None if extras is None else res.extras
     if hasattr(expert_fn, "decode"):

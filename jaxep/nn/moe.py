@@ -456,8 +456,8 @@ class MoE(nnx.Module):
         xf = _reshape(x, (-1, self.hidden), self.mesh).astype(self.dtype)
         n = xf.shape[0]
         shards = math.prod(self.mesh.shape[a] for a in s.token_axes)
-        padded = -(-max(n, 1) // shards) * shards  # tokens padded to the token shards
-        opt, tok = {}, s.stat_spec()  # the optional shard_map inputs, each [padded, ...]
+        padded = -(-n // shards) * shards  # tokens padded to a multiple of the token shards
+        opt = {}  # the optional shard_map inputs, each [padded, ...]
         if extras is not None:
             opt["extras"] = extras
         if given is not None:
