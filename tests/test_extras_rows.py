@@ -350,3 +350,26 @@ def test_tuple_axes_with_initialize_and_their_list_and_one_name_forms():
     from jaxep import runtime  # pylint: disable=g-import-not-at-top
     assert runtime.canonical_axis_name("dispatch", ("ep",)) == "ep"
     assert runtime.canonical_axis_name("dispatch", ["a", "b"]) == ("a", "b")
+
+
+def test_constant_leaves_made_inside_shard_map_carry_and_only_differentiated_ones_get_gradients():
+    """Leaves built inside the shard_map body (unvarying: a jnp constant, a NumPy array) travel
+    like the others; the gradient reaches the differentiated leaf only (every token's K = 2 rows
+    kept: d s[t] = 2 * pos[t] * c[t] = 2t)."""
+    cfg = _cfg()
+    R, T = 4, 4
+    rng = np.random.default_rng(0)
+    xs, ws = harness.inputs(rng, R, T, 8, 2, np.float32)
+    idxs = harness.routing(rng, R, T, 2, 16)
+
+    def loss(s, x, idx, w):
+        def body(s, x, idx, w):
+            ex = {"c": jnp.ones((T,), jnp.int32), "pos": jnp.arange(T, dtype=jnp.float32),
+                  "np": np.full((T, 2), 3, np.float16), "s": s}
+            e = jaxep.dispatch(x, idx, w, axis_name="ep", config=cfg, extras=ex).extras
+            assert e["np"].dtype == jnp.float16
+            return jnp.sum(e["s"] * e["pos"] * e["c"] + (e["np"][:, 0] - 3) ** 2)[None]
+        return jnp.sum(jax.shard_map(body, mesh=harness.mesh(R), in_specs=P("ep"),
+                                     out_specs=P("ep"))(s, x, idx, w))
+    g = jax.jit(jax.grad(loss))(jnp.ones((R * T,)), *(np.concatenate(a) for a in (xs, idxs, ws)))
+    np.testing.assert_array_equal(np.asarray(g), np.tile(2.0 * np.arange(T), R))

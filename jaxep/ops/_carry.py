@@ -167,7 +167,9 @@ def _carry(leaves, route, call, specs, width):
 def _carry_fwd(leaves, route, call, specs, width):
     val = lambda a: a.value  # noqa: E731
     route = jax.tree.map(val, route)
-    return _carry(jax.tree.map(val, leaves), route, call, specs, width), route
+    # Which leaves are differentiated, as the residual's structure (static): () yes, None no.
+    perturbed = tuple(() if a.perturbed else None for a in leaves)
+    return _carry(jax.tree.map(val, leaves), route, call, specs, width), (route, perturbed)
 
 
 def _differentiable(dtype: np.dtype) -> bool:
@@ -182,14 +184,16 @@ def _sum_dtype(s: Leaf) -> np.dtype:
     return own if own in payload else np.dtype(np.float32)
 
 
-def _carry_bwd(call, specs, width, route, cts):
-    """Each floating leaf's cotangent: the unweighted fixed-order combine of its rows'
-    cotangents (dispatch's dx), one combine per summing dtype; None for the others."""
+def _carry_bwd(call, specs, width, res, cts):
+    """Each differentiated floating leaf's cotangent: the unweighted fixed-order combine of its
+    rows' cotangents (dispatch's dx), one combine per summing dtype; None for the others."""
     del width
+    route, perturbed = res
     out = [None] * len(specs)
     groups: dict = {}
     for i, (s, g) in enumerate(zip(specs, cts)):
-        if not _differentiable(s.dtype) or isinstance(g, SymbolicZero) or s.nbytes == 0:
+        if (not _differentiable(s.dtype) or perturbed[i] is None or isinstance(g, SymbolicZero)
+                or s.nbytes == 0):
             continue
         cols = g.reshape(g.shape[0], math.prod(s.shape))
         if jnp.issubdtype(s.dtype, jnp.complexfloating):
