@@ -144,3 +144,25 @@ def test_expert_function_of_the_wrong_shape():
                                          r"shaped like its rows: expected \(\d+, 16\), got "
                                          r"\(\d+, 15\)"):
         moe(_x(0, (4, H)))
+
+
+def test_float_extra_is_differentiable():
+    """A per-token float extra (a scale the expert function applies to its rows' outputs) on 7
+    tokens at EP 2 (padded inside): y = scale * the gated layer's y, and its gradient with
+    respect to the scale is sum_h c * y_gated, as the dense reference gives."""
+    def scaled(params, rows, group_sizes, expert_ids, extras):
+        out = grouped_experts(rows, params, group_sizes, expert_ids, act=silu_glu,
+                              dtype=jnp.float32)
+        return out * extras["scale"][:, None]
+
+    moe = MoE(H, F, E, K, mesh=_mesh(2), rngs=nnx.Rngs(6), experts=scaled)
+    x, c = _x(7, (7, H)), _x(8, (7, H))
+    scale = jnp.asarray(np.random.default_rng(9).uniform(0.5, 2.0, 7), jnp.float32)
+    y_gated, _ = moe.reference(x, extras={"scale": jnp.ones(7)})
+    y, _ = nnx.jit(lambda m, x, s: m(x, extras={"scale": s}))(moe, x, scale)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(scale)[:, None] * np.asarray(y_gated),
+                               rtol=1e-5, atol=1e-6)
+    g = nnx.jit(lambda m, x, s: jax.grad(
+        lambda s: jnp.sum(m(x, extras={"scale": s})[0] * c))(s))(moe, x, scale)
+    np.testing.assert_allclose(np.asarray(g), np.sum(np.asarray(c) * np.asarray(y_gated), -1),
+                               rtol=1e-4, atol=1e-5)

@@ -80,7 +80,8 @@ def check_given_routing(routing: Any, token_shape: tuple[int, ...], topk: int,
                         num_experts: int) -> tuple[Array, Array | None]:
     """`routing` (ids, or (ids, weights or None)) as (ids [N,K] int32, weights [N,K] f32 or None).
     ids must be an integer array [..., K] over x's tokens (in [0, E) where its values are known
-    at trace time; traced ids outside it are masked and counted in aux["invalid_ids"]); weights a
+    at trace time; traced ids outside it are masked, those outside [-1, E) also counted in
+    aux["invalid_ids"]); weights a
     floating array of the same shape."""
     ids, weights = routing if isinstance(routing, (tuple, list)) else (routing, None)
     if isinstance(routing, (tuple, list)) and len(routing) != 2:
