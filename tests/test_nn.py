@@ -166,8 +166,6 @@ def test_errors():
     moe = _layer(2)
     with pytest.raises(ValueError, match=r"x must be \[\.\.\., 16\]"):
         moe(jnp.zeros((4, H + 1)))
-    with pytest.raises(ValueError, match="divisible by the 2 token shards"):
-        moe(jnp.zeros((3, H)))
 
 
 def test_multirank_layer_worker_on_cpu():

@@ -119,3 +119,69 @@ def test_shardings_the_layer_cannot_honour():
                                          "mesh"):
         MoE(H, F, E, K, mesh=mesh, sharding=MoEShardingConfig(experts=P("ep", "fsdp", None)),
             rngs=nnx.Rngs(0))
+
+
+def _grads(moe, x, c, **kw):
+    def loss(m, x):
+        y, aux = m(x, **kw)
+        return jnp.sum(y * c) + 0.1 * aux["load_balancing_loss"] + 0.01 * aux["router_z_loss"], y
+    return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(moe, x)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_ep_over_a_tuple_of_axes_is_bitwise_one_axis(decode):
+    """axis_name=("context", "expert") on a (context 2, expert 2) mesh of devices 0-3: expert
+    weights and tokens over the tuple, EP size 4; forward, losses and every gradient bitwise those
+    of the same layer on a 4-device "ep" axis (reference backend). A data axis besides shards
+    the tokens too (default tokens)."""
+    devs = np.asarray(jax.devices()[:8])
+    one = jax.make_mesh((2, 4), ("data", "ep"), axis_types=(AxisType.Auto,) * 2, devices=devs)
+    two = jax.sharding.Mesh(devs.reshape(2, 2, 2), ("data", "context", "expert"),
+                            axis_types=(AxisType.Auto,) * 3)
+    tup = MoEShardingConfig(axis_name=("context", "expert"))
+    a = MoE(H, F, E, K, mesh=one, rngs=nnx.Rngs(0), **KW)
+    b = MoE(H, F, E, K, mesh=two, sharding=tup, rngs=nnx.Rngs(0), **KW)
+    assert b.ep_size == 4 and b.sharding.tokens == P(("data", "context", "expert"), None)
+    assert b.w_gate[...].addressable_shards[0].data.shape == (E // 4, H, F)
+    x, c = _x(4), _x(5)
+    (la, ya), (ga, gxa) = _grads(a, x, c, decode=decode)
+    (lb, yb), (gb, gxb) = _grads(b, x, c, decode=decode)
+    np.testing.assert_array_equal(np.asarray(yb), np.asarray(ya))
+    assert float(la) == float(lb)
+    np.testing.assert_array_equal(np.asarray(gxb), np.asarray(gxa))
+    for k in a.params_dict():
+        np.testing.assert_array_equal(np.asarray(gb[k][...]), np.asarray(ga[k][...]), err_msg=k)
+
+
+def test_default_tokens_use_every_axis_but_tensor_and_replication_warns_once(recwarn):
+    """Default tokens on a (data, ep, tensor) mesh with F on "tensor": P(("data", "ep")), no
+    warning. tokens=P("ep") replicates them over "data": one warning per config and mesh (a
+    second layer of the same config is silent); the results are the same either way."""
+    mesh = _mesh3()
+    tp = MoEShardingConfig(experts=P("ep", None, "tensor"))
+    moe = _layer(mesh, tp)
+    assert moe.sharding.tokens == P(("data", "ep"), None) and not recwarn.list
+    ep_only = MoEShardingConfig(tokens=P("ep"), experts=P("ep", None, "tensor"))
+    with pytest.warns(UserWarning, match=r"replicates the tokens over mesh axes \['data'\]"):
+        wasteful = _layer(mesh, ep_only)
+    recwarn.clear()
+    _layer(mesh, ep_only)
+    assert not [w for w in recwarn.list if "replicates the tokens" in str(w.message)]
+    x = _x(6)
+    y, _ = nnx.jit(lambda m, x: m(x))(moe, x)
+    y2, _ = nnx.jit(lambda m, x: m(x))(wasteful, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y2), rtol=1e-6, atol=1e-6)
+    full = _layer(mesh)  # no tensor axis: tokens over all three axes
+    assert full.sharding.tokens == P(("data", "ep", "tensor"), None)
+
+
+def test_tuple_axis_errors():
+    mesh = _mesh3()
+    with pytest.raises(TypeError, match="axis_name must be a non-empty str or a non-empty tuple"):
+        MoEShardingConfig(axis_name=("ep", "ep"))
+    with pytest.raises(ValueError, match=r"mesh axis 'expert' of the sharding config is not in "
+                                         r"the mesh"):
+        MoE(H, F, E, K, mesh=mesh, sharding=MoEShardingConfig(axis_name=("ep", "expert")),
+            rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"tokens dim 0 must include the EP axes \('data', 'ep'\)"):
+        MoEShardingConfig(axis_name=("data", "ep"), tokens=P("ep"))

@@ -111,3 +111,72 @@ def shared_mlp(x: Array, p: dict[str, Array], *, act: Callable, dtype: Any,
     if "shared_gate" in p:
         out = out * jax.nn.sigmoid(mm(x, p["shared_gate"]))
     return out.astype(dtype)
+
+
+# The expert-function protocol. The layer's routed experts are one function
+#
+#     fn(params, rows, group_sizes, expert_ids, extras) -> out
+#
+# called on each rank inside the layer's shard_map, with
+#   params       the layer's arrays on this rank (`moe_local`'s params: "w_gate" [L,H,F'], ...,
+#                and each of the layer's `expert_params` as [L, ...]);
+#   rows         [C,H] in the compute dtype: the rows this rank received, grouped by local expert
+#                ascending (jaxep.dispatch's `res.x`);
+#   group_sizes  [L] int32: rows of each local expert (rows past their sum are padding);
+#   expert_ids   [C] int32: each row's local expert in [0, L), -1 on padding rows;
+#   extras       the per-token extras of the call carried to their rows (`res.extras`, leaves
+#                [C, ...]), or None when the call has none;
+# returning out [C,H] (cast to the compute dtype); what it returns on padding rows is never read.
+# With tensor axes (F split over them) it must sum its down projection's partials over them.
+# In decode (low-latency) mode the rows arrive as [L,M,H]: a function with a `decode` attribute
+# gets `fn.decode(params, rows [L,M,H], counts [L], extras (leaves [L,M,...]) or None)` -> [L,M,H];
+# any other function gets the flattened rows (`call_decode_flat`).
+
+
+class GatedMLP:
+    """The default expert function: each expert's gated MLP (`grouped_experts`), with its
+    low-latency form (`decode`: `batched_experts`). Ignores extras."""
+
+    def __init__(self, act: Callable, dtype: Any, tensor_axes: Sequence[str] = ()):
+        self.act, self.dtype, self.tensor_axes = act, dtype, tuple(tensor_axes)
+
+    def __call__(self, params, rows, group_sizes, expert_ids, extras=None):
+        return grouped_experts(rows, params, group_sizes, expert_ids, act=self.act,
+                               dtype=self.dtype, tensor_axes=self.tensor_axes)
+
+    def decode(self, params, rows, counts, extras=None):
+        return batched_experts(rows, params, counts, act=self.act, dtype=self.dtype,
+                               tensor_axes=self.tensor_axes)
+
+
+def call_decode_flat(fn: Callable, params: dict[str, Array], rows: Array, counts: Array,
+                     extras: Any) -> Array:
+    """An expert function without `decode` on low-latency rows [L,M,H]: called once on the L*M
+    rows flattened expert-major, group_sizes = [M] * L, expert_ids = l on expert l's first
+    counts[l] rows and -1 on the rest (padding; the combine never reads them); extras' leaves
+    [L,M,...] flattened alike. Returns [L,M,H]."""
+    num_local, m, h = rows.shape
+    live = jnp.arange(m, dtype=jnp.int32)[None, :] < counts[:, None]
+    ids = jnp.where(live, jnp.arange(num_local, dtype=jnp.int32)[:, None], -1).reshape(-1)
+    flat = jax.tree.map(lambda a: a.reshape((num_local * m,) + a.shape[2:]), extras)
+    sizes = jnp.full((num_local,), m, jnp.int32)
+    out = checked_expert_call(fn, params, rows.reshape(num_local * m, h), sizes, ids, flat)
+    return out.reshape(num_local, m, h)
+
+
+def checked_expert_call(fn: Callable, params: dict[str, Array], rows: Array, group_sizes: Array,
+                        expert_ids: Array, extras: Any) -> Array:
+    """fn(params, rows, group_sizes, expert_ids, extras), ValueError unless it returns an array
+    shaped like rows; cast to rows' dtype."""
+    out = fn(params, rows, group_sizes, expert_ids, extras)
+    return check_expert_out(out, rows.shape, "experts").astype(rows.dtype)
+
+
+def check_expert_out(out: Any, shape: tuple[int, ...], name: str) -> Array:
+    """`out` if it is an array of `shape`; ValueError naming the expert function otherwise."""
+    got = getattr(out, "shape", None)
+    if got is None or tuple(got) != tuple(shape):
+        raise ValueError(f"jaxep.nn.MoE: the expert function ({name}=) must return an array "
+                         f"shaped like its rows: expected {tuple(shape)}, got "
+                         f"{got if got is not None else type(out).__name__}")
+    return out

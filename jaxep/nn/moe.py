@@ -44,9 +44,15 @@ slot_mask=aux["kept"])` reproduces that.
 Decode: `moe(x, decode=True)` is the same layer through jaxep's low-latency mode: dispatch gives
 this rank's rows as x [L, M, H] (fp8 dequantized when the decode config has `fp8_dispatch`), the
 experts run as batched matmuls over the padded rows, and the low-latency combine sums them back.
+
+Any number of tokens: the flattened tokens are padded with zero rows to a multiple of the token
+shards; padding rows get expert id -1 (dispatch masks them) and are dropped from y and from every
+statistic. `moe(x, routing=ids or (ids, weights))` replays given experts; `moe(x, extras=tree)`
+carries per-token arrays to the rows of an expert function (`experts=`); docs/nn.md has each.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Callable
 
@@ -58,6 +64,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxep import Config
 from jaxep.nn.experts import activation_fn
+from jaxep.nn.inputs import (check_expert_params, check_experts, check_extras,
+                             check_given_routing, check_score_dtype, pad_rows)
 from jaxep.nn.local import moe_local, moe_local_decode
 from jaxep.nn.reference import moe_reference
 from jaxep.nn.routing import (Routing, check_routing, load_balancing_loss, router_z_loss,
@@ -112,6 +120,30 @@ def _check_flags(**flags: Any) -> None:
                              f"got {v!r}")
 
 
+# Names other code bases give the layer's options (Hugging Face configs, MaxText), for the hint of
+# an unknown option's error.
+_FOREIGN_NAMES = dict(norm_topk_prob="renormalize", n_group="num_groups",
+                      topk_group="topk_groups", scoring_func="score_fn",
+                      e_score_correction_bias="selection_bias", routed_bias="selection_bias",
+                      num_experts_per_tok="topk", moe_intermediate_size="ffn",
+                      n_routed_experts="num_experts", hidden_size="hidden",
+                      shared_expert_intermediate_size="shared_ffn")
+
+
+def _check_unknown(unknown: dict[str, Any]) -> None:
+    """ValueError naming the first keyword `MoE` does not take, the options it does take and,
+    for a name other code bases use, the layer's name for it."""
+    if not unknown:
+        return
+    name, value = next(iter(unknown.items()))
+    known = [p for p in inspect.signature(MoE.__init__).parameters
+             if p not in ("self", "unknown")]
+    hint = f" (the layer's name for it is {_FOREIGN_NAMES[name]!r})" \
+        if name in _FOREIGN_NAMES else ""
+    raise ValueError(f"jaxep.nn.MoE: unknown option {name!r}{hint}: expected one of {known}, "
+                     f"got {name}={value!r}")
+
+
 def _check_sizes(**sizes: Any) -> None:
     """ValueError unless each size is a positive int (None: absent, allowed)."""
     for name, v in sizes.items():
@@ -135,7 +167,9 @@ def _to_spec(tree: Any, mesh: Mesh, specs: Any) -> Any:
     itself)."""
     if all(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         return tree
-    return jax.tree.map(lambda a, sp: jax.reshard(a, NamedSharding(mesh, sp)), tree, specs)
+    return jax.tree.map(
+        lambda sp, sub: jax.tree.map(lambda a: jax.reshard(a, NamedSharding(mesh, sp)), sub),
+        specs, tree, is_leaf=lambda v: isinstance(v, P))
 
 
 def _reshape(a: Array, shape: tuple[int, ...], mesh: Mesh) -> Array:
@@ -148,6 +182,15 @@ def _reshape(a: Array, shape: tuple[int, ...], mesh: Mesh) -> Array:
         return a.reshape(shape)
 
 
+def _rows(fn: Callable, tree: Any, mesh: Mesh) -> Any:
+    """`fn(tree)` (padding or slicing dim 0); on an Explicit-axes mesh where a sharding cannot
+    follow it, goes through replicated copies (all-gathers) rather than failing."""
+    try:
+        return fn(tree)
+    except Exception:  # jax's ShardingTypeError is not public; a real error recurs below
+        return fn(jax.tree.map(lambda a: jax.reshard(a, NamedSharding(mesh, P())), tree))
+
+
 def _to_host(a: Any) -> Any:
     """A NumPy copy of a (possibly multi-process) array."""
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
@@ -156,16 +199,18 @@ def _to_host(a: Any) -> Any:
     return np.asarray(jax.device_get(a))
 
 
-def _default_mesh(axis_name: str) -> Mesh:
+def _default_mesh(ep_axes: tuple[str, ...]) -> Mesh:
     """The context mesh (`jax.set_mesh`) if one is set, else a 1-device mesh (EP size 1)."""
     ctx = jax.sharding.get_mesh()
     if isinstance(ctx, Mesh) and not ctx.empty:
         return ctx
-    return Mesh(jax.devices()[:1], (axis_name,))
+    return Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(ep_axes)), ep_axes)
 
 
 
 
+_PER_TOKEN = ("kept", "topk_idx", "topk_weights", "router_logits")  # statistics [N, ...]
+_PER_RUN = ("token_slots", "token_probs")  # statistics [N / g, E], summed over runs of g tokens
 _KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
 
 
@@ -174,8 +219,10 @@ class MoE(nnx.Module):
     dispatch/combine.
 
     See the module docstring for a worked example and docs/nn.md for each option and the
-    arguments of DeepSeek-V3, Qwen3-MoE, Mixtral and gpt-oss. `__call__(x, *, decode=False)` takes
-    [..., H] and returns `(y, aux)`: y like x (in `dtype`) and a dict of arrays:
+    arguments of DeepSeek-V3, Qwen3-MoE, Mixtral and gpt-oss. `__call__(x, *, decode=False,
+    extras=None, routing=None, return_router_logits=None)` takes [..., H] with any number of
+    tokens (padded to the token shards inside, the padding masked out of everything) and
+    returns `(y, aux)`: y like x (in `dtype`) and a dict of arrays:
       - "load_balancing_loss": f32 scalar, E * sum_e f_e * P_e over all tokens of the call (1.0
         when balanced; scale it yourself, e.g. 1e-2, and add it to the training loss);
       - "router_z_loss": f32 scalar, mean over tokens of logsumexp(router logits)^2 (ST-MoE);
@@ -188,6 +235,8 @@ class MoE(nnx.Module):
       - "max_recv_rows" [S] int32 (not with decode=True): the most rows any rank of the shard's
         EP group was sent (rounds = ceil(max_recv_rows / C) when dropless);
       - "kept" [..., K] bool: which (token, k) pairs reached their expert;
+      - "topk_idx" [..., K] int32 / "topk_weights" [..., K] f32: the experts used and their
+        combine weights; with return_router_logits, "router_logits" [..., E] f32;
       - with `sequence_loss`, "sequence_balancing_loss": f32 scalar, DeepSeek-V3's sequence-wise
         balance loss over the sequences along axis -2 of x [..., S, H] (`load_balancing_loss`
         within each sequence, averaged; scale it, e.g. 1e-4, and add it to the training loss).
@@ -207,10 +256,17 @@ class MoE(nnx.Module):
         group's score is the sum of its 2 highest scores, only the topk_groups best groups'
         experts can be chosen (default topk_groups = num_groups: no limit).
       routed_scaling_factor: multiplies the K weights (after renormalization).
-      router_dtype: dtype of the router matmul (default f32; scores are always f32).
+      router_dtype: dtype of the router matmul (default f32).
+      score_dtype: dtype of the scores, the selection-bias add, the top-k and the weights'
+        arithmetic (default f32; bf16 routes as MaxText does in bf16).
+      return_router_logits: every call adds aux["router_logits"] (a call may override it).
       activation: "silu" (silu(gate) * up, default) | "gpt_oss" (`experts.gpt_oss_glu`) | an
         elementwise callable (gate, up) -> a on f32 arrays.
       expert_bias: biases b_gate, b_up [E,F] and b_down [E,H] on each expert's projections.
+      experts: an expert function fn(params, rows, group_sizes, expert_ids, extras) -> out
+        (protocol in `jaxep.nn.experts`; default `GatedMLP`, the gated MLPs).
+      expert_params: {name: array [E, ...]}: the expert function's own arrays, stored as
+        `nnx.Param`s in `moe.expert_params` sharded over the EP axes, given to it as [L, ...].
       shared_ffn: Fs, the hidden width of shared experts run on every token (None: none); for
         S shared experts of width F each, Fs = S * F.
       shared_gate: a learned [H,1] gate on the shared experts' output, sigmoid(x @ shared_gate)
@@ -241,7 +297,9 @@ class MoE(nnx.Module):
                  score_fn: str = "softmax", renormalize: bool = True, router_bias: bool = False,
                  selection_bias: bool = False, num_groups: int = 1, topk_groups: int | None = None,
                  routed_scaling_factor: float = 1.0, router_dtype: Any = jnp.float32,
+                 score_dtype: Any = jnp.float32, return_router_logits: bool = False,
                  activation: str | Callable = "silu", expert_bias: bool = False,
+                 experts: Callable | None = None, expert_params: dict[str, Any] | None = None,
                  shared_ffn: int | None = None, shared_gate: bool = False,
                  sequence_loss: bool = False, capacity_factor: float | None = None,
                  recv_capacity: int | None = None, recv_budget_factor: float = 2.0,
@@ -251,12 +309,17 @@ class MoE(nnx.Module):
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                  kernel_init: Callable = _KERNEL_INIT,
                  router_init: Callable = nnx.initializers.normal(0.02),
-                 bias_init: Callable = nnx.initializers.zeros_init()):
+                 bias_init: Callable = nnx.initializers.zeros_init(), **unknown: Any):
+        _check_unknown(unknown)
         _check_sizes(hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk,
                      shared_ffn=shared_ffn, num_groups=num_groups, topk_groups=topk_groups)
         _check_flags(renormalize=renormalize, router_bias=router_bias,
                      selection_bias=selection_bias, expert_bias=expert_bias,
-                     shared_gate=shared_gate, sequence_loss=sequence_loss)
+                     shared_gate=shared_gate, sequence_loss=sequence_loss,
+                     return_router_logits=return_router_logits)
+        score_dtype = check_score_dtype(score_dtype)
+        check_experts(experts)
+        expert_params = check_expert_params(expert_params, num_experts, PARAM_NAMES)
         topk_groups = num_groups if topk_groups is None else topk_groups
         if shared_gate and shared_ffn is None:
             raise ValueError("jaxep.nn.MoE: shared_gate gates the shared experts' output: it "
@@ -265,11 +328,12 @@ class MoE(nnx.Module):
         activation_fn(activation)
         if not isinstance(sharding, MoEShardingConfig):
             raise TypeError(f"jaxep.nn.MoE: sharding must be a MoEShardingConfig, got {sharding!r}")
-        self.mesh = mesh if mesh is not None else _default_mesh(sharding.axis_name)
+        self.mesh = mesh if mesh is not None else _default_mesh(sharding.ep_axes)
         sharding.check_mesh(dict(self.mesh.shape), dict(
             hidden=hidden, ffn=ffn, num_experts=num_experts,
             **({} if shared_ffn is None else dict(shared_ffn=shared_ffn))))
-        self.ep_size = self.mesh.shape[sharding.axis_name]
+        sharding = sharding.for_mesh(dict(self.mesh.shape))
+        self.ep_size = sharding.ep_size(dict(self.mesh.shape))
         if config is None:  # validates E, K, H and divisibility now rather than at the first call
             Config(num_experts, topk, hidden, 1, capacity_factor=capacity_factor,
                    recv_capacity=recv_capacity).local_experts(self.ep_size)
@@ -283,14 +347,22 @@ class MoE(nnx.Module):
         self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
         self.shared_ffn, self.activation, self.sharding = shared_ffn, activation, sharding
         self.sequence_loss = bool(sequence_loss)
+        self.return_router_logits, self.experts = bool(return_router_logits), experts
         self.routing = Routing(num_experts, topk, score_fn, renormalize, dtype, num_groups,
-                               topk_groups, float(routed_scaling_factor), router_dtype)
+                               topk_groups, float(routed_scaling_factor), router_dtype,
+                               score_dtype)
         self.capacity_factor, self.recv_capacity = capacity_factor, recv_capacity
         self.recv_budget_factor = recv_budget_factor
         self.max_tokens_per_rank, self.backend = max_tokens_per_rank, backend
         self.dtype, self.param_dtype = dtype, param_dtype
         self._make_params(rngs, router_bias, selection_bias, expert_bias, shared_gate,
                           kernel_init, router_init, bias_init)
+        self.expert_params = nnx.Dict({
+            name: nnx.Param(jnp.asarray(a, param_dtype if jnp.issubdtype(jnp.asarray(a).dtype,
+                                                                         jnp.floating)
+                                        else jnp.asarray(a).dtype),
+                            out_sharding=sharding.expert_param_spec(jnp.ndim(a)), mesh=self.mesh)
+            for name, a in expert_params.items()})
 
     def _make_params(self, rngs, router_bias, selection_bias, expert_bias, shared_gate,
                      kernel_init, router_init, bias_init) -> None:
@@ -337,11 +409,15 @@ class MoE(nnx.Module):
     topk_groups = property(lambda self: self.routing.topk_groups)
     routed_scaling_factor = property(lambda self: self.routing.routed_scaling_factor)
     router_dtype = property(lambda self: self.routing.router_dtype)
+    score_dtype = property(lambda self: self.routing.score_dtype)
 
     def params_dict(self) -> dict[str, Array]:
-        """The layer's arrays under `PARAM_NAMES` (those this layer has)."""
-        return {name: getattr(self, name)[...] for name in PARAM_NAMES
-                if getattr(self, name, None) is not None}
+        """The layer's arrays under `PARAM_NAMES` (those this layer has) and its
+        `expert_params` under their names."""
+        out = {name: getattr(self, name)[...] for name in PARAM_NAMES
+               if getattr(self, name, None) is not None}
+        out.update({name: v[...] for name, v in self.expert_params.items()})
+        return out
 
     def update_selection_bias(self, expert_counts: Array, rate: float = 1e-3) -> None:
         """selection_bias += rate * sign(mean(counts) - counts) (DeepSeek-V3's balancing update,
@@ -386,7 +462,8 @@ class MoE(nnx.Module):
         device, and this keeps a one-device program free of collectives."""
         params = self.params_dict()
         all_specs = self.sharding.compute_specs()
-        specs = {k: all_specs[k] for k in params}
+        specs = {k: all_specs[k] if k in all_specs else self.sharding.expert_param_spec(1)
+                 for k in params}
         if self.mesh.size != 1:
             return params, specs, lambda p: p
         wrapped = [k for k, sp in specs.items() if all(e is None for e in sp)]
@@ -394,21 +471,57 @@ class MoE(nnx.Module):
             params[k], specs[k] = params[k][None], P(self.sharding.token_axes)
         return params, specs, lambda p: dict(p, **{k: p[k][0] for k in wrapped})
 
-    def __call__(self, x: Array, *, decode: bool = False) -> tuple[Array, dict[str, Array]]:
+    def __call__(self, x: Array, *, decode: bool = False, extras: Any = None,
+                 routing: Any = None,
+                 return_router_logits: bool | None = None) -> tuple[Array, dict[str, Array]]:
         """The layer on x [..., H]: `(y, aux)` (see the class docstring). decode=True: the
-        low-latency path (`decode_config`, `decode_backend`), same math as the normal path."""
+        low-latency path (`decode_config`, `decode_backend`), same math as the normal path.
+        extras: per-token extras for the expert function (a pytree of arrays [..., *] whose
+        leading dims are x's token dims x.shape[:-1]). routing: given experts, ids [..., K] int or
+        (ids, weights [..., K]) (weights None or absent: the router's scores at the ids).
+        return_router_logits: add aux["router_logits"] [..., E] (default: the constructor's)."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"jaxep.nn.MoE: x must be [..., {self.hidden}], got shape {x.shape}")
         if self.sequence_loss and x.ndim < 2:
             raise ValueError(f"jaxep.nn.MoE: sequence_loss needs x with a sequence axis, [..., S, "
                              f"{self.hidden}], got shape {x.shape}")
+        logits = self.return_router_logits if return_router_logits is None \
+            else return_router_logits
+        _check_flags(return_router_logits=logits)
         shape, s = x.shape, self.sharding
+        extras = check_extras(extras, shape[:-1])
+        given = None if routing is None else check_given_routing(
+            routing, shape[:-1], self.topk, self.num_experts)
         xf = _reshape(x, (-1, self.hidden), self.mesh).astype(self.dtype)
         n = xf.shape[0]
         shards = math.prod(self.mesh.shape[a] for a in s.token_axes)
-        if n % shards:
-            raise ValueError(f"jaxep.nn.MoE: the number of tokens must be divisible by the "
-                             f"{shards} token shards of the mesh, got {n} tokens (x shape {shape})")
+        padded = -(-n // shards) * shards  # tokens padded to a multiple of the token shards
+        opt = {}  # the optional shard_map inputs, each [padded, ...]
+        if extras is not None:
+            opt["extras"] = extras
+        if given is not None:
+            opt["idx"] = given[0]
+            if given[1] is not None:
+                opt["weights"] = given[1]
+        if padded != n:
+            xf, opt = _rows(lambda t: pad_rows(t, padded), (xf, opt), self.mesh)
+            opt["valid"] = jnp.arange(padded) < n
+        y, st, group = self._run(xf, opt, decode, logits, shape)
+        if padded != n:  # drop the padding's rows of y and of the per-token statistics
+            heads = dict(y=y, **{k: v for k, v in st.items() if k in _PER_TOKEN + _PER_RUN})
+            heads = _rows(lambda t: {k: v[:n // group if k in _PER_RUN else n]
+                                     for k, v in t.items()}, heads, self.mesh)
+            y = heads.pop("y")
+            st.update(heads)
+        return _reshape(y, shape, self.mesh), self._aux(st, n, shape, group)
+
+    def _run(self, xf: Array, opt: dict[str, Any], decode: bool, logits: bool,
+             shape: tuple[int, ...]) -> tuple[Array, dict[str, Array], int]:
+        """The layer's shard_map on the padded tokens xf [N', H] and the optional inputs `opt`
+        ("valid", "extras", "idx", "weights"): y [N', H], the statistics (per shard, per token
+        (`_PER_TOKEN`) or per run of g tokens (`_PER_RUN`)) and g (0: no sequence loss)."""
+        s, n = self.sharding, xf.shape[0]
+        shards = math.prod(self.mesh.shape[a] for a in s.token_axes)
         if decode:
             config, backend, fn = self.decode_ep_config(n // shards), self.decode_backend, \
                 moe_local_decode
@@ -421,35 +534,47 @@ class MoE(nnx.Module):
         # divides both the sequence length and a shard's tokens, so no run crosses a sequence.
         group = math.gcd(shape[-2], n // shards) if self.sequence_loss else 0
 
-        def local(p, xs):
-            return fn(unwrap(p), xs, routing=self.routing, config=config, axis_name=s.axis_name,
-                      backend=backend, activation=self.activation, tensor_axes=s.tensor_axes,
-                      stat_group=group, **more)
+        def local(p, xs, o):
+            given = None if "idx" not in o else (o["idx"], o.get("weights"))
+            return fn(unwrap(p), xs, routing=self.routing, config=config,
+                      axis_name=s.axis_name, backend=backend, activation=self.activation,
+                      tensor_axes=s.tensor_axes, stat_group=group, experts=self.experts,
+                      extras=o.get("extras"), valid=o.get("valid"), given=given,
+                      with_logits=logits, **more)
 
         st_spec = s.stat_spec()
         stat_spec = dict(expert_counts=st_spec, prob_sum=st_spec, z_sum=st_spec,
-                         dropped_rows=st_spec, invalid_ids=st_spec, rounds=st_spec, kept=s.tokens,
+                         dropped_rows=st_spec, invalid_ids=st_spec, rounds=st_spec, kept=st_spec,
+                         topk_idx=st_spec, topk_weights=st_spec,
                          **({} if decode else dict(max_recv_rows=st_spec)))
+        if logits:
+            stat_spec["router_logits"] = st_spec
         if self.sequence_loss:
-            stat_spec.update(token_slots=s.tokens, token_probs=s.tokens)
-        args = _to_spec((params, xf), self.mesh, (pspec, s.tokens))
-        y, st = jax.shard_map(local, mesh=self.mesh, in_specs=(pspec, s.tokens),
+            stat_spec.update(token_slots=st_spec, token_probs=st_spec)
+        ospec = {k: st_spec for k in opt}
+        args = _to_spec((params, xf, opt), self.mesh, (pspec, s.tokens, ospec))
+        y, st = jax.shard_map(local, mesh=self.mesh, in_specs=(pspec, s.tokens, ospec),
                               out_specs=(s.tokens, stat_spec))(*args)
-        return _reshape(y, shape, self.mesh), self._aux(st, n, shape, group)
+        return y, st, group
 
     def _aux(self, st: dict[str, Array], n: int, shape: tuple[int, ...],
              group: int) -> dict[str, Array]:
-        """The call's aux from the per-shard statistics (class docstring); `group`: the run of
-        tokens the sequence-wise statistics are summed over (0: none)."""
+        """The call's aux from the statistics of its n real tokens (class docstring); `group`:
+        the run of tokens the sequence-wise statistics are summed over (0: none)."""
+        k = self.topk
         counts = jnp.sum(st["expert_counts"], axis=0)
-        lb = load_balancing_loss(counts, jnp.sum(st["prob_sum"], axis=0), n, self.topk)
+        lb = load_balancing_loss(counts, jnp.sum(st["prob_sum"], axis=0), n, k)
+        per_token = lambda a, last: _reshape(a, shape[:-1] + (last,), self.mesh)  # noqa: E731
         aux = dict(load_balancing_loss=lb, router_z_loss=router_z_loss(jnp.sum(st["z_sum"]), n),
                    expert_counts=counts, dropped_rows=st["dropped_rows"],
                    invalid_ids=st["invalid_ids"], rounds=st["rounds"],
-                   drop_fraction=jnp.sum(st["dropped_rows"]) / (n * self.topk),
-                   kept=_reshape(st["kept"], shape[:-1] + (self.topk,), self.mesh))
+                   drop_fraction=jnp.sum(st["dropped_rows"]) / (n * k),
+                   kept=per_token(st["kept"], k), topk_idx=per_token(st["topk_idx"], k),
+                   topk_weights=per_token(st["topk_weights"], k))
         if "max_recv_rows" in st:
             aux["max_recv_rows"] = st["max_recv_rows"]
+        if "router_logits" in st:
+            aux["router_logits"] = per_token(st["router_logits"], self.num_experts)
         if group:  # [n / g, E] run sums -> [sequences, S / g, E]: the loss sums over axis -2
             runs = (n // shape[-2], shape[-2] // group, self.num_experts)
             aux["sequence_balancing_loss"] = sequence_balancing_loss(
@@ -457,16 +582,22 @@ class MoE(nnx.Module):
                 _reshape(st["token_probs"], runs, self.mesh), self.topk, shape[-2])
         return aux
 
-    def reference(self, x: Array, slot_mask: Array | None = None) -> tuple[Array, dict[str, Array]]:
-        """The dense single-device computation of this layer (`moe_reference`, every option), on
-        host copies of the parameters and of x (call it outside `jit`)."""
+    def reference(self, x: Array, slot_mask: Array | None = None, *, routing: Any = None,
+                  extras: Any = None) -> tuple[Array, dict[str, Array]]:
+        """The dense single-device computation of this layer (`moe_reference`, every option, the
+        expert function included), on host copies of the parameters and of x (call it outside
+        `jit`); `routing` and `extras` as in `__call__`."""
         params = jax.tree.map(_to_host, self.params_dict())
         x = _to_host(x)
         if slot_mask is not None:
             slot_mask = _to_host(slot_mask).reshape(-1, self.topk)
+        routing = None if routing is None else jax.tree.map(_to_host, routing)
+        extras = None if extras is None else jax.tree.map(_to_host, extras)
         r = self.routing
         return moe_reference(params, x, topk=self.topk, score_fn=r.score_fn,
                              renormalize=r.renormalize, dtype=self.dtype, slot_mask=slot_mask,
                              num_groups=r.num_groups, topk_groups=r.topk_groups,
                              routed_scaling_factor=r.routed_scaling_factor,
-                             router_dtype=r.router_dtype, activation=self.activation)
+                             router_dtype=r.router_dtype, activation=self.activation,
+                             score_dtype=r.score_dtype, routing=routing, experts=self.experts,
+                             extras=extras)

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxep.nn.experts import activation_fn
-from jaxep.nn.routing import (Routing, load_balancing_loss, route_full, router_z_loss,
-                              routing_stats, sequence_balancing_loss, token_slots)
+from jaxep.nn.inputs import check_extras
+from jaxep.nn.routing import (Routing, load_balancing_loss, route_full, route_given,
+                              router_z_loss, routing_stats, sequence_balancing_loss, token_slots)
 
 Array = jax.Array
 
@@ -43,12 +44,27 @@ def _dense_shared(x: Array, params: dict[str, Array], act: Callable, dtype: Any)
     return out.astype(dtype)
 
 
+def _dense_custom(fn: Callable, x: Array, params: dict[str, Array], extras: Any,
+                  num_experts: int, dtype: Any) -> Array:
+    """[N,E,H] f32: the expert function on every token for every expert, in one call."""
+    n = x.shape[0]
+    rows = jnp.tile(x, (num_experts, 1))                                           # [E*N, H]
+    sizes = jnp.full((num_experts,), n, jnp.int32)
+    ids = jnp.repeat(jnp.arange(num_experts, dtype=jnp.int32), n)
+    ex = None if extras is None else jax.tree.map(  # leaves [N, ...] -> [E*N, ...]
+        lambda a: jnp.tile(a, (num_experts,) + (1,) * (a.ndim - 1)), extras)
+    out = fn(params, rows, sizes, ids, ex).astype(dtype).astype(jnp.float32)
+    return out.reshape(num_experts, n, -1).transpose(1, 0, 2)
+
+
 def moe_reference(params: dict[str, Array], x: Array, *, topk: int, score_fn: str = "softmax",
                   renormalize: bool = True, dtype: Any = jnp.float32,
                   slot_mask: Array | None = None, num_groups: int = 1,
                   topk_groups: int | None = None, routed_scaling_factor: float = 1.0,
-                  router_dtype: Any = jnp.float32,
-                  activation: str | Callable = "silu") -> tuple[Array, dict[str, Array]]:
+                  router_dtype: Any = jnp.float32, activation: str | Callable = "silu",
+                  score_dtype: Any = jnp.float32, routing: Any = None,
+                  experts: Callable | None = None,
+                  extras: Any = None) -> tuple[Array, dict[str, Array]]:
     """Dense single-device computation of the layer with these options (`jaxep.nn.MoE`'s args).
 
     Args:
@@ -59,6 +75,11 @@ def moe_reference(params: dict[str, Array], x: Array, *, topk: int, score_fn: st
       x: [..., H]; with two or more dims, sequences of S tokens along its axis -2 (x [..., S, H]).
       slot_mask: optional [N,K] bool (N = tokens of x flattened): False drops that (token, k) pair,
         as a capacity drop does in the layer.
+      routing: given experts as in the layer's `__call__`: ids [..., K] or (ids, weights).
+      experts, extras: an expert function (`jaxep.nn.experts` protocol) and the per-token extras
+        (leaves [..., *] over x's tokens): every token goes through every expert in one call of
+        the function, rows [E*N, H] grouped by expert, group_sizes [N]*E, params with all E
+        experts, extras repeated per expert.
     Returns:
       y like x (in `dtype`) and {"load_balancing_loss", "router_z_loss", "expert_counts" [E],
       "topk_idx" [N,K], "topk_weights" [N,K]}, plus "sequence_balancing_loss" when x has two or
@@ -66,15 +87,25 @@ def moe_reference(params: dict[str, Array], x: Array, *, topk: int, score_fn: st
       the shared experts' output (in `dtype`) is added to the routed one (in `dtype`).
     """
     shape = x.shape
+    extras = check_extras(extras, shape[:-1])
     x = x.reshape(-1, shape[-1]).astype(dtype)
     num_experts = params["router"].shape[-1]
     r = Routing(num_experts, topk, score_fn, renormalize, dtype, num_groups,
                 num_groups if topk_groups is None else topk_groups, routed_scaling_factor,
-                router_dtype)
-    routed = route_full(x, params["router"], r, params.get("router_bias"),
-                        params.get("selection_bias"))
+                router_dtype, score_dtype)
+    if routing is None:
+        routed = route_full(x, params["router"], r, params.get("router_bias"),
+                            params.get("selection_bias"))
+    else:
+        ids, w = routing if isinstance(routing, (tuple, list)) else (routing, None)
+        routed = route_given(x, params["router"], r, jnp.asarray(ids).reshape(-1, topk),
+                             None if w is None else jnp.asarray(w).reshape(-1, topk),
+                             params.get("router_bias"))
     act = activation_fn(activation)
-    y_all = _dense_experts(x, params, act, dtype)                                   # [N,E,H]
+    if experts is None:
+        y_all = _dense_experts(x, params, act, dtype)                               # [N,E,H]
+    else:
+        y_all = _dense_custom(experts, x, params, extras, num_experts, dtype)
     y_k = jnp.take_along_axis(y_all, routed.idx[:, :, None], axis=1)               # [N,K,H]
     wk = routed.weights if slot_mask is None else jnp.where(slot_mask, routed.weights, 0.0)
     y = jnp.zeros(x.shape, jnp.float32)

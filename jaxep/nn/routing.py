@@ -1,6 +1,7 @@
 """The MoE router: scores, (group-limited) top-k, weights, and the router's auxiliary losses.
 
-Per token t with logits z = x @ router (+ router_bias), computed in `router_dtype`, then f32:
+Per token t with logits z = x @ router (+ router_bias), computed in `router_dtype`, then rounded to
+`score_dtype` (default f32), the dtype of everything below up to the weights (returned as f32):
 
     scores s   = softmax(z) | sigmoid(z) | z     (score_fn: softmax | sigmoid | softmax_after_topk)
     choice c   = s + selection_bias                     (picks experts; never enters a weight)
@@ -10,6 +11,9 @@ Per token t with logits z = x @ router (+ router_bias), computed in `router_dtyp
     weights w  = s[idx]                                  (softmax, sigmoid)
                  softmax(z[idx])                         (softmax_after_topk)
     w          = w / sum(w) if renormalize; then w * routed_scaling_factor
+
+Given ids (`route_given`, routing replay) replace `idx`; the weights then follow from the same
+scores at those ids, so the router still gets gradients through them.
 
 Everything here is a pure function of its arguments: the layer calls it on each rank's tokens
 inside its `shard_map`, the dense reference on all tokens.
@@ -33,7 +37,9 @@ class Routing:
 
     num_experts E, topk K, score_fn (one of `SCORE_FNS`), renormalize, dtype (the layer's compute
     dtype), num_groups / topk_groups (group-limited top-k; 1 / 1: no limit),
-    routed_scaling_factor, router_dtype (the dtype of the router matmul; scores are f32).
+    routed_scaling_factor, router_dtype (the dtype of the router matmul), score_dtype (the dtype
+    of the scores, the selection bias add, the top-k and the weights' arithmetic; weights and
+    probabilities are returned as f32).
     """
 
     num_experts: int
@@ -45,6 +51,7 @@ class Routing:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     router_dtype: Any = jnp.float32
+    score_dtype: Any = jnp.float32
 
     def __post_init__(self):
         check_routing(self.num_experts, self.topk, self.score_fn, self.num_groups,
@@ -109,39 +116,77 @@ def route(x: Array, router: Array, r: Routing, router_bias: Array | None = None,
     return tuple(route_full(x, router, r, router_bias, selection_bias)[:3])
 
 
-def route_full(x: Array, router: Array, r: Routing, router_bias: Array | None = None,
-               selection_bias: Array | None = None) -> Routed:
-    """The router on x [N,H] (module docstring); `selection_bias` [E] gets no gradient."""
+def _scores(x: Array, router: Array, r: Routing,
+            router_bias: Array | None) -> tuple[Array, Array, Array]:
+    """(logits [N,E] f32, scores [N,E] in r.score_dtype, probs [N,E] f32) of x [N,H]."""
     logits = router_logits(x, router, router_bias, r.router_dtype)
+    z = logits.astype(r.score_dtype)
     if r.score_fn == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
+        scores = jax.nn.sigmoid(z)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     else:
-        probs = jax.nn.softmax(logits, axis=-1)
-        scores = probs if r.score_fn == "softmax" else logits
+        probs = jax.nn.softmax(z, axis=-1)
+        scores = probs if r.score_fn == "softmax" else z
+    return logits, scores, probs.astype(jnp.float32)
+
+
+def _choose(scores: Array, r: Routing, selection_bias: Array | None) -> Array:
+    """idx [N,K] int32: the top-k of the (biased, group-limited) scores; no gradient."""
     choice = jax.lax.stop_gradient(scores)
     if selection_bias is not None:
-        choice = choice + jax.lax.stop_gradient(selection_bias.astype(jnp.float32))
+        choice = choice + jax.lax.stop_gradient(selection_bias.astype(r.score_dtype))
     if r.num_groups > 1 and r.topk_groups < r.num_groups:
         choice = _group_limit(choice, r.num_groups, r.topk_groups)
-    idx = jax.lax.top_k(choice, r.topk)[1]
+    return jax.lax.top_k(choice, r.topk)[1].astype(jnp.int32)
+
+
+def _weights(scores: Array, idx: Array, r: Routing) -> Array:
+    """[N,K] f32: the combine weights of the experts idx [N,K] (in [0, E)) from the scores
+    (module docstring)."""
     w = jnp.take_along_axis(scores, idx, axis=-1)
     if r.score_fn == "softmax_after_topk":
         w = jax.nn.softmax(w, axis=-1)
     elif r.renormalize:
         w = w / jnp.sum(w, axis=-1, keepdims=True)
     if r.routed_scaling_factor != 1.0:
-        w = w * r.routed_scaling_factor
-    return Routed(idx.astype(jnp.int32), w.astype(jnp.float32), probs, logits)
+        w = w * jnp.asarray(r.routed_scaling_factor, w.dtype)
+    return w.astype(jnp.float32)
 
 
-def routing_stats(routed: Routed, num_experts: int) -> dict[str, Array]:
+def route_full(x: Array, router: Array, r: Routing, router_bias: Array | None = None,
+               selection_bias: Array | None = None) -> Routed:
+    """The router on x [N,H] (module docstring); `selection_bias` [E] gets no gradient."""
+    logits, scores, probs = _scores(x, router, r, router_bias)
+    idx = _choose(scores, r, selection_bias)
+    return Routed(idx, _weights(scores, idx, r), probs, logits)
+
+
+def route_given(x: Array, router: Array, r: Routing, idx: Array, weights: Array | None = None,
+                router_bias: Array | None = None) -> Routed:
+    """`route_full` with the experts given: idx [N,K] int (routing replay). The weights are
+    `weights` [N,K] when given (cast to f32), else computed from the router's scores at idx (so
+    the router gets their gradient); the probabilities and logits (losses) are the router's."""
+    logits, scores, probs = _scores(x, router, r, router_bias)
+    idx = idx.astype(jnp.int32)
+    if weights is None:  # ids outside [0, E) read expert 0's score: dispatch masks their slots
+        w = _weights(scores, jnp.clip(idx, 0, r.num_experts - 1), r)
+    else:
+        w = weights.astype(jnp.float32)
+    return Routed(idx, w, probs, logits)
+
+
+def routing_stats(routed: Routed, num_experts: int, valid: Array | None = None) -> dict[str, Array]:
     """Per-call sums the losses need: "expert_counts" [E] int32 (slots routed per expert),
-    "prob_sum" [E] f32 (summed router probabilities), "z_sum" f32 (sum of logsumexp(z)^2)."""
-    counts = jnp.zeros((num_experts,), jnp.int32).at[routed.idx.reshape(-1)].add(1, mode="drop")
-    lse = jax.nn.logsumexp(routed.logits, axis=-1)
-    return dict(expert_counts=counts, prob_sum=jnp.sum(routed.probs, axis=0),
-                z_sum=jnp.sum(lse * lse))
+    "prob_sum" [E] f32 (summed router probabilities), "z_sum" f32 (sum of logsumexp(z)^2).
+    With `valid` [N] bool (padding tokens False), only valid tokens count, and only their slots
+    with ids in [0, E)."""
+    idx, probs, lse = routed.idx, routed.probs, jax.nn.logsumexp(routed.logits, axis=-1)
+    if valid is not None:
+        idx = jnp.where(valid[:, None] & (idx >= 0) & (idx < num_experts), idx, num_experts)
+        probs = jnp.where(valid[:, None], probs, 0.0)
+        lse = jnp.where(valid, lse, 0.0)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[idx.reshape(-1)].add(1, mode="drop")
+    return dict(expert_counts=counts, prob_sum=jnp.sum(probs, axis=0), z_sum=jnp.sum(lse * lse))
 
 
 def load_balancing_loss(expert_counts: Array, prob_sum: Array, num_tokens: int, topk: int) -> Array:

@@ -12,9 +12,13 @@ Inside the layer's `shard_map` each device sees:
 from __future__ import annotations
 
 import dataclasses
+import math
+import warnings
 from typing import Any
 
 from jax.sharding import PartitionSpec as P
+
+_WARNED: set = set()  # (config, mesh shape) pairs whose replicated-tokens warning was given
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -37,62 +41,111 @@ def _full(spec: P, rank: int, name: str) -> P:
     return P(*(tuple(spec) + (None,) * (rank - len(spec))))
 
 
+def _check_axis_name(axis_name: Any) -> tuple[str, ...]:
+    """The EP axes of `axis_name` (a mesh axis name or a non-empty tuple of distinct names)."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if (not names or len(set(names)) != len(names)
+            or not all(isinstance(a, str) and a for a in names)):
+        raise TypeError(f"MoEShardingConfig: axis_name must be a non-empty str or a non-empty "
+                        f"tuple of distinct non-empty str (mesh axes), got {axis_name!r}")
+    return names
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEShardingConfig:
     """How the MoE layer's arrays are laid out on the mesh (frozen; hashable).
 
     Args:
-      axis_name: the EP mesh axis: jaxep's dispatch and combine run over it.
-      tokens: spec of the flattened activations [N, H]. Dim 0 must include `axis_name`; it may name
-        more axes (e.g. `P(("data", "ep"))`: EP groups along "ep", one per "data" slice); the hidden
-        dim is replicated. Default `P(axis_name)`.
+      axis_name: the EP mesh axis, or a tuple of mesh axes whose product is the EP group (e.g.
+        `("context", "expert")`; ranks are numbered over the tuple row-major, the order jax uses
+        for collectives over those axes): jaxep's dispatch and combine run over it.
+      tokens: spec of the flattened activations [N, H]. Dim 0 must include every EP axis; it may
+        name more axes (e.g. `P(("data", "ep"))`: EP groups along "ep", one per "data" slice); the
+        hidden dim is replicated. Default (None): every mesh axis of the layer's mesh but the
+        tensor axes, in the mesh's order (`for_mesh`); a layer whose tokens are replicated over
+        a mesh axis of more than one device other than the tensor axes warns once.
       router: spec of the router kernel [H, E] (router_bias and selection_bias [E] follow its E
         entry). Any axes: the layer gathers it. Default `P(None, None)` (replicated).
       experts: spec of w_gate / w_up [E, H, F]: `P(axis_name, fsdp, tensor)` with fsdp / tensor a
         mesh axis, a tuple of axes or None. w_down [E, F, H] is stored as `P(axis_name, tensor,
         fsdp)`, b_gate / b_up [E, F] as `P(axis_name, tensor)`, b_down [E, H] as `P(axis_name,
         fsdp)`, the shared experts' [H, Fs] / [Fs, H] as `P(fsdp, tensor)` / `P(tensor, fsdp)`
-        and their gate [H, 1] as `P(fsdp, None)`.
+        and their gate [H, 1] as `P(fsdp, None)`; an expert function's own arrays [E, ...] as
+        `P(axis_name)`.
         The FSDP axes are gathered in the layer; the tensor axes split F (the down projection's
         partials are summed over them), so they must not shard the tokens. Default
         `P(axis_name, None, None)`.
     """
 
-    axis_name: str = "ep"
+    axis_name: str | tuple[str, ...] = "ep"
     tokens: P | None = None
     router: P | None = None
     experts: P | None = None
 
     def __post_init__(self):
-        if not isinstance(self.axis_name, str) or not self.axis_name:
-            raise TypeError(f"MoEShardingConfig: axis_name must be a non-empty str, got "
-                            f"{self.axis_name!r}")
-        defaults = dict(tokens=P(self.axis_name, None), router=P(None, None),
-                        experts=P(self.axis_name, None, None))
+        if isinstance(self.axis_name, list):
+            object.__setattr__(self, "axis_name", tuple(self.axis_name))
+        ep = _entry(_check_axis_name(self.axis_name))
+        defaults = dict(tokens=P(ep, None), router=P(None, None), experts=P(ep, None, None))
         for name, default in defaults.items():
             value = getattr(self, name)
             if value is None:
+                if name == "tokens":  # resolved against the mesh by `for_mesh`
+                    continue
                 value = default
             if not isinstance(value, P):
                 raise TypeError(f"MoEShardingConfig: {name} must be a PartitionSpec, got {value!r}")
             object.__setattr__(self, name, _full(value, len(default), name))
         self._check()
 
+    @property
+    def ep_axes(self) -> tuple[str, ...]:
+        """The mesh axes of the EP group, in rank order."""
+        return _check_axis_name(self.axis_name)
+
+    def for_mesh(self, mesh_shape: dict[str, int]) -> "MoEShardingConfig":
+        """This config with its default tokens spec resolved on a mesh of `mesh_shape` (axis ->
+        size, in the mesh's order): tokens over every mesh axis but the tensor axes. Warns
+        (once per config and mesh shape) when the tokens are replicated over a mesh axis of more
+        than one device that is not a tensor axis: those devices compute the same tokens."""
+        out = self
+        if self.tokens is None:
+            axes = tuple(a for a in mesh_shape if a not in self.tensor_axes)
+            out = dataclasses.replace(self, tokens=P(_entry(axes), None))
+        idle = [a for a, n in mesh_shape.items()
+                if n > 1 and a not in out.token_axes and a not in out.tensor_axes]
+        key = (out, tuple(mesh_shape.items()))
+        if idle and key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(f"jaxep.nn.MoE: tokens=P({out.tokens[0]!r}) replicates the tokens over "
+                          f"mesh axes {idle} (sizes {[mesh_shape[a] for a in idle]}): those "
+                          f"devices compute the same tokens. Name them in tokens dim 0 (or leave "
+                          f"tokens=None: every axis but the tensor axes)", stacklevel=3)
+        return out
+
+    def ep_size(self, mesh_shape: dict[str, int]) -> int:
+        """The EP size R on a mesh: the product of the EP axes' sizes."""
+        return math.prod(mesh_shape[a] for a in self.ep_axes)
+
     def _check(self) -> None:
-        if self.axis_name not in self.token_axes:
-            raise ValueError(f"MoEShardingConfig: tokens dim 0 must include the EP axis "
-                             f"{self.axis_name!r}, got tokens={self.tokens}")
-        if self.tokens[1] is not None:
+        ep = self.ep_axes
+        missing = [a for a in ep if a not in self.token_axes]
+        if missing:
+            raise ValueError(f"MoEShardingConfig: tokens dim 0 must include the EP axes {ep}, "
+                             f"got tokens={self.tokens} (without {missing})")
+        if self.tokens is not None and self.tokens[1] is not None:
             raise ValueError(f"MoEShardingConfig: the hidden dim of tokens must be replicated: "
                              f"expected tokens=P(<token axes>, None), got tokens={self.tokens}")
-        if _axes(self.experts[0]) != (self.axis_name,):
-            raise ValueError(f"MoEShardingConfig: experts dim 0 must be the EP axis alone: "
-                             f"expected P({self.axis_name!r}, fsdp, tensor), got {self.experts}")
-        if self.axis_name in self.fsdp_axes + self.tensor_axes:
-            raise ValueError(f"MoEShardingConfig: the EP axis {self.axis_name!r} may shard only "
-                             f"dim 0 of experts: expected it outside dims 1 and 2, got "
-                             f"experts={self.experts}")
-        clash = set(self.tensor_axes) & set(self.token_axes)
+        if _axes(self.experts[0]) != ep:
+            raise ValueError(f"MoEShardingConfig: experts dim 0 must be the EP axis alone "
+                             f"(axis_name, one axis or a tuple of them): expected "
+                             f"P({_entry(ep)!r}, fsdp, tensor), got {self.experts}")
+        inner = set(ep) & set(self.fsdp_axes + self.tensor_axes)
+        if inner:
+            raise ValueError(f"MoEShardingConfig: the EP axes {ep} may shard only dim 0 of "
+                             f"experts: expected them outside dims 1 and 2, got "
+                             f"experts={self.experts} (both use {sorted(inner)})")
+        clash = set(self.tensor_axes) & set(self.token_axes if self.tokens is not None else ())
         if clash:
             raise ValueError(f"MoEShardingConfig: the tensor axes of experts (dim 2, F) must not "
                              f"shard the tokens (the down projection's partials are summed over "
@@ -101,8 +154,9 @@ class MoEShardingConfig:
 
     @property
     def token_axes(self) -> tuple[str, ...]:
-        """Mesh axes that dim 0 of the tokens is sharded over."""
-        return _axes(self.tokens[0])
+        """Mesh axes that dim 0 of the tokens is sharded over (before `for_mesh` resolves a
+        default tokens spec: the EP axes)."""
+        return self.ep_axes if self.tokens is None else _axes(self.tokens[0])
 
     @property
     def fsdp_axes(self) -> tuple[str, ...]:
@@ -116,7 +170,7 @@ class MoEShardingConfig:
 
     def storage_specs(self) -> dict[str, P]:
         """The full-rank spec each parameter is stored with (annotated on its nnx.Param)."""
-        ep, fs, tp = self.axis_name, self.experts[1], self.experts[2]
+        ep, fs, tp = _entry(self.ep_axes), self.experts[1], self.experts[2]
         return dict(router=self.router, router_bias=P(self.router[1]),
                     selection_bias=P(self.router[1]), w_gate=P(ep, fs, tp), w_up=P(ep, fs, tp),
                     w_down=P(ep, tp, fs), b_gate=P(ep, tp), b_up=P(ep, tp), b_down=P(ep, fs),
@@ -126,7 +180,7 @@ class MoEShardingConfig:
     def compute_specs(self) -> dict[str, P]:
         """The spec each parameter enters the layer's `shard_map` with: storage without the FSDP
         axes and the router's axes (those dims arrive whole)."""
-        ep, tp = self.axis_name, self.experts[2]
+        ep, tp = _entry(self.ep_axes), self.experts[2]
         return dict(router=P(None, None), router_bias=P(None), selection_bias=P(None),
                     w_gate=P(ep, None, tp), w_up=P(ep, None, tp), w_down=P(ep, tp, None),
                     b_gate=P(ep, tp), b_up=P(ep, tp), b_down=P(ep, None),
@@ -136,7 +190,7 @@ class MoEShardingConfig:
     def mesh_axes(self) -> tuple[str, ...]:
         """Every mesh axis this config names."""
         names = [*self.token_axes, *_axes(self.router[0]), *_axes(self.router[1]),
-                 *self.fsdp_axes, *self.tensor_axes, self.axis_name]
+                 *self.fsdp_axes, *self.tensor_axes, *self.ep_axes]
         return tuple(dict.fromkeys(names))
 
     def check_mesh(self, mesh_shape: dict[str, int], sizes: dict[str, int]) -> None:
@@ -160,6 +214,10 @@ class MoEShardingConfig:
                 raise ValueError(f"jaxep.nn.MoE: {size_name} must be divisible by the {n} devices "
                                  f"of {where} on {axes}: expected {size_name} % {n} == 0, got "
                                  f"{size_name}={sizes[size_name]}")
+
+    def expert_param_spec(self, rank: int) -> P:
+        """The full-rank spec of an expert function's own array [E, ...] (dim 0 on the EP axes)."""
+        return P(_entry(self.ep_axes), *([None] * (rank - 1)))
 
     def stat_spec(self) -> P:
         """The spec of per-token-shard statistics (a leading dim over the token shards)."""
