@@ -53,8 +53,8 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
               axis_name: Any, backend: str | None = None, activation: str | Callable = "silu",
               tensor_axes: tuple[str, ...] = (), stat_group: int = 0,
               experts: Callable | None = None, extras: Any = None, valid: Array | None = None,
-              given: Any = None, with_logits: bool = False,
-              dropless: bool = False) -> tuple[Array, dict[str, Array]]:
+              given: Any = None, with_logits: bool = False, dropless: bool = False,
+              round_axes: tuple[str, ...] = ()) -> tuple[Array, dict[str, Array]]:
     """One rank's share of the layer; call inside `jax.shard_map` over `axis_name` (a mesh axis
     or a tuple of them: the EP group).
 
@@ -76,6 +76,7 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
       with_logits: also return "router_logits" [T,E] f32.
       dropless: rows past the capacity C of `config` go in further rounds (`jaxep.nn.rounds`)
         instead of being dropped; False: dropped, last in layout order first.
+      round_axes: the mesh axes besides `axis_name` that shard the tokens (`rounds.run`).
     Returns:
       y [T,H] and per-rank statistics, each with a leading dim of 1 (concatenate over ranks):
       "expert_counts" [1,E] int32, "prob_sum" [1,E] f32, "z_sum" [1] f32, "dropped_rows" [1]
@@ -105,7 +106,7 @@ def moe_local(params: dict[str, Array], x: Array, *, routing: Routing, config: C
     # dispatch -> experts -> combine, in rounds of the receive buffer when dropless.
     y, st = rounds.run(run_experts, _expert_params(params), x, routed.idx, routed.weights,
                        extras, axis_name=axis_name, config=config, backend=backend,
-                       dropless=dropless)
+                       dropless=dropless, round_axes=round_axes)
     with phase("shared"):
         y = _with_shared(y, x, params, act, routing.dtype, tensor_axes)
     return y, _layer_stats(routed, routing, st, stat_group, valid, with_logits,

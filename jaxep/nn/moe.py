@@ -528,7 +528,8 @@ class MoE(nnx.Module):
             more = {}
         else:
             config, backend, fn = self.ep_config(n // shards), self.backend, moe_local
-            more = dict(dropless=self.dropless)
+            more = dict(dropless=self.dropless, round_axes=tuple(
+                a for a in s.token_axes if a not in s.ep_axes and self.mesh.shape[a] > 1))
         params, pspec, unwrap = self._shard_map_params()
         # The sequence-wise loss's statistics leave the shard_map summed over runs of g tokens: g
         # divides both the sequence length and a shard's tokens, so no run crosses a sequence.

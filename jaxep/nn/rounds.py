@@ -144,7 +144,8 @@ def _extra_rounds(expert_fn, join, *, axis_name, config, backend):
 
 def run(expert_fn: ExpertFn, params: Any, x: Array, topk_idx: Array, topk_weights: Array,
         extras: Any = None, *, axis_name: str, config: Config, backend: str | None = None,
-        dropless: bool = True) -> tuple[Array, dict[str, Array]]:
+        dropless: bool = True,
+        round_axes: tuple[str, ...] = ()) -> tuple[Array, dict[str, Array]]:
     """dispatch -> expert_fn -> combine on this rank, in as many rounds as every row needs when
     `dropless`; call inside `jax.shard_map` over `axis_name` (normal mode).
 
@@ -159,6 +160,9 @@ def run(expert_fn: ExpertFn, params: Any, x: Array, topk_idx: Array, topk_weight
       config: the normal-mode `jaxep.Config`; its capacity C bounds every round's receive rows.
       dropless: True: rounds until every row was delivered; False: one dispatch, rows past C
         dropped (last in layout order first) as `jaxep.dispatch` drops them.
+      round_axes: mesh axes besides the EP group's over which devices hold other tokens (data,
+        fsdp): the round count is their maximum over these axes too, so every device of the
+        program runs the same loop (XLA's CPU collectives join every device of the program).
     Returns:
       y [T,H] and this rank's statistics, each [1] i32 except kept: "dropped_rows" (the last
       round's rows past C: 0 when dropless), "invalid_ids", "max_recv_rows" (the first dispatch's:
@@ -185,6 +189,8 @@ def run(expert_fn: ExpertFn, params: Any, x: Array, topk_idx: Array, topk_weight
         return y, stats
     most = st.max_recv_rows[0]
     n_rounds = jnp.maximum(1, (most + capacity - 1) // capacity).astype(jnp.int32)
+    if round_axes:
+        n_rounds = jax.lax.pmax(n_rounds, tuple(round_axes))
     fl, ot, join = _split_extras(extras)
     extra = _extra_rounds(expert_fn, join, **kw)
     left = _not_kept(idx, res.handle.send_row)
