@@ -33,8 +33,8 @@ def _with_shared(y: Array, x: Array, params: dict[str, Array], act: Callable, dt
     return y + shared_mlp(x, params, act=act, dtype=dtype, tensor_axes=tensor_axes)
 
 
-def _route(params: dict[str, Array], x: Array, routing: Routing, given: Any,
-           valid: Array | None) -> Routed:
+def _route(params: dict[str, Array], x: Array, routing: Routing, given: Any = None,
+           valid: Array | None = None) -> Routed:
     """The router's choice, or the given (idx, weights or None) (routing replay); with `valid`
     [T] (False: padding), padding tokens' slots are -1 (dispatch masks them) with weight 0."""
     if given is None:

@@ -34,7 +34,7 @@ def moe_local_plain(params: dict[str, Array], x: Array, *, routing: Routing,
     t, k = x.shape[0], routing.topk
     n_local = params["w_gate"].shape[0]
     with phase("router"):
-        routed = _route(params, x, routing, None, None)
+        routed = _route(params, x, routing)
     with phase("dispatch"):
         flat = (routed.idx % n_local).reshape(-1)                 # [T*K] local expert per row
         order = jnp.argsort(flat, stable=True)                     # rows grouped by expert
