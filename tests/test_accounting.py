@@ -165,8 +165,8 @@ def test_seed_case_two_nodes_uniform():
     assert c32["rdma"]["max"] == 2 * c16["rdma"]["max"] == 2 * d["rdma"]["max"]
     # As built, both ops overlap their links (dispatch forwards each row as it lands; combine
     # streams its returns chunk by chunk): their time is the floor, at line rate on the seed's
-    # hardware. The schedule combine had until session 11 (reduce over NVLink, return over RDMA,
-    # final pull over NVLink, in turn) moved the bf16 wire's true cross-node bytes at ~56 %.
+    # hardware. A schedule that takes the links in turn (reduce over NVLink, return over RDMA,
+    # final pull over NVLink) moves the bf16 wire's true cross-node bytes at ~56 %.
     assert op["as_built_s"] == op["floor_s"] and op["as_built_schedule"] == "the links overlap"
     cb = model.modeled_op(c16["nvlink"]["max"], c16["rdma"]["max"], 0, nvlink_gbps=900,
                           rdma_gbps=100, links_overlap=model.LINKS_OVERLAP["combine"])

@@ -587,8 +587,8 @@ def test_no_route_to_the_coordinator_leaves_nvshmem_its_choice_and_says_so(fake,
 
 
 def test_a_unique_id_rank_0_cannot_make_fails_every_rank_at_once(fake, monkeypatch):
-    """NVSHMEM's bootstrap finds no socket interface (session 15, call 2 (c): "No socket interface
-    found", nvshmemx_get_uniqueid status 7): rank 0 raises naming the variable that chooses the
+    """NVSHMEM's bootstrap finds no socket interface (as seen on the lent GPU machine: "No socket
+    interface found", nvshmemx_get_uniqueid status 7): rank 0 raises naming the variable that chooses the
     interface and publishes the error, so rank 1 raises the same at once instead of waiting."""
     _unset_restored(monkeypatch, IFNAME, FAMILY)
     monkeypatch.setenv(IFNAME, "=nosuch0")

@@ -7,8 +7,8 @@ Fixtures (tests/fixtures/topology/<case>/topo.txt and <case>/root, a /sys + /pro
   shared  4 GPUs, GPUs 0 and 1 under mlx5_0's switch, mlx5_1 on another host bridge (NODE)
   far     2 GPUs, both NICs on the other socket (SYS only), InfiniBand NDR
   bond    mlx5_bond_0, a RoCE bond of two 400G ports seen at 400 Gb/s, and a plain mlx5_2
-  h200_params.txt  /proc/driver/nvidia/params of the lent H200 (session 15: open kernel module
-          580.159.04, no registry keys)
+  h200_params.txt  /proc/driver/nvidia/params of the lent H200 (open kernel module 580.159.04,
+          no registry keys)
 The fixtures' CUDA answer (dma-buf support) is given, not probed: `_driver` says yes, as the open
 kernel modules on the seed's B300s would, and leaves the libraries unknown (nothing is loaded). Each detection fires on its fixture and on no other; the
 seed is clean once IBGDA is on."""
