@@ -1,5 +1,9 @@
 """`jaxep.nn.filled`: the expert stage on the filled prefix of the receive buffer equals it on the
 whole buffer (forward and gradients), for every bucket a row count can land in."""
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,3 +60,16 @@ def test_sizes_must_end_at_the_buffer():
     rows = jnp.zeros((64, 2))
     with pytest.raises(ValueError, match="sizes must end at the 64 rows, got"):
         on_filled_rows(lambda r, g: r, rows, jnp.zeros((1,), jnp.int32), sizes=(32,))
+
+
+def test_ragged_tail_worker_runs_on_cpu():
+    """tests/gpu/ragged_tail_worker.py (the padded-tail study the GPU runs) at tiny sizes: every
+    buffer size gives the filled prefix's forward equal to the whole buffer's."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "tests", "gpu", "ragged_tail_worker.py"),
+                        "--filled", "256", "--hidden", "16", "--ffn", "16", "--iters", "2",
+                        "--min_bucketed_rows", "0"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("filled_prefix equals whole: True") == 4, r.stdout
+    assert "buckets=8" in r.stdout, r.stdout
