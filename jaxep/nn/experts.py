@@ -127,6 +127,9 @@ def shared_mlp(x: Array, p: dict[str, Array], *, act: Callable, dtype: Any,
 #   extras       the per-token extras of the call carried to their rows (`res.extras`, leaves
 #                [C, ...]), or None when the call has none;
 # returning out [C,H] (cast to the compute dtype); what it returns on padding rows is never read.
+# Row by row: an output row depends only on its own row, expert id and extras and on group_sizes,
+# because the layer may call it on a prefix of the rows holding every filled one
+# (`jaxep.nn.filled`).
 # With tensor axes (F split over them) it must sum its down projection's partials over them.
 # In decode (low-latency) mode the rows arrive as [L,M,H]: a function with a `decode` attribute
 # gets `fn.decode(params, rows [L,M,H], counts [L], extras (leaves [L,M,...]) or None)` -> [L,M,H];
