@@ -42,8 +42,8 @@ rounds of `--iters` steps each (wall clock of back-to-back steps after a warm-up
 times its own, rank 0 prints). Variants:
   moe          the stack above (jaxep dispatch / combine, CUDA backend on GPU);
   local        the same stack with dispatch / combine replaced by a rank-local grouping (argsort
-               by expert, no jaxep call): how much command buffers save a step that XLA can capture
-               whole, at the same expert compute.
+               by expert, no jaxep call: `jaxep.nn.moe_local_plain`): how much command buffers
+               save a step that XLA can capture whole, at the same expert compute.
 Prints `HLO <variant> <set>: command buffers ...` per executable and `CMDBUF <variant> <set>
 on_ms=... off_ms=... on/off=...`. On a GPU it exits 1 with `FAIL` when "off" holds a command
 buffer (the switch did not take) or no candidate's executable of a variant holds one (the on/off
@@ -227,18 +227,8 @@ def main(argv=None) -> int:
                                   backend=backend, dropless=dropless)
         return y
 
-    def layer_local(p, xs):
-        idx, w, _ = jaxep.nn.route(xs, p["router"], routing)
-        flat = idx.reshape(-1) % L  # rank-local experts only: no jaxep call
-        order = jnp.argsort(flat, stable=True)
-        rows = jnp.repeat(xs, K, axis=0)[order]
-        gs = jnp.bincount(flat, length=L).astype(jnp.int32)
-        c = lambda m: m.astype(dtype)  # noqa: E731
-        h = jax.nn.silu(jax.lax.ragged_dot(rows, c(p["w_gate"]), gs)) * \
-            jax.lax.ragged_dot(rows, c(p["w_up"]), gs)
-        out = jax.lax.ragged_dot(h.astype(dtype), c(p["w_down"]), gs)
-        back = jnp.zeros_like(out).at[order].set(out).reshape(T, K, H)
-        return jnp.einsum("tkh,tk->th", back.astype(jnp.float32), w).astype(dtype)
+    def layer_local(p, xs):  # the plain XLA layer: argsort + the same experts, no jaxep call
+        return jaxep.nn.moe_local_plain(p, xs, routing=routing)
 
     def make_step(layer):
         def per_rank(p, xs):
